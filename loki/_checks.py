@@ -1,0 +1,140 @@
+"""Argument validation shared by the references, kernels and integrations.
+
+Every error names the argument at fault, so a user sees *which* input is wrong and what was expected.
+Shape letters: B batch, HQ query heads, HKV key/value heads, S cache length, D head dim.
+"""
+
+from __future__ import annotations
+
+import math
+from numbers import Integral, Real
+
+import torch
+
+__all__ = [
+    "check_decode_inputs",
+    "resolve_d",
+    "resolve_k",
+    "valid_token_mask",
+]
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _shape(t: torch.Tensor) -> str:
+    return "[" + ", ".join(str(s) for s in t.shape) + "]"
+
+
+def check_decode_inputs(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    lengths: torch.Tensor | None = None,
+    starts: torch.Tensor | None = None,
+) -> tuple[int, int, int, int, int, torch.Tensor, torch.Tensor]:
+    """Check one decode step's inputs and return ``(B, HQ, HKV, S, D, lengths, starts)``.
+
+    q: [B, HQ, D]; k_cache, v_cache: [B, HKV, S, D]; lengths: [B] (exclusive end of the valid tokens,
+    default S); starts: [B] (first valid token, default 0; left padding). Valid tokens of sequence b are
+    ``starts[b] <= s < lengths[b]``.
+    """
+    for name, t, rank in (("q", q, 3), ("k_cache", k_cache, 4), ("v_cache", v_cache, 4)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != rank:
+            want = "[B, HQ, D]" if rank == 3 else "[B, HKV, S, D]"
+            raise ValueError(f"{name} must have rank {rank} {want}, got shape {_shape(t)}")
+        if t.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"{name} must be a floating tensor (fp16, bf16, fp32, fp64), got {t.dtype}")
+    B, HQ, D = q.shape
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"v_cache shape {_shape(v_cache)} must equal k_cache shape {_shape(k_cache)}")
+    Bk, HKV, S, Dk = k_cache.shape
+    if Bk != B:
+        raise ValueError(f"k_cache batch size {Bk} does not match q batch size {B}")
+    if Dk != D:
+        raise ValueError(f"k_cache head dim {Dk} does not match q head dim {D}")
+    if HQ % HKV != 0:
+        raise ValueError(f"query heads HQ={HQ} (q) must be a multiple of key/value heads HKV={HKV} (k_cache)")
+    if S < 1:
+        raise ValueError("k_cache must hold at least one token (S >= 1)")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise TypeError(f"dtype mismatch: q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
+    if k_cache.device != q.device or v_cache.device != q.device:
+        raise ValueError(f"device mismatch: q on {q.device}, k_cache on {k_cache.device}, v_cache on {v_cache.device}")
+    lengths = _check_positions("lengths", lengths, B, S, q.device, default=S)
+    starts = _check_positions("starts", starts, B, S, q.device, default=0)
+    if bool((starts >= lengths).any()):
+        b = int((starts >= lengths).nonzero()[0, 0])
+        raise ValueError(
+            f"every sequence needs at least one valid token: starts[{b}]={int(starts[b])} >= lengths[{b}]={int(lengths[b])}"
+        )
+    return B, HQ, HKV, S, D, lengths, starts
+
+
+def _check_positions(name, t, B, S, device, default):
+    if t is None:
+        return torch.full((B,), default, dtype=torch.int32, device=device)
+    if not isinstance(t, torch.Tensor):
+        t = torch.as_tensor(t)
+    if t.dim() != 1 or t.shape[0] != B:
+        raise ValueError(f"{name} must have shape [B]=[{B}], got {_shape(t)}")
+    if t.dtype.is_floating_point or t.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but q is on {device}")
+    lo, hi = (0, S - 1) if name == "starts" else (1, S)
+    if bool(((t < lo) | (t > hi)).any()):
+        raise ValueError(f"{name} values must lie in [{lo}, {hi}] for a cache of S={S} tokens, got {t.tolist()}")
+    return t.to(torch.int32)
+
+
+def valid_token_mask(lengths: torch.Tensor, starts: torch.Tensor, S: int) -> torch.Tensor:
+    """[B, S] bool: True where ``starts[b] <= s < lengths[b]``."""
+    pos = torch.arange(S, device=lengths.device)
+    return (pos[None, :] >= starts[:, None].long()) & (pos[None, :] < lengths[:, None].long())
+
+
+def resolve_d(d: int | float, D: int, *, name: str = "d") -> int:
+    """Number of leading principal dims used for approximate scores.
+
+    An ``int`` is a count (1 <= d <= D); a ``float`` in (0, 1] is a fraction of D, rounded up.
+    """
+    if isinstance(d, bool):
+        raise TypeError(f"{name} must be an int count or a float fraction, got bool")
+    if isinstance(d, Integral):
+        d = int(d)
+        if not 1 <= d <= D:
+            raise ValueError(f"{name}={d} is out of range: it must satisfy 1 <= {name} <= D={D}")
+        return d
+    if isinstance(d, Real):
+        f = float(d)
+        if not (0.0 < f <= 1.0) or math.isnan(f):
+            raise ValueError(f"{name}={d} as a fraction of D must lie in (0, 1]")
+        return max(1, min(D, math.ceil(f * D - 1e-9)))
+    raise TypeError(f"{name} must be an int count or a float fraction, got {type(d).__name__}")
+
+
+def resolve_k(k: int | float, n_valid: torch.Tensor, S: int, *, name: str = "k") -> torch.Tensor:
+    """Tokens to select per sequence, [B] int64, from each sequence's own valid length ``n_valid``.
+
+    An ``int`` is a count (1 <= k <= S), capped at each sequence's length; a ``float`` in (0, 1] is a
+    fraction of each sequence's length, rounded up, at least 1.
+    """
+    if isinstance(k, bool):
+        raise TypeError(f"{name} must be an int count or a float fraction, got bool")
+    n = n_valid.long()
+    if isinstance(k, Integral):
+        k = int(k)
+        if k < 1:
+            raise ValueError(f"{name}={k} is out of range: at least one token must be selected ({name} >= 1)")
+        if k > S:
+            raise ValueError(f"{name}={k} exceeds the cache length S={S}")
+        return torch.clamp(n, max=k)
+    if isinstance(k, Real):
+        f = float(k)
+        if not (0.0 < f <= 1.0) or math.isnan(f):
+            raise ValueError(f"{name}={k} as a fraction of the sequence length must lie in (0, 1]")
+        kk = torch.ceil(n.double() * f - 1e-9).long()
+        return torch.clamp(kk, min=1).minimum(n)
+    raise TypeError(f"{name} must be an int count or a float fraction, got {type(k).__name__}")

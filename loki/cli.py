@@ -1,0 +1,53 @@
+"""The ``loki`` command line.
+
+Each subcommand lives next to the code it drives and exposes ``add_arguments(parser)`` and
+``run(args) -> int``; this module only wires them up (imported lazily, so ``loki --help`` is fast).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "check": ("loki.evaluation.check", "the main job: calibrate (or reuse) a basis on the embedded default model, "
+              "run the accuracy suite, write a report and fail when a gate fails"),
+    "calibrate": ("loki.evaluation.commands.calibrate", "fit PCA bases of a model's keys on a calibration corpus"),
+    "analyze": ("loki.evaluation.commands.analyze", "Rank@v of keys per layer and head, with plots"),
+    "ppl": ("loki.evaluation.commands.ppl", "perplexity of a model under a sparse-attention method"),
+    "generate": ("loki.evaluation.commands.generate", "generate text with Loki attention (a demo)"),
+    "eval": ("loki.integrations.lm_eval", "run lm-eval tasks (local, offline) through the Loki model"),
+    "bench": ("loki.bench.harness", "benchmark the decode kernels against torch SDPA (needs a CUDA GPU)"),
+}
+
+
+def build_parser(load: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="loki",
+        description="Loki: low-rank-key sparse attention. Calibrate PCA bases of attention keys, evaluate "
+        "sparse attention methods on real models, and benchmark the decode kernels.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_, description=help_)
+        if name == load:
+            importlib.import_module(module).add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(command if command in COMMANDS else None)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    module = importlib.import_module(COMMANDS[args.command][0])
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,29 @@
+"""PyTorch references of every decode-time method: the single source of truth for tests, kernels,
+benchmarks and integrations."""
+
+from .common import expand_to_query_heads, gather_rows, rotate_keys, rotate_query
+from .dense import dense_attention, exact_scores
+from .methods import exact_topk_attention, h2o_attention, loki_attention, pcaattn_attention, sparq_attention
+from .selection import GQA_AGGREGATES, GQA_SELECT_MODES, aggregate_group_scores, approx_scores, budget, select_topk
+from .sparse import sparse_attention
+
+__all__ = [
+    "GQA_AGGREGATES",
+    "GQA_SELECT_MODES",
+    "aggregate_group_scores",
+    "approx_scores",
+    "budget",
+    "dense_attention",
+    "exact_scores",
+    "exact_topk_attention",
+    "expand_to_query_heads",
+    "gather_rows",
+    "h2o_attention",
+    "loki_attention",
+    "pcaattn_attention",
+    "rotate_keys",
+    "rotate_query",
+    "select_topk",
+    "sparq_attention",
+    "sparse_attention",
+]

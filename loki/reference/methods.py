@@ -1,0 +1,215 @@
+"""Decode-time attention methods of the Loki paper, in plain PyTorch: the single reference used by the
+tests, the Triton kernels, the benchmarks and the integrations.
+
+- ``loki_attention``: Loki, Algorithm 1 (approximate scores from d principal dims, top-k, exact attention
+  over the selected tokens on the rotated keys, Lemma 1).
+- ``exact_topk_attention``: oracle selection by exact scores, then exact attention.
+- ``pcaattn_attention``: PCAAttn (paper appendix): attention computed with the first d rotated dims only.
+- ``sparq_attention``: SparQ (Ribar et al. 2023): top-r |q| components, scaled approximate softmax, top-k,
+  mean-value reallocation.
+- ``h2o_attention``: H2O (Zhang et al. 2023): heavy hitters by accumulated attention plus a recent window,
+  the budget split equally.
+
+Shape letters: B batch, HQ query heads, HKV key/value heads (G = HQ // HKV), S cache length, D head dim,
+d leading principal dims, r SparQ query components, K selected tokens.
+Tokens ``starts[b] <= s < lengths[b]`` of sequence b are valid; k and d are counts (int) or fractions
+(float) resolved per sequence (k from the valid length, at least 1).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._checks import check_decode_inputs, resolve_d, valid_token_mask
+from .common import default_scale, expand_to_query_heads
+from .dense import dense_attention, exact_scores
+from .selection import aggregate_group_scores, approx_scores, budget, select_topk
+from .sparse import sparse_attention
+
+__all__ = [
+    "loki_attention",
+    "exact_topk_attention",
+    "pcaattn_attention",
+    "sparq_attention",
+    "h2o_attention",
+]
+
+
+def loki_attention(
+    q_hat: torch.Tensor,
+    k_hat: torch.Tensor,
+    v_cache: torch.Tensor,
+    *,
+    d: int | float,
+    k: int | float,
+    lengths: torch.Tensor | None = None,
+    starts: torch.Tensor | None = None,
+    gqa_select: str = "query",
+    aggregate: str = "sum",
+    scale: float | None = None,
+    compute_dtype: torch.dtype = torch.float32,
+    return_indices: bool = False,
+):
+    """Loki (Algorithm 1) on keys already stored in the PCA basis.
+
+    q_hat: [B, HQ, D] (q P, see ``rotate_query``); k_hat: [B, HKV, S, D] (K P); v_cache: [B, HKV, S, D].
+    Returns out [B, HQ, D] (and ``(idx [B, H, K], counts [B])`` when ``return_indices``).
+    ``gqa_select="query"`` (default, as the paper's code) selects per query head; ``"kv"`` shares one
+    selection per KV head, from the group's scores combined by ``aggregate``.
+    """
+    B, HQ, HKV, S, D, lengths, starts = check_decode_inputs(q_hat, k_hat, v_cache, lengths, starts)
+    s = approx_scores(q_hat, k_hat, d, lengths, starts, gqa_select=gqa_select, aggregate=aggregate,
+                      compute_dtype=compute_dtype)
+    counts = budget(k, lengths, starts, B, S, q_hat.device)
+    idx = select_topk(s, counts)
+    out = sparse_attention(q_hat, k_hat, v_cache, idx, counts, scale=scale, compute_dtype=compute_dtype)
+    return (out, (idx, counts)) if return_indices else out
+
+
+def exact_topk_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    *,
+    k: int | float,
+    lengths: torch.Tensor | None = None,
+    starts: torch.Tensor | None = None,
+    gqa_select: str = "query",
+    aggregate: str = "sum",
+    scale: float | None = None,
+    compute_dtype: torch.dtype = torch.float32,
+    return_indices: bool = False,
+):
+    """Oracle top-k: select by exact scores q . K^T, then exact attention over the selected tokens.
+
+    q: [B, HQ, D]; k_cache, v_cache: [B, HKV, S, D] -> out [B, HQ, D] (and ``(idx, counts)``).
+    Same as ``loki_attention`` with d = D in any orthogonal basis.
+    """
+    B, HQ, HKV, S, D, lengths, starts = check_decode_inputs(q, k_cache, v_cache, lengths, starts)
+    s = exact_scores(q, k_cache, lengths, starts, compute_dtype=compute_dtype)
+    if gqa_select == "kv":
+        s = aggregate_group_scores(s, HKV, aggregate)
+    elif gqa_select != "query":
+        raise ValueError(f"gqa_select must be 'query' or 'kv', got {gqa_select!r}")
+    counts = budget(k, lengths, starts, B, S, q.device)
+    idx = select_topk(s, counts)
+    out = sparse_attention(q, k_cache, v_cache, idx, counts, scale=scale, compute_dtype=compute_dtype)
+    return (out, (idx, counts)) if return_indices else out
+
+
+def pcaattn_attention(
+    q_hat: torch.Tensor,
+    k_hat: torch.Tensor,
+    v_cache: torch.Tensor,
+    *,
+    d: int | float,
+    lengths: torch.Tensor | None = None,
+    starts: torch.Tensor | None = None,
+    scale: float | None = None,
+    compute_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """PCAAttn: softmax(scale * q_hat[:d] K_hat[:, :d]^T) V over all valid tokens (scale 1/sqrt(D)).
+
+    q_hat: [B, HQ, D]; k_hat, v_cache: [B, HKV, S, D] -> [B, HQ, D].
+    """
+    B, HQ, HKV, S, D, lengths, starts = check_decode_inputs(q_hat, k_hat, v_cache, lengths, starts)
+    dd = resolve_d(d, D)
+    s = approx_scores(q_hat, k_hat, dd, lengths, starts, compute_dtype=compute_dtype) * default_scale(D, scale)
+    p = torch.softmax(s, dim=-1)
+    out = torch.einsum("bhgs,bhsd->bhgd", p.view(B, HKV, HQ // HKV, S), v_cache.to(compute_dtype))
+    return out.reshape(B, HQ, D).to(q_hat.dtype)
+
+
+def sparq_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    *,
+    r: int | float,
+    k: int | float,
+    lengths: torch.Tensor | None = None,
+    starts: torch.Tensor | None = None,
+    scale: float | None = None,
+    compute_dtype: torch.dtype = torch.float32,
+    return_indices: bool = False,
+):
+    """SparQ attention (Ribar et al. 2023, Algorithm 1), per query head.
+
+    1. i1 = the r components of largest |q|;
+    2. s_hat = softmax(q[i1] . K[:, i1]^T / sqrt(D * ||q[i1]||_1 / ||q||_1));
+    3. i2 = top-k of s_hat;  alpha = sum(s_hat[i2]);
+    4. y = softmax(scale * q . K[i2]^T) V[i2];
+    5. out = alpha * y + (1 - alpha) * mean(V over valid tokens).
+    q: [B, HQ, D]; k_cache, v_cache: [B, HKV, S, D]; r and k counts or fractions -> [B, HQ, D].
+    """
+    B, HQ, HKV, S, D, lengths, starts = check_decode_inputs(q, k_cache, v_cache, lengths, starts)
+    rr = resolve_d(r, D, name="r")
+    qf = q.to(compute_dtype)
+    i1 = torch.topk(qf.abs(), rr, dim=-1).indices  # [B, HQ, r]
+    q_r = torch.gather(qf, -1, i1)
+    # K[:, i1] per query head: gather columns of the head's KV rows.
+    kq = expand_to_query_heads(k_cache, HQ).to(compute_dtype)  # [B, HQ, S, D]
+    k_r = torch.gather(kq, -1, i1[:, :, None, :].expand(B, HQ, S, rr))
+    l1_ratio = q_r.abs().sum(-1) / qf.abs().sum(-1).clamp_min(torch.finfo(compute_dtype).tiny)
+    temp = torch.sqrt(D * l1_ratio).clamp_min(torch.finfo(compute_dtype).tiny)  # [B, HQ]
+    s_hat = torch.einsum("bhr,bhsr->bhs", q_r, k_r) / temp[..., None]
+    valid = valid_token_mask(lengths, starts, S)
+    s_hat = torch.softmax(s_hat.masked_fill(~valid[:, None, :], float("-inf")), dim=-1)
+    counts = budget(k, lengths, starts, B, S, q.device)
+    idx = select_topk(s_hat, counts)
+    keep = idx >= 0
+    alpha = (torch.gather(s_hat, -1, idx.clamp(min=0)) * keep).sum(-1)  # [B, HQ]
+    y = sparse_attention(q, k_cache, v_cache, idx, counts, scale=scale, compute_dtype=compute_dtype)
+    n = valid.sum(-1).to(compute_dtype)  # [B]
+    v_mean = (v_cache.to(compute_dtype) * valid[:, None, :, None]).sum(2) / n[:, None, None]  # [B, HKV, D]
+    v_mean = expand_to_query_heads(v_mean, HQ)
+    out = alpha[..., None] * y.to(compute_dtype) + (1 - alpha[..., None]) * v_mean
+    out = out.to(q.dtype)
+    return (out, (idx, counts)) if return_indices else out
+
+
+def h2o_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    acc_scores: torch.Tensor,
+    *,
+    k: int | float,
+    lengths: torch.Tensor | None = None,
+    starts: torch.Tensor | None = None,
+    recent_fraction: float = 0.5,
+    scale: float | None = None,
+    compute_dtype: torch.dtype = torch.float32,
+    return_weights: bool = False,
+):
+    """H2O: attend to the ``k - w`` heavy hitters plus the ``w = floor(recent_fraction * k)`` most recent
+    tokens (an equal split by default).
+
+    Heavy hitters are the tokens outside the recent window with the largest accumulated attention
+    ``acc_scores`` ([B, HQ, S] or [B, HKV, S]: the sum of the attention each token received from earlier
+    queries; the caller accumulates the returned weights). This is the mask form of H2O used to evaluate
+    it at a matched budget (no eviction state), as in the Loki paper's comparison.
+    q: [B, HQ, D]; k_cache, v_cache: [B, HKV, S, D] -> out [B, HQ, D] (and weights [B, HQ, S]).
+    """
+    B, HQ, HKV, S, D, lengths, starts = check_decode_inputs(q, k_cache, v_cache, lengths, starts)
+    if acc_scores.dim() != 3 or acc_scores.shape[0] != B or acc_scores.shape[2] != S or acc_scores.shape[1] not in (HQ, HKV):
+        raise ValueError(f"acc_scores must have shape [B, HQ or HKV, S]=[{B}, {HQ}|{HKV}, {S}], got {list(acc_scores.shape)}")
+    if not 0.0 <= recent_fraction <= 1.0:
+        raise ValueError(f"recent_fraction={recent_fraction} must lie in [0, 1]")
+    counts = budget(k, lengths, starts, B, S, q.device)
+    recent = torch.floor(counts.double() * recent_fraction).long()
+    heavy = counts - recent
+    pos = torch.arange(S, device=q.device)[None, :]
+    L = lengths.long()[:, None]
+    valid = valid_token_mask(lengths, starts, S)
+    in_recent = (pos >= L - recent[:, None]) & valid  # [B, S]
+    H = acc_scores.shape[1]
+    cand = acc_scores.to(compute_dtype).masked_fill(~(valid & ~in_recent)[:, None, :], float("-inf"))
+    mask = in_recent[:, None, :].expand(B, H, S).clone()
+    hmax = int(heavy.max())
+    if hmax > 0:
+        top = torch.topk(cand, hmax, dim=-1).indices  # [B, H, hmax]
+        keep = torch.arange(hmax, device=q.device)[None, None, :] < heavy[:, None, None]
+        mask.scatter_(-1, top, keep | mask.gather(-1, top))
+    return dense_attention(q, k_cache, v_cache, lengths, starts, scale=scale, mask=mask,
+                           compute_dtype=compute_dtype, return_weights=return_weights)

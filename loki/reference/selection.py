@@ -1,0 +1,94 @@
+"""Approximate scores (Loki Algorithm 1, lines 3-4) and top-k selection, in plain PyTorch.
+
+Shape letters: B batch, HQ query heads, HKV key/value heads (G = HQ // HKV), S cache length, D head dim,
+d leading principal dims, K selected tokens, H the selection's head axis (HQ for per-query-head
+selection, HKV for per-KV-head selection).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._checks import check_decode_inputs, resolve_d, resolve_k, valid_token_mask
+
+__all__ = ["GQA_SELECT_MODES", "GQA_AGGREGATES", "approx_scores", "aggregate_group_scores", "select_topk", "budget"]
+
+#: "query": every query head selects its own tokens (the paper's code repeats KV heads; the default).
+#: "kv": one selection per KV head from the group's aggregated scores; each selected KV row is read once.
+GQA_SELECT_MODES = ("query", "kv")
+#: How the scores of a GQA group are combined for a shared ("kv") selection.
+GQA_AGGREGATES = ("sum", "max")
+
+
+def _check_mode(gqa_select: str, aggregate: str) -> None:
+    if gqa_select not in GQA_SELECT_MODES:
+        raise ValueError(f"gqa_select must be one of {GQA_SELECT_MODES}, got {gqa_select!r}")
+    if aggregate not in GQA_AGGREGATES:
+        raise ValueError(f"aggregate must be one of {GQA_AGGREGATES}, got {aggregate!r}")
+
+
+def aggregate_group_scores(scores: torch.Tensor, HKV: int, aggregate: str = "sum") -> torch.Tensor:
+    """Combine per-query-head scores [B, HQ, S] into per-KV-head scores [B, HKV, S] (sum or max over G)."""
+    B, HQ, S = scores.shape
+    g = scores.view(B, HKV, HQ // HKV, S)
+    if aggregate == "sum":
+        return g.sum(dim=2)
+    if aggregate == "max":
+        return g.amax(dim=2)
+    raise ValueError(f"aggregate must be one of {GQA_AGGREGATES}, got {aggregate!r}")
+
+
+def approx_scores(
+    q_hat: torch.Tensor,
+    k_hat: torch.Tensor,
+    d: int | float,
+    lengths: torch.Tensor | None = None,
+    starts: torch.Tensor | None = None,
+    *,
+    gqa_select: str = "query",
+    aggregate: str = "sum",
+    compute_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Approximate scores from the first d rotated dims: ``q_hat[:d] . K_hat[:, :d]^T`` (unscaled).
+
+    q_hat: [B, HQ, D]; k_hat: [B, HKV, S, D] -> [B, H, S] in ``compute_dtype``, -inf outside valid
+    tokens; H = HQ for ``gqa_select="query"``, HKV for ``"kv"`` (group scores combined by ``aggregate``).
+    """
+    _check_mode(gqa_select, aggregate)
+    B, HQ, HKV, S, D, lengths, starts = check_decode_inputs(q_hat, k_hat, k_hat, lengths, starts)
+    dd = resolve_d(d, D)
+    qg = q_hat[..., :dd].to(compute_dtype).view(B, HKV, HQ // HKV, dd)
+    s = torch.einsum("bhgd,bhsd->bhgs", qg, k_hat[..., :dd].to(compute_dtype)).reshape(B, HQ, S)
+    if gqa_select == "kv":
+        s = aggregate_group_scores(s, HKV, aggregate)
+    valid = valid_token_mask(lengths, starts, S)
+    return s.masked_fill(~valid[:, None, :], float("-inf"))
+
+
+def budget(k: int | float, lengths: torch.Tensor | None, starts: torch.Tensor | None, B: int, S: int,
+           device: torch.device | None = None) -> torch.Tensor:
+    """Tokens to select per sequence, [B] int64, from a count or a fraction of each valid length."""
+    n = torch.full((B,), S, dtype=torch.long, device=device) if lengths is None else lengths.long()
+    if starts is not None:
+        n = n - starts.long()
+    return resolve_k(k, n, S)
+
+
+def select_topk(scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Indices of the ``counts[b]`` largest scores of every row (Loki Algorithm 1, line 5).
+
+    scores: [B, H, S] (-inf marks tokens that may not be chosen); counts: [B] int, 1 <= counts[b] <= the
+    number of finite scores in each row of batch b -> idx: [B, H, K] int64 with K = max(counts), sorted
+    by decreasing score; entries at positions >= counts[b] are -1 (padding).
+    """
+    if scores.dim() != 3:
+        raise ValueError(f"scores must have shape [B, H, S], got {list(scores.shape)}")
+    B, H, S = scores.shape
+    if counts.shape != (B,):
+        raise ValueError(f"counts must have shape [B]=[{B}], got {list(counts.shape)}")
+    kmax = int(counts.max())
+    if kmax < 1 or kmax > S or int(counts.min()) < 1:
+        raise ValueError(f"counts must lie in [1, S={S}], got {counts.tolist()}")
+    idx = torch.topk(scores, kmax, dim=-1, sorted=True).indices
+    keep = torch.arange(kmax, device=scores.device)[None, None, :] < counts.to(scores.device)[:, None, None]
+    return idx.masked_fill(~keep, -1)

@@ -1,0 +1,47 @@
+"""Exact attention over selected tokens only (Loki Algorithm 1, lines 6-7), in plain PyTorch.
+
+Shape letters: B batch, HQ query heads, HKV key/value heads, S cache length, D head dim, K selected
+tokens, H the selection's head axis (HQ or HKV).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .common import default_scale, gather_rows
+
+__all__ = ["sparse_attention"]
+
+
+def sparse_attention(
+    q_hat: torch.Tensor,
+    k_hat: torch.Tensor,
+    v_cache: torch.Tensor,
+    idx: torch.Tensor,
+    counts: torch.Tensor,
+    *,
+    scale: float | None = None,
+    compute_dtype: torch.dtype = torch.float32,
+    return_lse: bool = False,
+):
+    """softmax(scale * q_hat K_hat[idx]^T) V[idx] over the first ``counts[b]`` entries of each idx row.
+
+    By Lemma 1 the scores against the full-dimension rotated keys equal the original q . k, so the
+    result is exact attention restricted to the selected tokens.
+    q_hat: [B, HQ, D]; k_hat, v_cache: [B, HKV, S, D]; idx: [B, H, K] int (H in {HQ, HKV}; entries at
+    positions >= counts[b] are ignored); counts: [B] -> out [B, HQ, D] in q_hat's dtype
+    (and the log-sum-exp of the scaled scores, [B, HQ] fp32, when ``return_lse``).
+    """
+    B, HQ, D = q_hat.shape
+    if idx.dim() != 3 or idx.shape[0] != B:
+        raise ValueError(f"idx must have shape [B, H, K] with B={B}, got {list(idx.shape)}")
+    K = idx.shape[2]
+    kg = gather_rows(k_hat, idx, HQ).to(compute_dtype)  # [B, HQ, K, D]
+    vg = gather_rows(v_cache, idx, HQ).to(compute_dtype)
+    s = torch.einsum("bhd,bhkd->bhk", q_hat.to(compute_dtype), kg) * default_scale(D, scale)
+    keep = torch.arange(K, device=idx.device)[None, None, :] < counts.to(idx.device)[:, None, None]
+    s = s.masked_fill(~keep, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse[..., None])
+    out = torch.einsum("bhk,bhkd->bhd", p, vg).to(q_hat.dtype)
+    return (out, lse.float()) if return_lse else out

@@ -1,0 +1,75 @@
+"""One input factory for tests and benchmarks: decode-step tensors with realistic structure.
+
+Keys are drawn with a decaying spectrum (a few dominant directions, as real attention keys have) so
+that low-rank approximate scores are meaningful; values are independent of keys (distinct tensors).
+Shape letters: B batch, HQ query heads, HKV key/value heads, S cache length, D head dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["DecodeInputs", "make_decode_inputs", "random_orthogonal"]
+
+
+@dataclass
+class DecodeInputs:
+    q: torch.Tensor  # [B, HQ, D]
+    k_cache: torch.Tensor  # [B, HKV, S, D]
+    v_cache: torch.Tensor  # [B, HKV, S, D]
+    lengths: torch.Tensor  # [B] int32, exclusive end of the valid tokens
+    starts: torch.Tensor  # [B] int32, first valid token
+
+
+def random_orthogonal(HKV: int, D: int, *, seed: int = 0, dtype=torch.float32, device="cpu") -> torch.Tensor:
+    """[HKV, D, D] random orthogonal matrices (QR of a Gaussian, signs fixed), reproducible by seed."""
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(HKV, D, D, generator=g, dtype=torch.float64)
+    qm, r = torch.linalg.qr(a)
+    qm = qm * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1))[:, None, :]
+    return qm.to(dtype=dtype, device=device)
+
+
+def make_decode_inputs(
+    B: int,
+    HQ: int,
+    HKV: int,
+    S: int,
+    D: int,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+    ragged: bool = False,
+    left_pad: bool = False,
+    decay: float = 0.9,
+) -> DecodeInputs:
+    """Random decode inputs. ``ragged`` gives each sequence its own length (the first keeps S);
+    ``left_pad`` also gives random start offsets. ``decay`` sets the key spectrum (std of dim j ~ decay**j,
+    in a random orthogonal frame per KV head); 1.0 gives isotropic keys."""
+    g = torch.Generator().manual_seed(seed)
+    std = decay ** torch.arange(D, dtype=torch.float64)
+    frame = random_orthogonal(HKV, D, seed=seed + 1, dtype=torch.float64)
+    k = torch.randn(B, HKV, S, D, generator=g, dtype=torch.float64) * std
+    k = torch.einsum("bhsd,hed->bhse", k, frame) * (D**0.5 / std.norm())
+    mean = torch.randn(HKV, D, generator=g, dtype=torch.float64) * 0.5
+    k = k + mean[None, :, None, :]
+    q = torch.randn(B, HQ, D, generator=g, dtype=torch.float64)
+    v = torch.randn(B, HKV, S, D, generator=g, dtype=torch.float64)
+    lengths = torch.full((B,), S, dtype=torch.int32)
+    starts = torch.zeros(B, dtype=torch.int32)
+    if ragged and B > 1:
+        lengths[1:] = torch.randint(1, S + 1, (B - 1,), generator=g, dtype=torch.int32)
+    if left_pad:
+        starts = (torch.rand(B, generator=g) * (lengths.double() - 1)).floor().to(torch.int32)
+        starts = torch.minimum(starts, lengths - 1)
+    dev = torch.device(device)
+    return DecodeInputs(
+        q=q.to(dtype=dtype, device=dev),
+        k_cache=k.to(dtype=dtype, device=dev),
+        v_cache=v.to(dtype=dtype, device=dev),
+        lengths=lengths.to(dev),
+        starts=starts.to(dev),
+    )
