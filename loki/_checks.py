@@ -61,13 +61,16 @@ def check_decode_inputs(
     if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         raise TypeError(f"dtype mismatch: q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
     if k_cache.device != q.device or v_cache.device != q.device:
-        raise ValueError(f"device mismatch: q on {q.device}, k_cache on {k_cache.device}, v_cache on {v_cache.device}")
+        raise ValueError(
+            f"device mismatch: q on {q.device}, k_cache on {k_cache.device}, v_cache on {v_cache.device}"
+        )
     lengths = _check_positions("lengths", lengths, B, S, q.device, default=S)
     starts = _check_positions("starts", starts, B, S, q.device, default=0)
     if bool((starts >= lengths).any()):
         b = int((starts >= lengths).nonzero()[0, 0])
         raise ValueError(
-            f"every sequence needs at least one valid token: starts[{b}]={int(starts[b])} >= lengths[{b}]={int(lengths[b])}"
+            "every sequence needs at least one valid token: "
+            f"starts[{b}]={int(starts[b])} >= lengths[{b}]={int(lengths[b])}"
         )
     return B, HQ, HKV, S, D, lengths, starts
 

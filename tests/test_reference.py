@@ -14,7 +14,6 @@ from loki.reference import (
     budget,
     dense_attention,
     exact_scores,
-    exact_topk_attention,
     h2o_attention,
     loki_attention,
     pcaattn_attention,
@@ -213,14 +212,10 @@ def test_h2o_budget_is_recent_window_plus_heavy_hitters():
     acc[:, :, 7] = 4.0
     out, w = h2o_attention(x.q, x.k_cache, x.v_cache, acc, k=6, compute_dtype=torch.float64, return_weights=True)
     kept = w > 0
-    assert (kept.sum(-1) == 6).all()
+    assert (kept.sum(-1) == 6).all()  # k tokens: 3 recent + 3 heavy hitters
     assert kept[:, :, 37:].all() and kept[:, :, 3].all() and kept[:, :, 7].all()
-    mask = torch.zeros(2, 2, 40, dtype=torch.bool)
-    mask[:, :, [3, 7, 8, 37, 38, 39]] = True
-    mask[:, :, 8] = False
-    mask[:, :, 3] = True
-    # the third heavy hitter is the best remaining accumulated score (all zeros -> any one); check structure only
-    assert int((kept & ~mask).sum()) == 2 * 2  # exactly one extra heavy token per row
+    # the third heavy hitter is one of the tied zero-score tokens outside the recent window
+    assert (kept[:, :, :37].sum(-1) == 3).all()
     torch.testing.assert_close(out, dense_attention(x.q, x.k_cache, x.v_cache, mask=kept, compute_dtype=torch.float64))
 
 

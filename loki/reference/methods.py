@@ -192,8 +192,9 @@ def h2o_attention(
     q: [B, HQ, D]; k_cache, v_cache: [B, HKV, S, D] -> out [B, HQ, D] (and weights [B, HQ, S]).
     """
     B, HQ, HKV, S, D, lengths, starts = check_decode_inputs(q, k_cache, v_cache, lengths, starts)
-    if acc_scores.dim() != 3 or acc_scores.shape[0] != B or acc_scores.shape[2] != S or acc_scores.shape[1] not in (HQ, HKV):
-        raise ValueError(f"acc_scores must have shape [B, HQ or HKV, S]=[{B}, {HQ}|{HKV}, {S}], got {list(acc_scores.shape)}")
+    a = acc_scores
+    if a.dim() != 3 or a.shape[0] != B or a.shape[2] != S or a.shape[1] not in (HQ, HKV):
+        raise ValueError(f"acc_scores must have shape [B, HQ or HKV, S]=[{B}, {HQ}|{HKV}, {S}], got {list(a.shape)}")
     if not 0.0 <= recent_fraction <= 1.0:
         raise ValueError(f"recent_fraction={recent_fraction} must lie in [0, 1]")
     counts = budget(k, lengths, starts, B, S, q.device)
