@@ -1,0 +1,430 @@
+"""The PCA basis of the keys of a model: :class:`PCABasis`.
+
+Shape letters: L = decoder layers, HKV = key/value heads, D = head dim.
+
+``components[l, h]`` is an orthogonal ``[D, D]`` matrix whose columns are the principal components of the keys
+of layer ``l``, KV head ``h``, sorted by decreasing eigenvalue, so that ``k_hat = k @ components[l, h]`` and the
+first ``d`` coordinates of ``k_hat`` are the rank-``d`` projection used by Loki.
+
+Centring: the basis is fit on the centred covariance of the keys, but keys are **not** centred at inference.
+For orthogonal ``P``, ``(q P)(K P)^T = q K^T`` exactly (Loki, Lemma 1), so centring is not needed for
+correctness; the paper's code loads the means and never uses them.  ``means`` are stored for analysis only.
+
+Files are safetensors with tensors ``components`` (float32), ``eigenvalues`` and ``means`` (float64) and the
+metadata as string metadata: a JSON blob under ``loki.basis`` plus a few plain keys for quick inspection.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import warnings
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+import torch
+
+from loki._version import __version__
+
+ROTARY_CHOICES = ("pre", "post")
+_META_KEY = "loki.basis"
+_FORMAT = "loki.pca_basis.v1"
+
+
+class BasisError(ValueError):
+    """A PCA basis is malformed, unreadable, or does not belong to the model it is used with."""
+
+
+def _text_config(config):
+    getter = getattr(config, "get_text_config", None)
+    if callable(getter):
+        try:
+            return getter(decoder=True)
+        except TypeError:
+            return getter()
+    return config
+
+
+def config_head_dim(config) -> int:
+    """D of ``config``: ``head_dim`` when set, else ``hidden_size // num_attention_heads``."""
+    config = _text_config(config)
+    head_dim = getattr(config, "head_dim", None)
+    if head_dim:
+        return int(head_dim)
+    return int(config.hidden_size) // int(config.num_attention_heads)
+
+
+def config_kv_heads(config) -> int:
+    """HKV of ``config`` (``num_key_value_heads``, falling back to ``num_attention_heads``)."""
+    config = _text_config(config)
+    hkv = getattr(config, "num_key_value_heads", None)
+    return int(hkv if hkv else config.num_attention_heads)
+
+
+def expected_shape(config) -> tuple[int, int, int]:
+    """``(L, HKV, D)`` that a basis for ``config`` must have."""
+    config = _text_config(config)
+    return (int(config.num_hidden_layers), config_kv_heads(config), config_head_dim(config))
+
+
+def _rope_fields(config) -> Any:
+    rope = getattr(config, "rope_parameters", None)
+    if rope:
+        return rope
+    return {"rope_theta": getattr(config, "rope_theta", None), "rope_scaling": getattr(config, "rope_scaling", None)}
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, float) and value.is_integer():
+        return int(value)  # 500000 and 500000.0 (config JSON vs. code defaults) hash alike
+    if isinstance(value, (int, float, bool, str)) or value is None:
+        return value
+    return str(value)
+
+
+def config_fields(config) -> dict[str, Any]:
+    """The architecture-relevant fields of ``config`` that :func:`config_fingerprint` hashes."""
+    config = _text_config(config)
+    return _jsonable(
+        {
+            "model_type": getattr(config, "model_type", None),
+            "num_hidden_layers": getattr(config, "num_hidden_layers", None),
+            "num_attention_heads": getattr(config, "num_attention_heads", None),
+            "num_key_value_heads": config_kv_heads(config),
+            "head_dim": config_head_dim(config),
+            "hidden_size": getattr(config, "hidden_size", None),
+            "rope": _rope_fields(config),
+            "vocab_size": getattr(config, "vocab_size", None),
+        }
+    )
+
+
+def config_fingerprint(config) -> str:
+    """sha256 (hex) of the canonical JSON of :func:`config_fields` of a transformers config.
+
+    Two configs with the same architecture fields (model type, layer/head counts, head dim, hidden size, rotary
+    parameters, vocabulary size) share a fingerprint; a different ``rope_theta`` changes it.
+    """
+    blob = json.dumps(config_fields(config), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode("utf-8")).hexdigest()
+
+
+def config_model_name(config) -> str:
+    """A readable name for ``config``: ``name_or_path`` when set, else its ``model_type``."""
+    name = getattr(config, "name_or_path", None) or getattr(config, "_name_or_path", None)
+    return str(name) if name else str(getattr(config, "model_type", "unknown model"))
+
+
+def _shape(t: torch.Tensor | tuple) -> list[int]:
+    return [int(s) for s in t]
+
+
+@dataclass
+class PCABasis:
+    """Per-(layer, KV head) PCA basis of a model's keys.
+
+    Tensors:
+        components: ``[L, HKV, D, D]`` float32, orthogonal, principal components as columns sorted by decreasing
+            eigenvalue (``k_hat = k @ components[l, h]``).
+        eigenvalues: ``[L, HKV, D]`` float64, decreasing, variance of the keys along each component.
+        means: ``[L, HKV, D]`` float64, mean key; for analysis only (keys are not centred at inference, see the
+            module docstring).
+
+    Metadata: ``model_name``, ``config_hash`` (:func:`config_fingerprint`), ``config_fields`` (the hashed fields,
+    for readable mismatch messages), ``corpus``, ``num_tokens``, ``seq_len``, ``rotary`` ("pre": keys before the
+    rotary embedding, "post": keys as the KV cache stores them), ``model_dtype`` (dtype of the model during
+    calibration), ``loki_version`` and ``centered`` (whether the covariance was centred before the PCA).
+    """
+
+    components: torch.Tensor
+    eigenvalues: torch.Tensor
+    means: torch.Tensor
+    model_name: str | None = None
+    config_hash: str | None = None
+    config_fields: dict[str, Any] | None = None
+    corpus: str | None = None
+    num_tokens: int = 0
+    seq_len: int | None = None
+    rotary: str = "post"
+    model_dtype: str | None = None
+    loki_version: str = __version__
+    centered: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ shapes and views
+    @property
+    def num_layers(self) -> int:
+        return int(self.components.shape[0])
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(self.components.shape[1])
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.components.shape[-1])
+
+    def layer(self, layer: int) -> torch.Tensor:
+        """Components of one layer: ``[HKV, D, D]``."""
+        if not -self.num_layers <= layer < self.num_layers:
+            raise IndexError(f"layer must be in [0, {self.num_layers}), got {layer}")
+        return self.components[layer]
+
+    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> PCABasis:
+        """A copy on ``device`` with ``components`` and ``means`` cast to ``dtype`` (eigenvalues keep float64)."""
+        return replace(
+            self,
+            components=self.components.to(device=device, dtype=dtype),
+            means=self.means.to(device=device, dtype=dtype),
+            eigenvalues=self.eigenvalues.to(device=device),
+            extra=dict(self.extra),
+        )
+
+    def rank_at(self, v: float) -> torch.Tensor:
+        """Rank@v per layer and head, ``[L, HKV]`` int64 (see :func:`loki.calibration.pca.rank_at`)."""
+        from loki.calibration.pca import rank_at
+
+        return rank_at(self.eigenvalues, v)
+
+    def explained_variance(self) -> torch.Tensor:
+        """Cumulative explained-variance ratio ``[L, HKV, D]`` (last entry 1)."""
+        from loki.calibration.pca import explained_variance_ratio
+
+        return explained_variance_ratio(self.eigenvalues)
+
+    def __repr__(self) -> str:
+        return (
+            f"PCABasis(L={self.num_layers}, HKV={self.num_kv_heads}, D={self.head_dim}, rotary={self.rotary!r}, "
+            f"model={self.model_name!r}, corpus={self.corpus!r}, tokens={self.num_tokens}, seq_len={self.seq_len})"
+        )
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def from_statistics(
+        cls,
+        stats,
+        *,
+        rotary: str = "post",
+        config=None,
+        model_name: str | None = None,
+        corpus: str | None = None,
+        seq_len: int | None = None,
+        model_dtype: torch.dtype | str | None = None,
+        centered: bool = True,
+    ) -> PCABasis:
+        """Fit the basis from :class:`~loki.calibration.stats.KeyStatistics` (PCA in float64).
+
+        ``config`` (a transformers config) fills ``config_hash``/``config_fields`` and, if ``model_name`` is not
+        given, the model name.
+        """
+        from loki.calibration.pca import pca_from_statistics
+
+        components, eigenvalues, means = pca_from_statistics(stats, centered=centered)
+        return cls(
+            components=components.to(torch.float32).cpu().contiguous(),
+            eigenvalues=eigenvalues.cpu().contiguous(),
+            means=means.cpu(),
+            model_name=model_name if model_name is not None else (config_model_name(config) if config else None),
+            config_hash=config_fingerprint(config) if config is not None else None,
+            config_fields=config_fields(config) if config is not None else None,
+            corpus=corpus,
+            num_tokens=stats.num_tokens,
+            seq_len=seq_len,
+            rotary=rotary,
+            model_dtype=_dtype_name(model_dtype),
+            centered=centered,
+        )
+
+    @classmethod
+    def identity(cls, num_layers: int, num_kv_heads: int, head_dim: int, **metadata: Any) -> PCABasis:
+        """Identity components (keys used in their own coordinates), unit eigenvalues, zero means."""
+        L, HKV, D = num_layers, num_kv_heads, head_dim
+        eye = torch.eye(D, dtype=torch.float32).expand(L, HKV, D, D).clone()
+        return cls(
+            components=eye,
+            eigenvalues=torch.ones(L, HKV, D, dtype=torch.float64),
+            means=torch.zeros(L, HKV, D, dtype=torch.float64),
+            **metadata,
+        )
+
+    @classmethod
+    def random(cls, num_layers: int, num_kv_heads: int, head_dim: int, seed: int = 0, **metadata: Any) -> PCABasis:
+        """Random orthogonal components (QR of a Gaussian, Haar-distributed) and random decreasing eigenvalues,
+        drawn from ``seed`` on the CPU; for tests."""
+        L, HKV, D = num_layers, num_kv_heads, head_dim
+        gen = torch.Generator().manual_seed(seed)
+        q, r = torch.linalg.qr(torch.randn(L, HKV, D, D, generator=gen, dtype=torch.float64))
+        q = q * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1)).unsqueeze(-2)
+        eig = torch.rand(L, HKV, D, generator=gen, dtype=torch.float64).sort(dim=-1, descending=True).values
+        return cls(
+            components=q.to(torch.float32),
+            eigenvalues=eig,
+            means=torch.zeros(L, HKV, D, dtype=torch.float64),
+            **metadata,
+        )
+
+    # ------------------------------------------------------------------ validation
+    def validate(self, config=None, model_name: str | None = None, atol: float = 1e-3) -> PCABasis:
+        """Check shapes, finiteness, orthonormality (``P^T P ~ I`` within ``atol``) and decreasing eigenvalues,
+        and, with ``config``, that the basis was calibrated for this architecture.  Returns ``self``.
+
+        Raises:
+            BasisError: naming the problem; a basis calibrated for another model (config fingerprint mismatch)
+                names both models and the fields that differ.
+        """
+        comp, eig, means = self.components, self.eigenvalues, self.means
+        if comp.ndim != 4 or comp.shape[-1] != comp.shape[-2]:
+            raise BasisError(f"basis components must have shape [L, HKV, D, D], got {_shape(comp.shape)}")
+        L, HKV, D = (int(s) for s in comp.shape[:3])
+        for name, t in (("eigenvalues", eig), ("means", means)):
+            if _shape(t.shape) != [L, HKV, D]:
+                raise BasisError(f"basis {name} have shape {_shape(t.shape)} but components imply [{L}, {HKV}, {D}]")
+        if self.rotary not in ROTARY_CHOICES:
+            raise BasisError(f"basis rotary must be one of {ROTARY_CHOICES}, got {self.rotary!r}")
+
+        if config is not None:
+            want = expected_shape(config)
+            if (L, HKV, D) != want:
+                names = ("num_hidden_layers", "num_key_value_heads", "head_dim")
+                diff = ", ".join(f"{n}={w}" for n, g, w in zip(names, (L, HKV, D), want) if g != w)
+                raise BasisError(
+                    f"basis components have shape {_shape(comp.shape)} but config expects "
+                    f"{[*want, want[-1]]} ({diff}); the basis was calibrated for {self.model_name!r}, "
+                    f"the model is {config_model_name(config)!r}"
+                )
+
+        for name, t in (("components", comp), ("eigenvalues", eig), ("means", means)):
+            if not torch.isfinite(t).all():
+                bad = int((~torch.isfinite(t)).sum())
+                raise BasisError(f"basis {name} contain {bad} non-finite values (NaN or inf)")
+
+        p = comp.to(torch.float64)
+        gram = p.transpose(-1, -2) @ p
+        err = (gram - torch.eye(D, dtype=torch.float64, device=p.device)).abs().amax(dim=(-1, -2))  # [L, HKV]
+        worst = float(err.max()) if err.numel() else 0.0
+        if worst > atol:
+            l, h = divmod(int(err.argmax()), HKV)
+            raise BasisError(
+                f"basis components are not orthonormal: max |P^T P - I| = {worst:.3g} > atol={atol:g} "
+                f"(layer {l}, KV head {h})"
+            )
+
+        if D > 1:
+            rises = eig[..., 1:] - eig[..., :-1]
+            tol = 1e-6 * eig.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30)
+            if (rises > tol).any():
+                l, h = divmod(int((rises > tol).any(dim=-1).flatten().nonzero()[0]), HKV)
+                raise BasisError(f"basis eigenvalues of layer {l}, KV head {h} are not in decreasing order")
+
+        if config is not None and self.config_hash is not None:
+            theirs = config_fingerprint(config)
+            if theirs != self.config_hash:
+                raise BasisError(self._mismatch_message(config, theirs))
+        if model_name is not None and self.model_name is not None and model_name != self.model_name:
+            warnings.warn(
+                f"basis was calibrated on {self.model_name!r} but is used with {model_name!r} "
+                "(same architecture, possibly different weights)",
+                stacklevel=2,
+            )
+        return self
+
+    def _mismatch_message(self, config, theirs: str) -> str:
+        ours_fields = self.config_fields or {}
+        their_fields = config_fields(config)
+        diffs = [
+            f"{k}: basis {ours_fields.get(k)!r} vs model {their_fields.get(k)!r}"
+            for k in sorted(set(ours_fields) | set(their_fields))
+            if ours_fields.get(k) != their_fields.get(k)
+        ]
+        detail = f"; differing fields: {'; '.join(diffs)}" if diffs and ours_fields else ""
+        return (
+            f"basis was calibrated for another model: {self.model_name!r} (config sha256 {self.config_hash[:12]}) "
+            f"but the model is {config_model_name(config)!r} (config sha256 {theirs[:12]}){detail}"
+        )
+
+    # ------------------------------------------------------------------ I/O
+    def metadata(self) -> dict[str, Any]:
+        """All metadata fields as a JSON-able dict."""
+        skip = {"components", "eigenvalues", "means"}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the basis to a safetensors file at ``path`` (tensors contiguous on CPU, metadata as JSON)."""
+        from safetensors.torch import save_file
+
+        meta = self.metadata()
+        str_meta = {
+            "format": "pt",
+            "loki.format": _FORMAT,
+            _META_KEY: json.dumps(meta, sort_keys=True),
+        }
+        for key in ("model_name", "config_hash", "corpus", "rotary", "num_tokens", "seq_len", "loki_version"):
+            if meta.get(key) is not None:
+                str_meta[key] = str(meta[key])
+        tensors = {
+            "components": self.components.detach().to("cpu", torch.float32).contiguous(),
+            "eigenvalues": self.eigenvalues.detach().to("cpu").contiguous(),
+            "means": self.means.detach().to("cpu").contiguous(),
+        }
+        save_file(tensors, os.fspath(path), metadata=str_meta)
+
+    @classmethod
+    def load(
+        cls,
+        path: str | os.PathLike,
+        config=None,
+        model_name: str | None = None,
+        device: torch.device | str = "cpu",
+        atol: float = 1e-3,
+    ) -> PCABasis:
+        """Read a basis written by :meth:`save` and :meth:`validate` it (against ``config`` when given).
+
+        Raises:
+            FileNotFoundError: no file at ``path``.
+            BasisError: the file is corrupt or truncated, lacks tensors or metadata, or fails validation; the
+                message names ``path``.
+        """
+        from safetensors import safe_open
+
+        path = os.fspath(path)
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"no PCA basis file at {path}")
+        try:
+            with safe_open(path, framework="pt", device=str(device)) as f:
+                str_meta = f.metadata() or {}
+                names = set(f.keys())
+                missing = [n for n in ("components", "eigenvalues", "means") if n not in names]
+                if missing:
+                    raise BasisError(f"basis file {path} lacks tensor(s) {', '.join(missing)}")
+                tensors = {n: f.get_tensor(n) for n in ("components", "eigenvalues", "means")}
+        except BasisError:
+            raise
+        except Exception as exc:  # safetensors raises SafetensorError, OSError, RuntimeError, ...
+            raise BasisError(f"cannot read PCA basis file {path} (corrupt or truncated?): {exc}") from exc
+        if _META_KEY not in str_meta:
+            raise BasisError(f"basis file {path} has no '{_META_KEY}' metadata (not written by PCABasis.save?)")
+        try:
+            meta = json.loads(str_meta[_META_KEY])
+        except json.JSONDecodeError as exc:
+            raise BasisError(f"basis file {path} has unreadable '{_META_KEY}' metadata: {exc}") from exc
+        known = {f.name for f in fields(cls)}
+        extra = {k: v for k, v in meta.items() if k not in known}
+        meta = {k: v for k, v in meta.items() if k in known}
+        meta.setdefault("extra", {}).update(extra)
+        basis = cls(**tensors, **meta)
+        try:
+            basis.validate(config=config, model_name=model_name, atol=atol)
+        except BasisError as exc:
+            raise BasisError(f"{path}: {exc}") from None
+        return basis
+
+
+def _dtype_name(dtype: torch.dtype | str | None) -> str | None:
+    if dtype is None:
+        return None
+    return str(dtype).replace("torch.", "")
