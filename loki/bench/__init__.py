@@ -1,0 +1,1 @@
+"""Benchmarks of the decode kernels (``loki.bench.harness``: add_arguments / run for a ``loki bench`` CLI)."""

@@ -1,0 +1,34 @@
+"""Triton decode kernels for Loki, each beside the PyTorch reference it must match.
+
+- ``approx_scores``: q_hat[:d] . K_hat[:, :d]^T over the whole cache (Algorithm 1, lines 3-4);
+- ``select_topk``: top-k per row, ``torch.topk`` or an exact Triton threshold select (line 5);
+- ``sparse_attention``: exact attention over the selected rows, flash-decoding splits (lines 6-7);
+- ``sparq_attention``: the SparQ-style baseline kernels the paper compares against;
+- ``decode_attention``: the whole Loki decode step, the entry point used by the integrations.
+
+Importing this package compiles nothing and probes no device; kernels are built at their first launch.
+"""
+
+from .approx_scores import approx_scores, approx_scores_reference
+from .decode import BACKENDS, decode_attention, loki_attention_reference, loki_decode_step, selection_bound
+from .select import SELECT_METHODS, select_topk, select_topk_reference
+from .sparq import sparq_attention, sparq_attention_reference, sparq_prepare
+from .sparse_attention import sparse_attention, sparse_attention_reference
+
+__all__ = [
+    "BACKENDS",
+    "SELECT_METHODS",
+    "approx_scores",
+    "approx_scores_reference",
+    "decode_attention",
+    "loki_attention_reference",
+    "loki_decode_step",
+    "select_topk",
+    "select_topk_reference",
+    "selection_bound",
+    "sparq_attention",
+    "sparq_attention_reference",
+    "sparq_prepare",
+    "sparse_attention",
+    "sparse_attention_reference",
+]

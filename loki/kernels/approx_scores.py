@@ -1,0 +1,179 @@
+"""Approximate attention scores from the leading principal dims (Loki Algorithm 1, lines 3-4), in Triton.
+
+``s[b, hq, t] = q_hat[b, hq, :d] . K_hat[b, hq // G, t, :d]`` for every cached token t, -inf outside the
+valid tokens ``starts[b] <= t < lengths[b]``.  Optionally (GQA "kv" selection) the per-KV-head aggregate
+over the G query heads of a group (sum or max).
+
+Shape letters: B batch, HQ query heads, HKV key/value heads (G = HQ // HKV), S cache length, D head dim,
+d leading principal dims (runtime, d <= D).
+
+Design: a 2-D grid over (B x HKV, token blocks).  Each program reads a [BLOCK_S, d] tile of the rotated
+keys (only the first d dims of each row: d/D of the key bytes) once and scores it against all G query
+heads of its group, so the key read is shared across the group.  Tails and invalid tokens are masked;
+invalid rows are not even read.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from loki._checks import check_decode_inputs, resolve_d
+from loki.reference.selection import GQA_AGGREGATES, GQA_SELECT_MODES
+from loki.reference.selection import approx_scores as approx_scores_reference
+
+__all__ = ["approx_scores", "approx_scores_reference", "interpreting", "new_output"]
+
+
+def interpreting() -> bool:
+    """True when Triton runs in the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def new_output(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """Allocate a kernel output; with ``LOKI_POISON_OUTPUTS=1`` fill it with NaN (floats) or a huge
+    sentinel (ints) so that an element a kernel forgets to write fails the tests."""
+    if os.environ.get("LOKI_POISON_OUTPUTS") == "1":
+        fill = float("nan") if dtype.is_floating_point else 2**30 + 7
+        return torch.full(shape, fill, dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def check_triton_device(t: torch.Tensor, what: str = "the Triton kernels") -> None:
+    """Triton runs on CUDA tensors, or on CPU tensors only under ``TRITON_INTERPRET=1``."""
+    if t.device.type == "cuda":
+        if interpreting():
+            raise RuntimeError(f"{what} got CUDA tensors but TRITON_INTERPRET=1 is set; unset it to run on GPU")
+        return
+    if t.device.type == "cpu" and interpreting():
+        return
+    raise RuntimeError(
+        f"{what} need CUDA tensors (got {t.device}); on CPU set TRITON_INTERPRET=1 before importing triton, "
+        "or use backend='torch'"
+    )
+
+
+@triton.jit
+def _approx_scores_kernel(
+    q_ptr, k_ptr, out_ptr, agg_ptr, lengths_ptr, starts_ptr,
+    S, d, HKV,
+    stride_qb, stride_qh,
+    stride_kb, stride_kh, stride_ks,
+    stride_ob, stride_oh,
+    stride_ab, stride_ah,
+    G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    WRITE_HEADS: tl.constexpr, WRITE_AGG: tl.constexpr, AGG_MAX: tl.constexpr,
+):
+    """s[g, t] = sum_{j<d} q_hat[h*G+g, j] K_hat[h, t, j] for one (b, h) and one block of tokens t."""
+    pid_bh = tl.program_id(0).to(tl.int64)
+    pid_s = tl.program_id(1).to(tl.int64)
+    b = pid_bh // HKV
+    h = pid_bh % HKV
+    start = tl.load(starts_ptr + b).to(tl.int64)
+    length = tl.load(lengths_ptr + b).to(tl.int64)
+    offs_s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    in_range = offs_s < S
+    valid = (offs_s >= start) & (offs_s < length)
+    dmask = offs_d < d
+    k_ptrs = k_ptr + b * stride_kb + h * stride_kh + offs_s[:, None] * stride_ks + offs_d[None, :]
+    kt = tl.load(k_ptrs, mask=valid[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+    if AGG_MAX:
+        agg = tl.full((BLOCK_S,), float("-inf"), tl.float32)
+    else:
+        agg = tl.zeros((BLOCK_S,), tl.float32)
+    for g in tl.static_range(G):
+        hq = h * G + g
+        q = tl.load(q_ptr + b * stride_qb + hq * stride_qh + offs_d, mask=dmask, other=0.0).to(tl.float32)
+        s = tl.sum(kt * q[None, :], axis=1)
+        s = tl.where(valid, s, float("-inf"))
+        if WRITE_HEADS:
+            tl.store(out_ptr + b * stride_ob + hq * stride_oh + offs_s, s, mask=in_range)
+        if WRITE_AGG:
+            if AGG_MAX:
+                agg = tl.maximum(agg, s)
+            else:
+                agg = agg + s
+    if WRITE_AGG:
+        agg = tl.where(valid, agg, float("-inf"))
+        tl.store(agg_ptr + b * stride_ab + h * stride_ah + offs_s, agg, mask=in_range)
+
+
+def _launch_approx_scores(q_hat, k_hat, dd, lengths, starts, heads_out, agg_out, aggregate, block_s=None):
+    B, HQ, _ = q_hat.shape
+    _, HKV, S, D = k_hat.shape
+    G = HQ // HKV
+    BLOCK_D = triton.next_power_of_2(dd)
+    if block_s is None:
+        if interpreting():
+            block_s = min(2048, triton.next_power_of_2(S))
+        else:
+            block_s = 128 if BLOCK_D <= 64 else 64
+    dummy = heads_out if heads_out is not None else agg_out
+    ho = heads_out if heads_out is not None else dummy
+    ao = agg_out if agg_out is not None else dummy
+    grid = (B * HKV, triton.cdiv(S, block_s))
+    _approx_scores_kernel[grid](
+        q_hat, k_hat, ho, ao, lengths, starts,
+        S, dd, HKV,
+        q_hat.stride(0), q_hat.stride(1),
+        k_hat.stride(0), k_hat.stride(1), k_hat.stride(2),
+        ho.stride(0), ho.stride(1),
+        ao.stride(0), ao.stride(1),
+        G=G, BLOCK_S=block_s, BLOCK_D=BLOCK_D,
+        WRITE_HEADS=heads_out is not None, WRITE_AGG=agg_out is not None, AGG_MAX=aggregate == "max",
+        num_warps=4,
+    )
+
+
+def approx_scores(
+    q_hat: torch.Tensor,
+    k_hat: torch.Tensor,
+    d: int | float,
+    lengths: torch.Tensor | None = None,
+    starts: torch.Tensor | None = None,
+    *,
+    gqa_select: str = "query",
+    aggregate: str = "sum",
+    return_both: bool = False,
+    out: torch.Tensor | None = None,
+    block_s: int | None = None,
+):
+    """Approximate scores ``q_hat[:d] . K_hat[:, :d]^T`` (unscaled, fp32), -inf outside valid tokens.
+
+    q_hat: [B, HQ, D]; k_hat: [B, HKV, S, D] (last dim contiguous); lengths, starts: [B] int.
+    Returns [B, H, S] fp32 with H = HQ for ``gqa_select="query"`` and H = HKV for ``"kv"`` (the group's
+    scores combined by ``aggregate``, "sum" or "max").  ``return_both`` returns
+    ``(per_query_head [B, HQ, S], per_kv_head [B, HKV, S])`` from the same pass over the keys.
+    ``out`` (optional) receives the [B, H, S] result.  Matches ``approx_scores_reference``.
+    """
+    if gqa_select not in GQA_SELECT_MODES:
+        raise ValueError(f"gqa_select must be one of {GQA_SELECT_MODES}, got {gqa_select!r}")
+    if aggregate not in GQA_AGGREGATES:
+        raise ValueError(f"aggregate must be one of {GQA_AGGREGATES}, got {aggregate!r}")
+    B, HQ, HKV, S, D, lengths, starts = check_decode_inputs(q_hat, k_hat, k_hat, lengths, starts)
+    check_triton_device(q_hat, "approx_scores")
+    dd = resolve_d(d, D)
+    if k_hat.stride(-1) != 1:
+        k_hat = k_hat.contiguous()
+    if q_hat.stride(-1) != 1:
+        q_hat = q_hat.contiguous()
+    want_heads = return_both or gqa_select == "query"
+    want_agg = return_both or gqa_select == "kv"
+    heads_out = agg_out = None
+    if want_heads:
+        heads_out = out if (out is not None and gqa_select == "query") else new_output(
+            (B, HQ, S), torch.float32, q_hat.device)
+    if want_agg:
+        agg_out = out if (out is not None and gqa_select == "kv") else new_output(
+            (B, HKV, S), torch.float32, q_hat.device)
+    for t, H in ((heads_out, HQ), (agg_out, HKV)):
+        if t is not None and (t.shape != (B, H, S) or t.dtype != torch.float32 or t.stride(-1) != 1):
+            raise ValueError(f"out must be a contiguous fp32 tensor of shape [B, H, S]=[{B}, {H}, {S}]")
+    _launch_approx_scores(q_hat, k_hat, dd, lengths, starts, heads_out, agg_out, aggregate, block_s)
+    if return_both:
+        return heads_out, agg_out
+    return heads_out if gqa_select == "query" else agg_out

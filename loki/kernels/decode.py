@@ -1,0 +1,140 @@
+"""One decode step of Loki attention (Algorithm 1): the single public entry point of the kernels.
+
+Stages: approximate scores from the first d rotated dims (``approx_scores``), top-k selection
+(``select_topk``), exact attention over the selected tokens (``sparse_attention``).  The transformers
+integration calls ``decode_attention``.
+
+Shape letters: B batch, HQ query heads, HKV key/value heads (G = HQ // HKV), S cache length, D head dim,
+d leading principal dims, K the bound on the per-sequence selection counts.
+"""
+
+from __future__ import annotations
+
+import math
+from numbers import Integral
+
+import torch
+
+from loki._checks import check_decode_inputs, resolve_d, resolve_k
+from loki.reference.methods import loki_attention as loki_attention_reference
+from loki.reference.selection import GQA_AGGREGATES, GQA_SELECT_MODES, budget
+
+from .approx_scores import _launch_approx_scores, check_triton_device, new_output
+from .select import SELECT_METHODS, select_topk
+from .sparse_attention import sparse_attention
+
+__all__ = ["BACKENDS", "decode_attention", "loki_attention_reference", "loki_decode_step", "selection_bound"]
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+def selection_bound(k: int | float, S: int) -> int:
+    """An int K >= every per-sequence count ``budget(k, ...)`` can give, known without a device sync."""
+    if isinstance(k, Integral) and not isinstance(k, bool):
+        return min(int(k), S)
+    # a fraction of the valid length: at most the same fraction of S (checked by resolve_k)
+    return max(1, min(S, math.ceil(float(k) * S - 1e-9)))
+
+
+def decode_attention(
+    q_hat: torch.Tensor,
+    k_hat: torch.Tensor,
+    v_cache: torch.Tensor,
+    *,
+    d: int | float,
+    k: int | float,
+    lengths: torch.Tensor | None = None,
+    starts: torch.Tensor | None = None,
+    backend: str = "auto",
+    gqa_select: str = "query",
+    aggregate: str = "sum",
+    scale: float | None = None,
+    select_method: str = "torch",
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    return_indices: bool = False,
+):
+    """Loki decode attention on keys stored in the PCA basis.
+
+    q_hat: [B, HQ, D] (q P); k_hat: [B, HKV, S, D] (K P); v_cache: [B, HKV, S, D]; lengths, starts: [B]
+    int (valid tokens ``starts[b] <= s < lengths[b]``; default all S); d: leading dims for the
+    approximate scores (int count or fraction of D); k: tokens to attend (int count, capped at each
+    sequence's length, or a fraction of it).  Returns out [B, HQ, D] in q_hat's dtype (and
+    ``(idx [B, H, K], counts [B])`` when ``return_indices``; H = HQ for ``gqa_select="query"``, HKV for
+    ``"kv"``, whose group scores are combined by ``aggregate``).
+
+    ``backend``: "torch" runs ``loki_attention_reference``; "triton" the kernels (CUDA tensors, or CPU
+    tensors under ``TRITON_INTERPRET=1``); "auto" picks triton for CUDA tensors, torch otherwise.
+    ``select_method``: "torch" (``torch.topk``) or "triton" (exact threshold select).
+    The triton path issues no host sync of its own beyond the input validation (the selection width K is
+    bounded on the host from k and S; counts stay on the device).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if gqa_select not in GQA_SELECT_MODES:
+        raise ValueError(f"gqa_select must be one of {GQA_SELECT_MODES}, got {gqa_select!r}")
+    if aggregate not in GQA_AGGREGATES:
+        raise ValueError(f"aggregate must be one of {GQA_AGGREGATES}, got {aggregate!r}")
+    if select_method not in SELECT_METHODS:
+        raise ValueError(f"select_method must be one of {SELECT_METHODS}, got {select_method!r}")
+    if backend == "auto":
+        backend = "triton" if q_hat.is_cuda else "torch"
+    if backend == "torch":
+        res = loki_attention_reference(q_hat, k_hat, v_cache, d=d, k=k, lengths=lengths, starts=starts,
+                                       gqa_select=gqa_select, aggregate=aggregate, scale=scale,
+                                       return_indices=return_indices)
+        if out is not None:
+            out.copy_(res[0] if return_indices else res)
+        return res
+    uniform = lengths is None and starts is None
+    B, HQ, HKV, S, D, lengths, starts = check_decode_inputs(q_hat, k_hat, v_cache, lengths, starts)
+    dd = resolve_d(d, D)
+    resolve_k(k, torch.full((1,), S, dtype=torch.long), S)  # argument errors name k, before any launch
+    check_triton_device(q_hat, "decode_attention(backend='triton')")
+    counts = budget(k, lengths, starts, B, S, q_hat.device)
+    K = selection_bound(k, S)
+    idx, res = loki_decode_step(q_hat, k_hat, v_cache, lengths, starts, counts, d=dd, k_max=K,
+                                gqa_select=gqa_select, aggregate=aggregate, scale=scale,
+                                select_method=select_method, uniform=uniform, out=out, num_splits=num_splits)
+    return (res, (idx, counts)) if return_indices else res
+
+
+def loki_decode_step(
+    q_hat: torch.Tensor,
+    k_hat: torch.Tensor,
+    v_cache: torch.Tensor,
+    lengths: torch.Tensor,
+    starts: torch.Tensor,
+    counts: torch.Tensor,
+    *,
+    d: int,
+    k_max: int,
+    gqa_select: str = "query",
+    aggregate: str = "sum",
+    scale: float | None = None,
+    select_method: str = "torch",
+    uniform: bool = False,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+):
+    """The three Triton stages on already-validated inputs, with no host sync (for the integration's hot
+    loop and the benchmarks; ``decode_attention`` validates and calls this).
+
+    lengths, starts, counts: [B] int32/int64 on the device; d: int (1 <= d <= D); k_max: int bound
+    K >= max(counts); ``uniform``: every count equals k_max.  Returns ``(idx [B, H, K], out [B, HQ, D])``.
+    """
+    B, HQ, D = q_hat.shape
+    _, HKV, S, _ = k_hat.shape
+    if k_hat.stride(-1) != 1:
+        k_hat = k_hat.contiguous()
+    if q_hat.stride(-1) != 1:
+        q_hat = q_hat.contiguous()
+    H = HQ if gqa_select == "query" else HKV
+    scores = new_output((B, H, S), torch.float32, q_hat.device)
+    if gqa_select == "query":
+        _launch_approx_scores(q_hat, k_hat, d, lengths, starts, scores, None, aggregate)
+    else:
+        _launch_approx_scores(q_hat, k_hat, d, lengths, starts, None, scores, aggregate)
+    idx = select_topk(scores, counts, k_max=k_max, method=select_method, uniform=uniform)
+    res = sparse_attention(q_hat, k_hat, v_cache, idx, counts, scale=scale, out=out, num_splits=num_splits)
+    return idx, res

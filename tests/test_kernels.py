@@ -1,0 +1,408 @@
+"""Triton decode kernels against their PyTorch references.
+
+CPU part: the kernels run under ``TRITON_INTERPRET=1`` (set by conftest) on small awkward shapes; every
+kernel output is poisoned (NaN / sentinel) before launch so an unwritten element fails.  GPU part
+(``-m gpu``): long caches, big batches, GQA 1/4/8, fp16/bf16/fp32, D 64/96/128.
+
+Tolerances come from the reference's own error: the kernel's max error against the fp64 reference must be
+at most twice that of the same PyTorch math at the input precision, plus a small absolute term per dtype.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import loki.reference as R
+from loki._checks import valid_token_mask
+from loki.kernels import (
+    approx_scores,
+    approx_scores_reference,
+    decode_attention,
+    select_topk,
+    sparq_attention,
+    sparq_attention_reference,
+    sparse_attention,
+    sparse_attention_reference,
+)
+from loki.testing.inputs import make_decode_inputs
+
+# One tolerance table: absolute slack added to 2x the reference's own error at input precision.
+ATOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 8e-3}
+
+interp = pytest.mark.interpreter
+gpu = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _poison(monkeypatch):
+    """Every kernel output and intermediate is allocated NaN-filled (ints: an out-of-range sentinel)."""
+    monkeypatch.setenv("LOKI_POISON_OUTPUTS", "1")
+
+
+def _inputs(B, HQ, HKV, S, D, dtype, device, *, ragged=False, left_pad=False, seed=0):
+    if torch.device(device).type == "cuda" and B * HKV * S * D > 2**22:
+        # big GPU caches: the same recipe drawn on the device (the CPU factory draws fp64 on the host)
+        from loki.bench.harness import make_bench_inputs
+
+        return make_bench_inputs(B, HQ, HKV, S, D, dtype=dtype, device=device, seed=seed, ragged=ragged,
+                                 left_pad=left_pad)
+    return make_decode_inputs(B, HQ, HKV, S, D, dtype=dtype, device=device, ragged=ragged, left_pad=left_pad,
+                              seed=seed)
+
+
+def _assert_close_to_reference(out, ref64, ref_lowp, dtype, what):
+    assert not torch.isnan(out).any(), f"{what}: NaN in output (unwritten or invalid)"
+    err = (out.double() - ref64).abs().max().item()
+    base = (ref_lowp.double() - ref64).abs().max().item()
+    tol = 2 * base + ATOL[dtype]
+    assert err <= tol, f"{what}: kernel error {err:.3g} > 2 x reference error {base:.3g} + {ATOL[dtype]:g}"
+
+
+def check_selection(idx, scores, counts, *, slack=0.0):
+    """Selection invariants per row: -1 padding after counts[b], in range, no duplicates, every selected
+    score >= the counts[b]-th largest (ties allowed, ``slack`` for scores computed in another order).
+    Returns the number of rows checked."""
+    B, H, S = scores.shape
+    idx, scores, counts = idx.cpu().long(), scores.cpu().double(), counts.cpu()
+    checked = 0
+    for b in range(B):
+        c = int(counts[b])
+        kth = torch.topk(scores[b], c, dim=-1).values[:, -1]  # [H]
+        for h in range(H):
+            sel = idx[b, h, :c]
+            assert bool((idx[b, h, c:] == -1).all()), f"row ({b},{h}): padding after counts[b]={c} is not -1"
+            assert bool(((sel >= 0) & (sel < S)).all()), f"row ({b},{h}): index out of range: {sel.tolist()[:8]}"
+            assert sel.unique().numel() == c, f"row ({b},{h}): duplicate indices"
+            vals = scores[b, h, sel]
+            assert bool(torch.isfinite(vals).all()), f"row ({b},{h}): selected an invalid token"
+            assert bool((vals >= kth[h] - slack).all()), f"row ({b},{h}): a selected score is below the k-th largest"
+            checked += 1
+    return checked
+
+
+# ----------------------------------------------------------------------------------------------------
+# approximate scores
+APPROX_CASES = [
+    pytest.param(1, 4, 4, 1, 64, 16, False, False, id="B1-S1-HQ4-HKV4-D64-d16"),
+    pytest.param(3, 6, 2, 97, 96, 24, True, True, id="B3-S97-HQ6-HKV2-D96-d24-ragged-leftpad"),
+    pytest.param(2, 8, 2, 1025, 128, 32, True, False, id="B2-S1025-HQ8-HKV2-D128-d32-ragged"),
+    pytest.param(1, 4, 1, 1100, 96, 96, False, True, id="B1-S1100-HQ4-HKV1-D96-d96-leftpad"),
+    pytest.param(2, 3, 3, 300, 64, 5, True, True, id="B2-S300-HQ3-HKV3-D64-d5"),
+]
+
+
+@interp
+@pytest.mark.parametrize("B,HQ,HKV,S,D,d,ragged,left_pad", APPROX_CASES)
+def test_approx_scores(triton_device, B, HQ, HKV, S, D, d, ragged, left_pad):
+    x = _inputs(B, HQ, HKV, S, D, torch.float32, triton_device, ragged=ragged, left_pad=left_pad)
+    heads, agg = approx_scores(x.q, x.k_cache, d, x.lengths, x.starts, return_both=True)
+    agg_max = approx_scores(x.q, x.k_cache, d, x.lengths, x.starts, gqa_select="kv", aggregate="max")
+    for got, mode, aggr in ((heads, "query", "sum"), (agg, "kv", "sum"), (agg_max, "kv", "max")):
+        ref = approx_scores_reference(x.q.double(), x.k_cache.double(), d, x.lengths, x.starts, gqa_select=mode,
+                                      aggregate=aggr, compute_dtype=torch.float64)
+        assert got.dtype == torch.float32 and got.shape == ref.shape
+        assert torch.equal(torch.isneginf(got), torch.isneginf(ref)), f"{mode}/{aggr}: -inf mask differs"
+        assert not torch.isnan(got).any()
+        fin = torch.isfinite(ref)
+        err = (got.double()[fin] - ref[fin]).abs().max().item() if fin.any() else 0.0
+        scale = ref[fin].abs().max().item() if fin.any() else 1.0
+        assert err <= 1e-5 * max(1.0, scale), f"{mode}/{aggr}: error {err:.3g}"
+
+
+@interp
+def test_approx_scores_out_argument_poisoned(triton_device):
+    x = _inputs(2, 4, 2, 130, 64, torch.float32, triton_device, ragged=True)
+    out = torch.full((2, 4, 130), float("nan"), device=triton_device)
+    res = approx_scores(x.q, x.k_cache, 16, x.lengths, x.starts, out=out)
+    assert res.data_ptr() == out.data_ptr() and not torch.isnan(out).any()
+
+
+# ----------------------------------------------------------------------------------------------------
+# selection
+SELECT_CASES = [
+    pytest.param(1, 2, 1, "1", False, id="B1-H2-S1-k1"),
+    pytest.param(3, 4, 97, "S", True, id="B3-H4-S97-kS-ragged"),
+    pytest.param(2, 3, 1025, "1", True, id="B2-H3-S1025-k1-ragged"),
+    pytest.param(2, 5, 1100, 0.25, True, id="B2-H5-S1100-k0.25-ragged-ties"),
+    pytest.param(1, 8, 2048, 0.5, False, id="B1-H8-S2048-k0.5"),
+]
+
+
+@interp
+@pytest.mark.parametrize("method", ["triton", "torch"])
+@pytest.mark.parametrize("B,H,S,kspec,ragged", SELECT_CASES)
+def test_select_topk_invariants(triton_device, method, B, H, S, kspec, ragged):
+    g = torch.Generator().manual_seed(S)
+    scores = torch.randn(B, H, S, generator=g)
+    if kspec == 0.25:
+        scores = torch.round(scores * 2) / 2  # many exact ties, negative values, zeros and -0.0
+        scores[:, :, ::7] = -0.0
+    lengths = torch.full((B,), S, dtype=torch.int32)
+    starts = torch.zeros(B, dtype=torch.int32)
+    if ragged and B > 1:
+        lengths[1:] = torch.randint(1, S + 1, (B - 1,), generator=g, dtype=torch.int32)
+        starts = (torch.rand(B, generator=g) * (lengths - 1)).floor().to(torch.int32)
+    scores = scores.masked_fill(~valid_token_mask(lengths, starts, S)[:, None, :], float("-inf"))
+    k = {"1": 1, "S": S}.get(kspec, kspec)
+    counts = R.budget(k, lengths, starts, B, S)
+    sc, cn = scores.to(triton_device), counts.to(triton_device)
+    idx = select_topk(sc, cn, method=method, k_max=R.budget(k, None, None, B, S).max().item())
+    assert idx.shape == (B, H, int(R.budget(k, None, None, B, S).max()))
+    assert check_selection(idx, scores, counts) == B * H
+
+
+# ----------------------------------------------------------------------------------------------------
+# sparse attention over a selection
+SPARSE_CASES = [
+    # B, HQ, HKV, S, D, k, gqa_select, dtype, ragged
+    pytest.param(1, 2, 2, 1, 64, 1, "query", torch.float32, False, id="B1-S1-HQ2-HKV2-D64-k1"),
+    pytest.param(3, 6, 2, 97, 96, "S", "query", torch.float32, True, id="B3-S97-HQ6-HKV2-D96-kS-query"),
+    pytest.param(3, 6, 2, 97, 96, "S", "kv", torch.float32, True, id="B3-S97-HQ6-HKV2-D96-kS-kv"),
+    pytest.param(2, 8, 2, 1025, 128, 0.25, "kv", torch.float32, True, id="B2-S1025-HQ8-HKV2-D128-kv"),
+    pytest.param(2, 8, 2, 1025, 128, 1, "query", torch.float32, False, id="B2-S1025-HQ8-HKV2-D128-k1"),
+    pytest.param(1, 4, 1, 700, 64, 0.5, "kv", torch.float16, True, id="B1-S700-HQ4-HKV1-D64-kv-fp16"),
+    pytest.param(2, 4, 4, 500, 128, 0.3, "query", torch.bfloat16, True, id="B2-S500-HQ4-HKV4-D128-bf16"),
+    pytest.param(2, 6, 2, 300, 96, 0.3, "kv", torch.bfloat16, True, id="B2-S300-HQ6-HKV2-D96-kv-bf16"),
+]
+
+
+@interp
+@pytest.mark.parametrize("B,HQ,HKV,S,D,k,mode,dtype,ragged", SPARSE_CASES)
+def test_sparse_attention(triton_device, B, HQ, HKV, S, D, k, mode, dtype, ragged):
+    _run_sparse_case(triton_device, B, HQ, HKV, S, D, k, mode, dtype, ragged)
+
+
+def _run_sparse_case(device, B, HQ, HKV, S, D, k, mode, dtype, ragged, num_splits=None):
+    x = _inputs(B, HQ, HKV, S, D, dtype, device, ragged=ragged, left_pad=ragged, seed=B + S)
+    k = S if k == "S" else k
+    s = approx_scores_reference(x.q, x.k_cache, 0.25, x.lengths, x.starts, gqa_select=mode)
+    counts = R.budget(k, x.lengths, x.starts, B, S, device)
+    idx = R.select_topk(s, counts)
+    out = torch.full((B, HQ, D), float("nan"), dtype=dtype, device=device)
+    res = sparse_attention(x.q, x.k_cache, x.v_cache, idx, counts, out=out, num_splits=num_splits)
+    assert res.data_ptr() == out.data_ptr()
+    ref64 = sparse_attention_reference(x.q.double(), x.k_cache.double(), x.v_cache.double(), idx, counts,
+                                       compute_dtype=torch.float64)
+    lowp = sparse_attention_reference(x.q, x.k_cache, x.v_cache, idx, counts, compute_dtype=dtype)
+    _assert_close_to_reference(out, ref64, lowp, dtype, "sparse_attention")
+
+
+@interp
+def test_sparse_attention_int32_idx_and_splits(triton_device):
+    """int32 indices (the Triton select's output) and a forced split count exercise the merge kernel."""
+    x = _inputs(2, 4, 2, 600, 64, torch.float32, triton_device, ragged=True, seed=3)
+    s = approx_scores_reference(x.q, x.k_cache, 16, x.lengths, x.starts, gqa_select="kv")
+    counts = R.budget(0.5, x.lengths, x.starts, 2, 600, triton_device)
+    idx = R.select_topk(s, counts)
+    ref = sparse_attention_reference(x.q.double(), x.k_cache.double(), x.v_cache.double(), idx, counts,
+                                     compute_dtype=torch.float64)
+    out = sparse_attention(x.q, x.k_cache, x.v_cache, idx.to(torch.int32), counts, num_splits=3, block_k=64)
+    assert (out.double() - ref).abs().max().item() < 1e-5
+
+
+# ----------------------------------------------------------------------------------------------------
+# SparQ-style baseline
+SPARQ_CASES = [
+    pytest.param(1, 2, 2, 1, 64, 8, 1, False, id="B1-S1-HQ2-HKV2-D64-r8-k1"),
+    pytest.param(3, 6, 2, 97, 96, 12, "S", True, id="B3-S97-HQ6-HKV2-D96-r12-kS"),
+    pytest.param(2, 8, 2, 1025, 128, 16, 0.25, True, id="B2-S1025-HQ8-HKV2-D128-r16"),
+]
+
+
+@interp
+@pytest.mark.parametrize("B,HQ,HKV,S,D,r,k,ragged", SPARQ_CASES)
+def test_sparq_attention(triton_device, B, HQ, HKV, S, D, r, k, ragged):
+    x = _inputs(B, HQ, HKV, S, D, torch.float32, triton_device, ragged=ragged, left_pad=ragged, seed=S)
+    k = S if k == "S" else k
+    out = sparq_attention(x.q, x.k_cache, x.v_cache, r=r, k=k, lengths=x.lengths, starts=x.starts)
+    ref64 = sparq_attention_reference(x.q.double(), x.k_cache.double(), x.v_cache.double(), r=r, k=k,
+                                      lengths=x.lengths, starts=x.starts, compute_dtype=torch.float64)
+    lowp = sparq_attention_reference(x.q, x.k_cache, x.v_cache, r=r, k=k, lengths=x.lengths, starts=x.starts)
+    _assert_close_to_reference(out, ref64, lowp, torch.float32, "sparq_attention")
+
+
+@interp
+def test_sparq_attention_chunked_with_left_padding(triton_device):
+    """Small chunks: whole chunks of left padding must not poison the running softmax sum."""
+    x = _inputs(2, 4, 2, 300, 64, torch.float32, triton_device, ragged=True, left_pad=True, seed=11)
+    x.starts[0] = 200
+    out = sparq_attention(x.q, x.k_cache, x.v_cache, r=8, k=0.3, lengths=x.lengths, starts=x.starts,
+                          block_s=64, block_k=16)
+    ref = sparq_attention_reference(x.q.double(), x.k_cache.double(), x.v_cache.double(), r=8, k=0.3,
+                                    lengths=x.lengths, starts=x.starts, compute_dtype=torch.float64)
+    assert (out.double() - ref).abs().max().item() < 1e-5
+
+
+# ----------------------------------------------------------------------------------------------------
+# end to end
+DECODE_CASES = [
+    pytest.param(1, 4, 4, 1, 64, 16, 1, "query", "torch", id="B1-S1-HQ4-HKV4-D64-torchsel"),
+    pytest.param(3, 6, 2, 97, 96, 0.25, "S", "kv", "triton", id="B3-S97-HQ6-HKV2-D96-kS-kv-tritonsel"),
+    pytest.param(2, 8, 2, 1025, 128, 0.25, 0.25, "query", "triton", id="B2-S1025-HQ8-HKV2-D128-tritonsel"),
+    pytest.param(2, 8, 2, 1025, 128, 32, 100, "kv", "torch", id="B2-S1025-HQ8-HKV2-D128-kv-torchsel"),
+]
+
+
+@interp
+@pytest.mark.parametrize("B,HQ,HKV,S,D,d,k,mode,select_method", DECODE_CASES)
+def test_decode_attention_triton_vs_torch(triton_device, B, HQ, HKV, S, D, d, k, mode, select_method):
+    _run_decode_case(triton_device, B, HQ, HKV, S, D, d, k, mode, select_method, torch.float32)
+
+
+def _run_decode_case(device, B, HQ, HKV, S, D, d, k, mode, select_method, dtype, ragged=True):
+    x = _inputs(B, HQ, HKV, S, D, dtype, device, ragged=ragged, left_pad=ragged, seed=7)
+    k = S if k == "S" else k
+    out, (idx, counts) = decode_attention(x.q, x.k_cache, x.v_cache, d=d, k=k, lengths=x.lengths,
+                                          starts=x.starts, backend="triton", gqa_select=mode,
+                                          select_method=select_method, return_indices=True)
+    assert out.shape == (B, HQ, D) and out.dtype == dtype
+    # the selection is a valid top-k of the fp64 approximate scores (slack: fp32 summation order)
+    s64 = approx_scores_reference(x.q.double(), x.k_cache.double(), d, x.lengths, x.starts, gqa_select=mode,
+                                  compute_dtype=torch.float64)
+    slack = 1e-5 * s64[torch.isfinite(s64)].abs().max().item()
+    if dtype != torch.float32:
+        slack *= 10
+    assert check_selection(idx, s64, counts, slack=slack) == B * idx.shape[1]
+    # the attention over that selection is exact
+    ref64 = sparse_attention_reference(x.q.double(), x.k_cache.double(), x.v_cache.double(), idx.long(), counts,
+                                       compute_dtype=torch.float64)
+    lowp = sparse_attention_reference(x.q, x.k_cache, x.v_cache, idx.long(), counts, compute_dtype=dtype)
+    _assert_close_to_reference(out, ref64, lowp, dtype, "decode_attention")
+    # and the whole step agrees with the torch backend (selections may differ only at near-ties)
+    ref = decode_attention(x.q, x.k_cache, x.v_cache, d=d, k=k, lengths=x.lengths, starts=x.starts,
+                           backend="torch", gqa_select=mode)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    assert (out.float() - ref.float()).abs().max().item() <= tol
+
+
+@interp
+def test_decode_attention_full_budget_is_dense(triton_device):
+    """d = D and k = S: Loki equals dense attention."""
+    x = _inputs(2, 6, 3, 200, 64, torch.float32, triton_device)
+    out = decode_attention(x.q, x.k_cache, x.v_cache, d=64, k=200, backend="triton", gqa_select="kv")
+    ref = R.dense_attention(x.q.double(), x.k_cache.double(), x.v_cache.double(), compute_dtype=torch.float64)
+    assert (out.double() - ref).abs().max().item() < 1e-5
+
+
+# ----------------------------------------------------------------------------------------------------
+# errors and hygiene (no kernel launches)
+def test_decode_attention_errors_name_the_argument():
+    x = make_decode_inputs(1, 2, 2, 16, 64)
+    with pytest.raises(ValueError, match="d=65"):
+        decode_attention(x.q, x.k_cache, x.v_cache, d=65, k=4, backend="triton")
+    with pytest.raises(ValueError, match="k=17"):
+        decode_attention(x.q, x.k_cache, x.v_cache, d=8, k=17, backend="triton")
+    with pytest.raises(ValueError, match="k=0"):
+        decode_attention(x.q, x.k_cache, x.v_cache, d=8, k=0, backend="triton")
+    with pytest.raises(ValueError, match="backend"):
+        decode_attention(x.q, x.k_cache, x.v_cache, d=8, k=4, backend="cuda")
+    with pytest.raises(ValueError, match="gqa_select"):
+        decode_attention(x.q, x.k_cache, x.v_cache, d=8, k=4, gqa_select="group")
+    with pytest.raises(ValueError, match="select_method"):
+        decode_attention(x.q, x.k_cache, x.v_cache, d=8, k=4, select_method="radix")
+    with pytest.raises(ValueError, match="lengths"):
+        decode_attention(x.q, x.k_cache, x.v_cache, d=8, k=4, lengths=torch.tensor([17]), backend="triton")
+    with pytest.raises(ValueError, match="k_cache batch"):
+        decode_attention(x.q, x.k_cache[:0], x.v_cache[:0], d=8, k=4, backend="triton")
+
+
+def test_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
+    x = make_decode_inputs(1, 2, 2, 16, 64)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        decode_attention(x.q, x.k_cache, x.v_cache, d=8, k=4, backend="triton")
+    out = decode_attention(x.q, x.k_cache, x.v_cache, d=8, k=4)  # auto -> torch on CPU tensors
+    assert out.shape == (1, 2, 64)
+
+
+def test_import_needs_no_device():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    code = "import loki, loki.kernels, loki.bench.harness; print('ok')"
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and "ok" in res.stdout, res.stderr
+
+
+# ----------------------------------------------------------------------------------------------------
+# GPU: long caches, big batches, all dtypes and head dims
+GPU_SPARSE = [
+    pytest.param(16, 40, 40, 4096, 128, 0.25, "query", torch.bfloat16, False, id="B16-S4096-HQ40-HKV40-D128-bf16"),
+    pytest.param(1, 32, 8, 32768, 128, 0.125, "kv", torch.bfloat16, True, id="B1-S32768-HQ32-HKV8-D128-kv-bf16"),
+    pytest.param(4, 32, 8, 8192, 128, 0.25, "query", torch.float16, True, id="B4-S8192-HQ32-HKV8-D128-fp16"),
+    pytest.param(3, 32, 4, 5000, 64, 0.25, "kv", torch.float32, True, id="B3-S5000-HQ32-HKV4-D64-kv-G8-fp32"),
+    pytest.param(2, 12, 12, 4099, 96, 1, "query", torch.bfloat16, True, id="B2-S4099-HQ12-D96-k1-bf16"),
+    pytest.param(2, 24, 3, 1025, 96, "S", "kv", torch.float16, True, id="B2-S1025-HQ24-HKV3-D96-kS-kv-fp16"),
+]
+
+
+@gpu
+@pytest.mark.parametrize("B,HQ,HKV,S,D,k,mode,dtype,ragged", GPU_SPARSE)
+def test_gpu_sparse_attention(B, HQ, HKV, S, D, k, mode, dtype, ragged):
+    _run_sparse_case(torch.device("cuda"), B, HQ, HKV, S, D, k, mode, dtype, ragged)
+
+
+GPU_APPROX = [
+    pytest.param(16, 40, 40, 4096, 128, 32, id="B16-S4096-HQ40-HKV40-D128-d32"),
+    pytest.param(2, 32, 4, 32768, 96, 24, id="B2-S32768-HQ32-HKV4-D96-d24"),
+    pytest.param(3, 8, 2, 4099, 64, 7, id="B3-S4099-HQ8-HKV2-D64-d7"),
+]
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("B,HQ,HKV,S,D,d", GPU_APPROX)
+def test_gpu_approx_scores_and_select(B, HQ, HKV, S, D, d, dtype):
+    dev = torch.device("cuda")
+    x = _inputs(B, HQ, HKV, S, D, dtype, dev, ragged=True, left_pad=True)
+    heads, agg = approx_scores(x.q, x.k_cache, d, x.lengths, x.starts, return_both=True)
+    for got, mode in ((heads, "query"), (agg, "kv")):
+        ref = approx_scores_reference(x.q, x.k_cache, d, x.lengths, x.starts, gqa_select=mode,
+                                      compute_dtype=torch.float64)
+        assert torch.equal(torch.isneginf(got), torch.isneginf(ref))
+        fin = torch.isfinite(ref)
+        assert (got.double()[fin] - ref[fin]).abs().max().item() <= 1e-5 * max(1.0, ref[fin].abs().max().item())
+    counts = R.budget(0.25, x.lengths, x.starts, B, S, dev)
+    for s in (heads, agg):
+        idx = select_topk(s, counts, method="triton", k_max=(S + 3) // 4)
+        assert check_selection(idx, s, counts) == B * s.shape[1]
+
+
+GPU_DECODE = [
+    pytest.param(16, 40, 40, 4096, 128, "query", torch.bfloat16, id="B16-S4096-HQ40-D128-bf16"),
+    pytest.param(16, 32, 8, 8192, 128, "kv", torch.bfloat16, id="B16-S8192-HQ32-HKV8-kv-bf16"),
+    pytest.param(1, 32, 8, 32768, 128, "query", torch.float16, id="B1-S32768-HQ32-HKV8-fp16"),
+    pytest.param(4, 32, 4, 2048, 96, "kv", torch.float32, id="B4-S2048-HQ32-HKV4-D96-kv-fp32"),
+]
+
+
+@gpu
+@pytest.mark.parametrize("select_method", ["torch", "triton"])
+@pytest.mark.parametrize("B,HQ,HKV,S,D,mode,dtype", GPU_DECODE)
+def test_gpu_decode_attention_triton_vs_torch(B, HQ, HKV, S, D, mode, dtype, select_method):
+    _run_decode_case(torch.device("cuda"), B, HQ, HKV, S, D, 0.25, 0.25, mode, select_method, dtype)
+
+
+GPU_SPARQ = [
+    pytest.param(1, 32, 32, 4096, 128, 32, 0.125, torch.float16, id="B1-S4096-HQ32-D128-fp16"),
+    pytest.param(4, 32, 8, 8192, 128, 16, 0.25, torch.bfloat16, id="B4-S8192-HQ32-HKV8-bf16"),
+    pytest.param(2, 8, 2, 4099, 64, 8, 0.25, torch.float32, id="B2-S4099-HQ8-HKV2-D64-fp32"),
+]
+
+
+@gpu
+@pytest.mark.parametrize("B,HQ,HKV,S,D,r,k,dtype", GPU_SPARQ)
+def test_gpu_sparq_attention(B, HQ, HKV, S, D, r, k, dtype):
+    x = _inputs(B, HQ, HKV, S, D, dtype, torch.device("cuda"), ragged=True, left_pad=True)
+    out = sparq_attention(x.q, x.k_cache, x.v_cache, r=r, k=k, lengths=x.lengths, starts=x.starts)
+    ref64 = sparq_attention_reference(x.q.double(), x.k_cache.double(), x.v_cache.double(), r=r, k=k,
+                                      lengths=x.lengths, starts=x.starts, compute_dtype=torch.float64)
+    # the fp32 reference on the input-precision tensors: the same selection problem the kernels solve
+    lowp = sparq_attention_reference(x.q, x.k_cache, x.v_cache, r=r, k=k, lengths=x.lengths, starts=x.starts)
+    err = (out.double() - ref64).abs().max().item()
+    base = (lowp.double() - ref64).abs().max().item()
+    assert err <= 2 * base + ATOL[dtype], (err, base)
