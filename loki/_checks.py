@@ -31,12 +31,17 @@ def check_decode_inputs(
     v_cache: torch.Tensor,
     lengths: torch.Tensor | None = None,
     starts: torch.Tensor | None = None,
+    *,
+    check_values: bool = True,
 ) -> tuple[int, int, int, int, int, torch.Tensor, torch.Tensor]:
     """Check one decode step's inputs and return ``(B, HQ, HKV, S, D, lengths, starts)``.
 
     q: [B, HQ, D]; k_cache, v_cache: [B, HKV, S, D]; lengths: [B] (exclusive end of the valid tokens,
     default S); starts: [B] (first valid token, default 0; left padding). Valid tokens of sequence b are
     ``starts[b] <= s < lengths[b]``.
+
+    ``check_values=False`` skips the checks that read ``lengths``/``starts`` values (each is a host sync on an
+    accelerator); shapes, dtypes and devices are always checked.
     """
     for name, t, rank in (("q", q, 3), ("k_cache", k_cache, 4), ("v_cache", v_cache, 4)):
         if not isinstance(t, torch.Tensor):
@@ -64,9 +69,9 @@ def check_decode_inputs(
         raise ValueError(
             f"device mismatch: q on {q.device}, k_cache on {k_cache.device}, v_cache on {v_cache.device}"
         )
-    lengths = _check_positions("lengths", lengths, B, S, q.device, default=S)
-    starts = _check_positions("starts", starts, B, S, q.device, default=0)
-    if bool((starts >= lengths).any()):
+    lengths = _check_positions("lengths", lengths, B, S, q.device, default=S, check_values=check_values)
+    starts = _check_positions("starts", starts, B, S, q.device, default=0, check_values=check_values)
+    if check_values and bool((starts >= lengths).any()):
         b = int((starts >= lengths).nonzero()[0, 0])
         raise ValueError(
             "every sequence needs at least one valid token: "
@@ -75,7 +80,7 @@ def check_decode_inputs(
     return B, HQ, HKV, S, D, lengths, starts
 
 
-def _check_positions(name, t, B, S, device, default):
+def _check_positions(name, t, B, S, device, default, check_values=True):
     if t is None:
         return torch.full((B,), default, dtype=torch.int32, device=device)
     if not isinstance(t, torch.Tensor):
@@ -87,7 +92,7 @@ def _check_positions(name, t, B, S, device, default):
     if t.device != device:
         raise ValueError(f"{name} is on {t.device} but q is on {device}")
     lo, hi = (0, S - 1) if name == "starts" else (1, S)
-    if bool(((t < lo) | (t > hi)).any()):
+    if check_values and bool(((t < lo) | (t > hi)).any()):
         raise ValueError(f"{name} values must lie in [{lo}, {hi}] for a cache of S={S} tokens, got {t.tolist()}")
     return t.to(torch.int32)
 

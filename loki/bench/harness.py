@@ -125,33 +125,12 @@ def measure_copy_bandwidth(nbytes: int = 1 << 30, device="cuda") -> float:
 
 def make_bench_inputs(B, HQ, HKV, S, D, *, dtype=torch.bfloat16, device="cuda", seed=0, decay=0.9,
                       ragged=False, left_pad=False):
-    """Decode inputs drawn on the device with the recipe of ``loki.testing.inputs.make_decode_inputs``
-    (keys with a decaying spectrum in a random orthogonal frame plus a mean, independent values).
+    """Decode inputs for benchmarks: the shared factory ``loki.testing.inputs.make_decode_inputs``
+    (drawn directly on the device), with benchmark defaults (bf16, cuda)."""
+    from loki.testing.inputs import make_decode_inputs
 
-    The shared factory draws fp64 on the CPU, which takes minutes and tens of GB at B=16, S=32768; this
-    draws the same distribution directly on the device (``ragged`` / ``left_pad`` as there).
-    Returns ``DecodeInputs``.
-    """
-    from loki.testing.inputs import DecodeInputs, random_orthogonal
-
-    g = torch.Generator(device=device).manual_seed(seed)
-    std = (decay ** torch.arange(D, dtype=torch.float32, device=device))
-    frame = random_orthogonal(HKV, D, seed=seed + 1, dtype=torch.float32, device=device)
-    scale = D**0.5 / std.norm()
-    k = torch.empty(B, HKV, S, D, dtype=dtype, device=device)
-    for h in range(HKV):  # one head at a time keeps the fp32 temporaries small
-        kh = torch.randn(B, S, D, generator=g, device=device) * std
-        k[:, h] = (kh @ frame[h].T * scale + 0.5 * torch.randn(D, generator=g, device=device)).to(dtype)
-    q = torch.randn(B, HQ, D, generator=g, device=device).to(dtype)
-    v = torch.randn(B, HKV, S, D, generator=g, device=device, dtype=torch.float32).to(dtype)
-    lengths = torch.full((B,), S, dtype=torch.int32, device=device)
-    starts = torch.zeros(B, dtype=torch.int32, device=device)
-    if ragged and B > 1:
-        lengths[1:] = torch.randint(1, S + 1, (B - 1,), generator=g, device=device, dtype=torch.int32)
-    if left_pad:
-        starts = (torch.rand(B, generator=g, device=device) * (lengths.double() - 1)).floor().to(torch.int32)
-        starts = torch.minimum(starts, lengths - 1)
-    return DecodeInputs(q=q, k_cache=k, v_cache=v, lengths=lengths, starts=starts)
+    return make_decode_inputs(B, HQ, HKV, S, D, dtype=dtype, device=device, seed=seed, decay=decay,
+                              ragged=ragged, left_pad=left_pad)
 
 
 def _sdpa_fn(q, k, v, gqa):

@@ -51,7 +51,6 @@ from ..reference import (
     exact_topk_attention,
     expand_to_query_heads,
     h2o_attention,
-    loki_attention,
     pcaattn_attention,
     rotate_keys,
     rotate_query,
@@ -493,16 +492,9 @@ def _row_intervals(allowed: torch.Tensor):
 
 
 def _loki_decode(q_hat, k_hat, v, *, d, k, lengths, starts, gqa_select, aggregate, scale, backend):
-    """One decode step of Loki through ``loki.kernels.decode`` (the reference if that module is absent)."""
-    try:
-        from ..kernels.decode import decode_attention
-    except ModuleNotFoundError as exc:
-        if exc.name not in ("loki.kernels.decode", "loki.kernels"):
-            raise
-        decode_attention = None
-    if decode_attention is None:
-        return loki_attention(q_hat, k_hat, v, d=d, k=k, lengths=lengths, starts=starts, gqa_select=gqa_select,
-                              aggregate=aggregate, scale=scale)
+    """One decode step of Loki through ``loki.kernels.decode_attention`` (torch or Triton backend)."""
+    from ..kernels.decode import decode_attention
+
     if backend == "auto":
         backend = "triton" if q_hat.is_cuda else "torch"
     return decode_attention(q_hat, k_hat, v, d=d, k=k, lengths=lengths, starts=starts, backend=backend,

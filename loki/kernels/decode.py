@@ -53,6 +53,7 @@ def decode_attention(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     return_indices: bool = False,
+    check_values: bool = True,
 ):
     """Loki decode attention on keys stored in the PCA basis.
 
@@ -67,7 +68,8 @@ def decode_attention(
     tensors under ``TRITON_INTERPRET=1``); "auto" picks triton for CUDA tensors, torch otherwise.
     ``select_method``: "torch" (``torch.topk``) or "triton" (exact threshold select).
     The triton path issues no host sync of its own beyond the input validation (the selection width K is
-    bounded on the host from k and S; counts stay on the device).
+    bounded on the host from k and S; counts stay on the device); ``check_values=False`` skips the checks of
+    the lengths/starts values, which are host syncs, for hot loops whose positions are known to be valid.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -87,7 +89,8 @@ def decode_attention(
             out.copy_(res[0] if return_indices else res)
         return res
     uniform = lengths is None and starts is None
-    B, HQ, HKV, S, D, lengths, starts = check_decode_inputs(q_hat, k_hat, v_cache, lengths, starts)
+    B, HQ, HKV, S, D, lengths, starts = check_decode_inputs(q_hat, k_hat, v_cache, lengths, starts,
+                                                            check_values=check_values)
     dd = resolve_d(d, D)
     resolve_k(k, torch.full((1,), S, dtype=torch.long), S)  # argument errors name k, before any launch
     check_triton_device(q_hat, "decode_attention(backend='triton')")

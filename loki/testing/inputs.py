@@ -48,7 +48,15 @@ def make_decode_inputs(
 ) -> DecodeInputs:
     """Random decode inputs. ``ragged`` gives each sequence its own length (the first keeps S);
     ``left_pad`` also gives random start offsets. ``decay`` sets the key spectrum (std of dim j ~ decay**j,
-    in a random orthogonal frame per KV head); 1.0 gives isotropic keys."""
+    in a random orthogonal frame per KV head); 1.0 gives isotropic keys.
+
+    On the CPU the draw is float64 (exact references); on an accelerator the same recipe is drawn in float32
+    directly on the device, one KV head at a time, so benchmark-sized caches (B=16, S=32768) take no time.
+    """
+    dev = torch.device(device)
+    if dev.type != "cpu":
+        return _make_on_device(B, HQ, HKV, S, D, dtype=dtype, device=dev, seed=seed, ragged=ragged,
+                               left_pad=left_pad, decay=decay)
     g = torch.Generator().manual_seed(seed)
     std = decay ** torch.arange(D, dtype=torch.float64)
     frame = random_orthogonal(HKV, D, seed=seed + 1, dtype=torch.float64)
@@ -58,18 +66,31 @@ def make_decode_inputs(
     k = k + mean[None, :, None, :]
     q = torch.randn(B, HQ, D, generator=g, dtype=torch.float64)
     v = torch.randn(B, HKV, S, D, generator=g, dtype=torch.float64)
-    lengths = torch.full((B,), S, dtype=torch.int32)
-    starts = torch.zeros(B, dtype=torch.int32)
+    lengths, starts = _positions(B, S, g, "cpu", ragged, left_pad)
+    return DecodeInputs(q=q.to(dtype), k_cache=k.to(dtype), v_cache=v.to(dtype), lengths=lengths, starts=starts)
+
+
+def _positions(B, S, g, device, ragged, left_pad):
+    lengths = torch.full((B,), S, dtype=torch.int32, device=device)
+    starts = torch.zeros(B, dtype=torch.int32, device=device)
     if ragged and B > 1:
-        lengths[1:] = torch.randint(1, S + 1, (B - 1,), generator=g, dtype=torch.int32)
+        lengths[1:] = torch.randint(1, S + 1, (B - 1,), generator=g, dtype=torch.int32, device=device)
     if left_pad:
-        starts = (torch.rand(B, generator=g) * (lengths.double() - 1)).floor().to(torch.int32)
+        starts = (torch.rand(B, generator=g, device=device) * (lengths.double() - 1)).floor().to(torch.int32)
         starts = torch.minimum(starts, lengths - 1)
-    dev = torch.device(device)
-    return DecodeInputs(
-        q=q.to(dtype=dtype, device=dev),
-        k_cache=k.to(dtype=dtype, device=dev),
-        v_cache=v.to(dtype=dtype, device=dev),
-        lengths=lengths.to(dev),
-        starts=starts.to(dev),
-    )
+    return lengths, starts
+
+
+def _make_on_device(B, HQ, HKV, S, D, *, dtype, device, seed, ragged, left_pad, decay) -> DecodeInputs:
+    g = torch.Generator(device=device).manual_seed(seed)
+    std = decay ** torch.arange(D, dtype=torch.float32, device=device)
+    frame = random_orthogonal(HKV, D, seed=seed + 1, dtype=torch.float32, device=device)
+    scale = D**0.5 / std.norm()
+    k = torch.empty(B, HKV, S, D, dtype=dtype, device=device)
+    for h in range(HKV):  # one head at a time keeps the fp32 temporaries small
+        kh = torch.randn(B, S, D, generator=g, device=device) * std
+        k[:, h] = (kh @ frame[h].T * scale + 0.5 * torch.randn(D, generator=g, device=device)).to(dtype)
+    q = torch.randn(B, HQ, D, generator=g, device=device).to(dtype)
+    v = torch.randn(B, HKV, S, D, generator=g, device=device, dtype=torch.float32).to(dtype)
+    lengths, starts = _positions(B, S, g, device, ragged, left_pad)
+    return DecodeInputs(q=q, k_cache=k, v_cache=v, lengths=lengths, starts=starts)
