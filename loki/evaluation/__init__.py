@@ -1,0 +1,45 @@
+"""Evaluation of sparse attention on real models: the embedded default model (``models``), offline text
+loaders (``data``), perplexity with decode-time semantics (``perplexity``), top-k agreement (``agreement``),
+Rank@v analysis and plots (``rank``), reports (``report``), the main job ``loki check`` (``check``) and the
+CLI subcommands (``commands``).
+
+Submodules are imported lazily: ``import loki.evaluation`` loads neither transformers nor matplotlib.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "load_default_model": "models",
+    "load_model": "models",
+    "cache_root": "models",
+    "load_wikitext": "data",
+    "load_packaged_corpus": "data",
+    "load_corpus": "data",
+    "token_windows": "data",
+    "TextSource": "data",
+    "MethodSpec": "perplexity",
+    "PerplexityResult": "perplexity",
+    "perplexity": "perplexity",
+    "evaluate_methods": "perplexity",
+    "effective_density": "perplexity",
+    "standard_methods": "perplexity",
+    "topk_agreement": "agreement",
+    "selection_agreement": "agreement",
+    "rank_summary": "rank",
+    "write_rank_plots": "rank",
+    "write_report": "report",
+    "SuiteOptions": "check",
+    "run_suite": "check",
+    "evaluate_gates": "check",
+    "get_bases": "check",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

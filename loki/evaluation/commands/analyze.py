@@ -1,0 +1,65 @@
+"""``loki analyze``: Rank@v of keys per layer and head, with plots, from basis files or by calibrating."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from . import add_model_arguments, fail, load_model_from_args
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Rank@v analysis (the fewest principal components holding v%% of the keys' variance) per layer and KV "
+        "head. Give one or more basis files (--basis NAME=PATH or PATH), or none to calibrate pre- and "
+        "post-rotary bases of the model first. Writes rank_summary.json and PNG plots (Rank@v per layer, a "
+        "layer x head heatmap, explained-variance curves) into --out."
+    )
+    parser.add_argument("--basis", action="append", default=[], metavar="[NAME=]PATH",
+                        help="a basis file (repeatable); NAME defaults to its rotary kind")
+    add_model_arguments(parser)
+    parser.add_argument("--corpus", default="wikipedia", choices=("wikipedia", "book", "wikitext"),
+                        help="calibration corpus when no --basis is given (default: %(default)s)")
+    parser.add_argument("--tokens", type=int, default=4096, help="calibration tokens (default: %(default)s)")
+    parser.add_argument("--seq-len", type=int, default=512, help="calibration sequence length (default: %(default)s)")
+    parser.add_argument("--v", type=float, action="append", default=None,
+                        help="variance percentage(s) for Rank@v (default: 90 and 95)")
+    parser.add_argument("--out", default="loki-analysis", help="output folder (default: %(default)s)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from loki.basis import BasisError, PCABasis
+    from loki.evaluation.rank import rank_summary, write_rank_plots
+
+    vs = tuple(args.v or (90.0, 95.0))
+    for v in vs:
+        if not 0 < v <= 100:
+            return fail(f"--v must be a percentage in (0, 100], got {v}")
+    bases: dict[str, PCABasis] = {}
+    for item in args.basis:
+        name, _, path = item.rpartition("=")
+        try:
+            b = PCABasis.load(path)
+        except (FileNotFoundError, BasisError) as exc:
+            return fail(str(exc))
+        key = name or (b.rotary if b.rotary not in bases else Path(path).stem)
+        bases[key] = b
+    if not bases:
+        from loki.evaluation.check import get_bases
+
+        if args.tokens < 1 or args.seq_len < 2:
+            return fail("--tokens must be >= 1 and --seq-len >= 2")
+        model, tokenizer = load_model_from_args(args)
+        bases = get_bases(model, tokenizer, args.corpus, args.tokens, args.seq_len,
+                          progress=not args.no_progress, log=print)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    summary = rank_summary(bases, vs)
+    (out / "rank_summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
+    plots = write_rank_plots(bases, out, vs[0])
+    for name, s in summary.items():
+        line = ", ".join(f"Rank@{v:g} {s[f'v{v:g}']['mean']:.1f}" for v in vs)
+        print(f"{name}: {line} (of D={s['D']})")
+    print(f"wrote {out / 'rank_summary.json'} and {', '.join(plots.values())} in {out}")
+    return 0

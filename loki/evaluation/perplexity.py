@@ -1,0 +1,224 @@
+"""Perplexity of a causal LM under a sparse-attention method, with decode-time semantics.
+
+Protocols (``protocol=``):
+
+- ``"decode"`` (default): teacher forcing where every query row ``i`` of a window attends like a decode step
+  over the ``i + 1`` tokens it sees and a fractional budget selects ``k_i = ceil(k_f * (i + 1))`` of them
+  (``enable_loki(..., semantics="decode")``, which calls the decode references with one row per query through
+  :func:`loki.integrations.transformers.teacher_forced_attention`).  The fraction of causal entries attended
+  (the *effective density*) is then ~k_f.  A test proves this equals token-by-token decoding with the cache.
+- ``"paper"``: the Loki paper's original evaluation, where k is a fraction of the *whole* window,
+  ``K = ceil(k_f * T)``, and row ``i`` keeps ``min(K, i + 1)`` tokens: early rows keep everything, so far more
+  than k_f of the causal entries are attended (effective density ~ 2 k_f - k_f^2 for T >> 1).
+
+H2O keeps state across decode steps (accumulated attention), so it is evaluated by an actual token-by-token
+decode loop with the KV cache (``semantics="generate"``, one token per forward), which has the same
+decode-time semantics.
+
+Shape letters: N windows, T tokens per window, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import time
+from dataclasses import asdict, dataclass, replace
+
+import torch
+
+from loki._checks import resolve_k
+
+__all__ = [
+    "PROTOCOLS",
+    "MethodSpec",
+    "PerplexityResult",
+    "effective_density",
+    "evaluate_methods",
+    "nll_per_token",
+    "perplexity",
+    "standard_methods",
+]
+
+PROTOCOLS = ("decode", "paper")
+#: Method names accepted by :class:`MethodSpec` ("full" = the model's own dense attention, untouched).
+METHOD_NAMES = ("full", "dense", "exact_topk", "loki", "pcaattn", "sparq", "h2o")
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """One evaluated setting.  ``k``/``d`` are counts or fractions (``d`` is SparQ's ``r``); ``basis`` names an
+    entry of the bases dict (e.g. "pre"/"post") for "loki" and "pcaattn"."""
+
+    name: str
+    method: str
+    k: int | float = 1.0
+    d: int | float = 1.0
+    basis: str | None = None
+    gqa_select: str = "query"
+
+    def __post_init__(self):
+        if self.method not in METHOD_NAMES:
+            raise ValueError(f"method must be one of {METHOD_NAMES}, got {self.method!r}")
+        if self.method in ("loki", "pcaattn") and self.basis is None:
+            raise ValueError(f"method {self.method!r} ({self.name}) needs a basis name")
+
+
+@dataclass
+class PerplexityResult:
+    name: str
+    method: str
+    protocol: str
+    k: int | float
+    d: int | float
+    basis: str | None
+    gqa_select: str
+    ppl: float
+    nll: float
+    tokens: int
+    density: float
+    seconds: float
+    window_nll: list[float]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def effective_density(k: int | float, T: int, protocol: str = "decode") -> float:
+    """Fraction of the causal entries (row i sees i + 1 tokens) that a budget ``k`` attends over a window of
+    ``T`` tokens under ``protocol`` (1.0 for k = 1.0)."""
+    n = torch.arange(1, T + 1, dtype=torch.long)
+    kk = _protocol_k(k, T, protocol)
+    counts = resolve_k(kk, n, T)
+    return float(counts.sum()) / float(n.sum())
+
+
+def _protocol_k(k: int | float, T: int, protocol: str) -> int | float:
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
+    if protocol == "paper" and isinstance(k, float):
+        return max(1, math.ceil(k * T - 1e-9))  # a count: min(K, i + 1) per row
+    return k
+
+
+def nll_per_token(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """Negative log-likelihood of each next token: logits [N, T, V], input_ids [N, T] -> [N, T - 1] fp32."""
+    lp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    return -lp.gather(-1, input_ids[:, 1:, None].to(lp.device)).squeeze(-1)
+
+
+def _cache_kwarg(model) -> str:
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+@torch.no_grad()
+def _logits_decode_loop(model, input_ids: torch.Tensor, progress: bool = False) -> torch.Tensor:
+    """Token-by-token decoding with the KV cache (one token per forward) under the enabled method."""
+    from tqdm.auto import tqdm
+
+    from loki.integrations.transformers import loki_cache
+
+    cache = loki_cache(model)
+    kw = _cache_kwarg(model)
+    out = []
+    for t in tqdm(range(input_ids.shape[1]), desc="decode loop", unit="tok", disable=not progress, leave=False):
+        o = model(input_ids=input_ids[:, t : t + 1], use_cache=True, **{kw: cache})
+        out.append(o.logits[:, -1].float())
+    return torch.stack(out, dim=1)
+
+
+@torch.no_grad()
+def method_logits(model, input_ids: torch.Tensor, spec: MethodSpec, bases: dict | None = None, *,
+                  protocol: str = "decode", decode_loop: bool | None = None, progress: bool = False) -> torch.Tensor:
+    """Logits [N, T, V] of ``model`` on ``input_ids [N, T]`` under ``spec`` (see the module docstring).
+
+    ``decode_loop=True`` forces the token-by-token loop for any method (the default uses it for H2O only).
+    """
+    from loki.integrations.transformers import disable_loki, enable_loki
+
+    input_ids = input_ids.to(model.device)
+    T = input_ids.shape[1]
+    if spec.method == "full":
+        disable_loki(model)
+        return model(input_ids=input_ids, use_cache=False).logits.float()
+    basis = None
+    if spec.basis is not None:
+        if not bases or spec.basis not in bases:
+            raise KeyError(f"{spec.name}: basis {spec.basis!r} not given (have {sorted(bases or {})})")
+        basis = bases[spec.basis]
+    k = _protocol_k(spec.k, T, protocol)
+    loop = spec.method == "h2o" if decode_loop is None else decode_loop
+    enable_loki(model, basis, k=k, d=spec.d, method=spec.method, gqa_select=spec.gqa_select,
+                semantics="generate" if loop else "decode")
+    try:
+        if loop:
+            return _logits_decode_loop(model, input_ids, progress=progress)
+        return model(input_ids=input_ids, use_cache=False).logits.float()
+    finally:
+        disable_loki(model)
+
+
+def perplexity(model, windows: torch.Tensor, spec: MethodSpec, bases: dict | None = None, *,
+               protocol: str = "decode", batch_size: int = 4, progress: bool = False) -> PerplexityResult:
+    """Perplexity of ``model`` on ``windows [N, T]`` under ``spec``: exp of the mean next-token NLL over all
+    N * (T - 1) predictions."""
+    if windows.dim() != 2 or windows.shape[1] < 2:
+        raise ValueError(f"windows must be [N, T] with T >= 2, got {list(windows.shape)}")
+    t0 = time.perf_counter()
+    nlls = []
+    for i in range(0, windows.shape[0], batch_size):
+        chunk = windows[i : i + batch_size]
+        logits = method_logits(model, chunk, spec, bases, protocol=protocol, progress=progress)
+        nlls.append(nll_per_token(logits, chunk).cpu())
+    nll = torch.cat(nlls)  # [N, T - 1]
+    mean = float(nll.double().mean())
+    T = windows.shape[1]
+    density = 1.0 if spec.method in ("full", "dense", "pcaattn") else effective_density(spec.k, T, protocol)
+    return PerplexityResult(
+        name=spec.name, method=spec.method, protocol=protocol, k=spec.k, d=spec.d, basis=spec.basis,
+        gqa_select=spec.gqa_select, ppl=math.exp(mean), nll=mean, tokens=int(nll.numel()), density=density,
+        seconds=time.perf_counter() - t0, window_nll=[float(x) for x in nll.double().mean(1)],
+    )
+
+
+def standard_methods(k_f: float = 0.25, d_f: float = 0.25, head_dim: int = 64, *, rotary=("pre", "post"),
+                     gqa_modes=("query", "kv"), pcaattn: bool = True, exactness: bool = True) -> list[MethodSpec]:
+    """The suite at matched budgets: full attention, exact top-k (both GQA modes), Loki for every basis and GQA
+    mode, H2O, PCAAttn and SparQ with ``r = d`` (SparQ reads r of D dims per key as Loki reads d, so their
+    score-phase bytes match), plus the exactness settings (Loki with d = D and k = all; d = D at k_f)."""
+    r = max(1, math.ceil(d_f * head_dim - 1e-9))
+    specs = [MethodSpec("full", "full")]
+    for g in gqa_modes:
+        specs.append(MethodSpec(f"exact_topk[{g}]", "exact_topk", k=k_f, gqa_select=g))
+    for rot in rotary:
+        for g in gqa_modes:
+            specs.append(MethodSpec(f"loki-{rot}[{g}]", "loki", k=k_f, d=d_f, basis=rot, gqa_select=g))
+    specs.append(MethodSpec("h2o", "h2o", k=k_f))
+    specs.append(MethodSpec(f"sparq(r={r})", "sparq", k=k_f, d=r))
+    if pcaattn:
+        for rot in rotary[-1:]:
+            specs.append(MethodSpec(f"pcaattn-{rot}", "pcaattn", d=d_f, basis=rot))
+    if exactness:
+        rot = rotary[-1]
+        specs.append(MethodSpec(f"loki-{rot}(d=D,k=all)", "loki", k=1.0, d=1.0, basis=rot))
+        specs.append(MethodSpec(f"loki-{rot}(d=D)[query]", "loki", k=k_f, d=1.0, basis=rot))
+    return specs
+
+
+def evaluate_methods(model, windows: torch.Tensor, specs: list[MethodSpec], bases: dict | None = None, *,
+                     protocol: str = "decode", progress: bool = True, batch_size: int = 4) -> list[PerplexityResult]:
+    """:func:`perplexity` of every spec (with a tqdm bar over methods)."""
+    from tqdm.auto import tqdm
+
+    out = []
+    bar = tqdm(specs, desc=f"perplexity ({protocol})", unit="method", disable=not progress)
+    for spec in bar:
+        bar.set_postfix_str(spec.name)
+        out.append(perplexity(model, windows, spec, bases, protocol=protocol, batch_size=batch_size,
+                              progress=False))
+    return out
+
+
+def with_k(spec: MethodSpec, k, d=None) -> MethodSpec:
+    return replace(spec, k=k, d=spec.d if d is None else d)

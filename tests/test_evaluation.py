@@ -1,0 +1,321 @@
+"""Evaluation machinery on tiny random models: decode-time perplexity semantics, densities, agreement, Rank@v
+plots, reports, gates and the CLI's argument handling (no real model here; see test_accuracy_gates.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from loki.basis import PCABasis
+from loki.evaluation import check, perplexity, rank, report
+from loki.evaluation.agreement import capture_qk, selection_agreement, topk_agreement
+from loki.evaluation.perplexity import MethodSpec, effective_density, method_logits
+from loki.testing.models import tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model = tiny_model("llama", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=128, seed=3)
+    basis = PCABasis.random(2, 2, 16, seed=1, rotary="post")
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(5))
+    return model, basis, ids
+
+
+# ------------------------------------------------------------------------------------------ decode semantics
+@pytest.mark.parametrize(
+    "spec",
+    [
+        pytest.param(MethodSpec("loki", "loki", k=0.3, d=0.25, basis="b"), id="loki-k0.3-d0.25"),
+        pytest.param(MethodSpec("loki-kv", "loki", k=0.2, d=5, basis="b", gqa_select="kv"), id="loki-kv-d5"),
+        pytest.param(MethodSpec("exact", "exact_topk", k=0.25), id="exact_topk"),
+        pytest.param(MethodSpec("sparq", "sparq", k=0.25, d=4), id="sparq-r4"),
+    ],
+)
+@pytest.mark.parametrize("protocol", ["decode", "paper"])
+def test_teacher_forcing_equals_token_by_token_decoding(tiny, spec, protocol):
+    """The perplexity path (one forward, every row a decode step) gives the logits of an actual decode loop
+    (enable_loki + single-token forwards with the KV cache) on the same text."""
+    model, basis, ids = tiny
+    tf = method_logits(model, ids, spec, {"b": basis}, protocol=protocol)
+    loop = method_logits(model, ids, spec, {"b": basis}, protocol=protocol, decode_loop=True)
+    assert tf.shape == loop.shape == (1, 40, 128)
+    torch.testing.assert_close(tf, loop, rtol=1e-4, atol=1e-4)
+    dense = method_logits(model, ids, MethodSpec("full", "full"))
+    assert (tf - dense).abs().max() > 1e-3  # the sparse setting really differs from dense attention
+
+
+def test_sparse_budget_one_matches_full(tiny):
+    model, basis, ids = tiny
+    full = method_logits(model, ids, MethodSpec("full", "full"))
+    for spec in (MethodSpec("l", "loki", k=1.0, d=1.0, basis="b"), MethodSpec("e", "exact_topk", k=1.0),
+                 MethodSpec("x", "dense")):
+        torch.testing.assert_close(method_logits(model, ids, spec, {"b": basis}), full, rtol=1e-4, atol=1e-4)
+
+
+def test_model_left_unchanged(tiny):
+    model, basis, ids = tiny
+    impl = model.config._attn_implementation
+    method_logits(model, ids, MethodSpec("l", "loki", k=0.25, d=0.5, basis="b"), {"b": basis})
+    assert model.config._attn_implementation == impl and not hasattr(model, "_loki_config")
+
+
+def test_perplexity_full_equals_hf_loss(tiny):
+    model, _, ids = tiny
+    windows = torch.cat([ids, ids.flip(1)])
+    r = perplexity.perplexity(model, windows, MethodSpec("full", "full"))
+    with torch.no_grad():
+        loss = model(input_ids=windows, labels=windows).loss
+    assert r.ppl == pytest.approx(math.exp(float(loss)), rel=1e-5)
+    assert r.tokens == 2 * 39 and r.density == 1.0 and len(r.window_nll) == 2
+
+
+def test_h2o_perplexity_runs_by_decode_loop(tiny):
+    model, _, ids = tiny
+    r = perplexity.perplexity(model, ids, MethodSpec("h2o", "h2o", k=0.25))
+    full = perplexity.perplexity(model, ids, MethodSpec("full", "full"))
+    assert math.isfinite(r.ppl) and r.ppl != pytest.approx(full.ppl, rel=1e-6)
+
+
+def test_method_spec_validation():
+    with pytest.raises(ValueError, match="method"):
+        MethodSpec("x", "magic")
+    with pytest.raises(ValueError, match="basis"):
+        MethodSpec("x", "loki")
+    with pytest.raises(ValueError, match="protocol"):
+        effective_density(0.25, 10, "other")
+
+
+def test_missing_basis_is_named(tiny):
+    model, _, ids = tiny
+    with pytest.raises(KeyError, match="pre"):
+        method_logits(model, ids, MethodSpec("x", "loki", k=0.5, d=0.5, basis="pre"), {"post": None})
+
+
+# ------------------------------------------------------------------------------------------ densities
+@pytest.mark.parametrize("T", [1, 2, 97, 256])
+def test_effective_density(T):
+    n = torch.arange(1, T + 1)
+    assert effective_density(1.0, T) == 1.0 == effective_density(1.0, T, "paper")
+    dec = effective_density(0.25, T)
+    assert dec == pytest.approx(float(torch.ceil(0.25 * n).clamp(min=1).sum() / n.sum()))
+    K = math.ceil(0.25 * T)
+    assert effective_density(0.25, T, "paper") == pytest.approx(float(n.clamp(max=K).sum() / n.sum()))
+    if T == 256:
+        assert 0.25 <= dec < 0.26
+        assert effective_density(0.25, T, "paper") == pytest.approx(2 * 0.25 - 0.25**2, abs=0.01)
+
+
+# ------------------------------------------------------------------------------------------ agreement
+def test_capture_qk_shapes_and_restore(tiny):
+    model, _, ids = tiny
+    impl = model.config._attn_implementation
+    qk = capture_qk(model, ids)
+    assert sorted(qk) == [0, 1]
+    q, k = qk[0]
+    assert q.shape == (1, 4, 40, 16) and k.shape == (1, 2, 40, 16)
+    assert model.config._attn_implementation == impl
+
+
+@pytest.mark.parametrize("gqa", ["query", "kv"])
+def test_selection_agreement_full_dims_is_perfect(gqa):
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(4, 33, 16, generator=g), torch.randn(2, 33, 16, generator=g)
+    P = PCABasis.random(1, 2, 16, seed=2).layer(0)
+    r = selection_agreement(q, k, P, k_f=0.25, d=1.0, gqa_select=gqa)
+    assert r["rows"] == 32  # row 0 selects its only token: not informative
+    torch.testing.assert_close(r["jaccard"], torch.ones_like(r["jaccard"]), atol=1e-6, rtol=0)
+    torch.testing.assert_close(r["mass"], r["mass_exact"])
+    low = selection_agreement(q, k, P, k_f=0.25, d=2, gqa_select=gqa)
+    assert (low["jaccard"] <= 1).all() and (low["mass"] <= low["mass_exact"] + 1e-9).all()
+    assert float(low["jaccard"].mean()) < 1
+
+
+def test_topk_agreement_tiny(tiny):
+    model, basis, ids = tiny
+    out = topk_agreement(model, torch.cat([ids, ids]), {"post": basis}, k_f=0.25, d=0.5, progress=False)
+    a = out["post"]
+    assert len(a["jaccard"]) == 2 and len(a["jaccard"][0]) == 4 and len(a["mass"][0]) == 4
+    assert 0 < a["jaccard_mean"] <= 1 and 0 < a["mass_mean"] <= a["mass_exact_mean"] + 1e-9 <= 1 + 1e-9
+
+
+# ------------------------------------------------------------------------------------------ rank
+def test_rank_summary_and_plots(tmp_path):
+    pre = PCABasis.random(3, 2, 8, seed=0, rotary="pre")
+    post = PCABasis.random(3, 2, 8, seed=1, rotary="post")
+    s = rank.rank_summary({"pre": pre, "post": post}, (90.0, 50.0))
+    assert s["pre"]["v90"]["per_head"] == pre.rank_at(90).tolist()
+    assert len(s["post"]["v50"]["per_layer"]) == 3 and s["post"]["D"] == 8
+    files = rank.write_rank_plots({"pre": pre, "post": post}, tmp_path)
+    assert set(files) == {"rank_per_layer", "rank_heatmap", "explained_variance"}
+    for f in files.values():
+        assert (tmp_path / f).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ------------------------------------------------------------------------------------------ gates, report
+def _row(name, method, ppl, k=0.25, d=0.25, gqa="query", basis=None):
+    return {"name": name, "method": method, "ppl": ppl, "k": k, "d": d, "gqa_select": gqa, "basis": basis,
+            "density": 0.25, "seconds": 1.0, "protocol": "decode"}
+
+
+def _results(**over):
+    rows = {
+        "full": _row("full", "full", 20.0, k=1.0, d=1.0),
+        "exact_topk[query]": _row("exact_topk[query]", "exact_topk", 21.0),
+        "loki-pre[query]": _row("loki-pre[query]", "loki", 25.0, basis="pre"),
+        "loki-post[query]": _row("loki-post[query]", "loki", 24.0, basis="post"),
+        "loki-post(d=0.5)[query]": _row("loki-post(d=0.5)[query]", "loki", 22.0, d=0.5, basis="post"),
+        "h2o": _row("h2o", "h2o", 23.0),
+        "loki-post(d=D,k=all)": _row("loki-post(d=D,k=all)", "loki", 20.0, k=1.0, d=1.0, basis="post"),
+        "loki-post(d=D)[query]": _row("loki-post(d=D)[query]", "loki", 21.0, d=1.0, basis="post"),
+    }
+    for k, v in over.items():
+        rows[k.replace("__", "-").replace("_q", "[query]")]["ppl"] = v
+    return {"settings": {"k": 0.25, "d": 0.25, "torch": "x", "eval_origin": "test"},
+            "perplexity": list(rows.values()),
+            "agreement": {"post": {"jaccard_mean": 0.6, "mass_mean": 0.8, "mass_exact_mean": 0.9}}}
+
+
+THRESH = {"exactness_rel_tol": 1e-4, "ordering_rel_tol": 1e-6, "loki_vs_h2o": {"d": 0.5}}
+
+
+def test_gates_pass_and_fail():
+    gates = check.evaluate_gates(_results(), THRESH)
+    names = [g["name"] for g in gates]
+    assert all(g["passed"] for g in gates), gates
+    assert any("exactness" in n for n in names) and any("H2O" in n for n in names)
+    bad = _results()
+    for r in bad["perplexity"]:
+        if r["name"] == "loki-post(d=0.5)[query]":
+            r["ppl"] = 30.0
+        if r["name"] == "loki-post(d=D,k=all)":
+            r["ppl"] = 20.1
+        if r["name"] == "loki-pre[query]":
+            r["ppl"] = 20.5  # better than exact top-k: ordering broken
+    failed = {g["name"] for g in check.evaluate_gates(bad, THRESH) if not g["passed"]}
+    assert any("H2O" in n for n in failed)
+    assert "exactness: Loki d=D, k=all == full" in failed
+    assert "ordering: exact_topk[query] <= loki-pre[query]" in failed
+
+
+def test_update_thresholds_and_regression_gates(tmp_path):
+    path = tmp_path / "thr.json"
+    path.write_text(json.dumps(THRESH))
+    res = _results()
+    res["settings"].update(check.SuiteOptions().profile_settings())
+    data = check.update_thresholds(res, path, "check")
+    prof = data["profiles"]["check"]
+    assert prof["ppl_delta_max"]["loki-post[query]"]["measured"] == pytest.approx(0.2)
+    assert prof["ppl_delta_max"]["loki-post[query]"]["max"] == pytest.approx(0.2 * 1.1 + 0.02)
+    assert prof["jaccard_min"]["post"] == {"measured": 0.6, "min": 0.58}
+    assert "loki-post(d=D,k=all)" not in prof["ppl_delta_max"]
+    thr = check.load_thresholds(path)
+    assert all(g["passed"] for g in check.evaluate_gates(res, thr, "check"))
+    worse = json.loads(json.dumps(res))
+    for r in worse["perplexity"]:
+        if r["name"] == "loki-post[query]":
+            r["ppl"] = 26.0
+    failed = [g["name"] for g in check.evaluate_gates(worse, thr, "check") if not g["passed"]]
+    assert failed == ["regression: loki-post[query] ppl increase"]
+    other = json.loads(json.dumps(res))
+    other["settings"]["eval_windows"] = 7
+    skipped = [g for g in check.evaluate_gates(other, thr, "check") if "skipped" in g.get("bound_text", "")]
+    assert len(skipped) == 1 and skipped[0]["passed"]
+
+
+def test_markdown_report(tmp_path):
+    res = _results()
+    res["gates"] = check.evaluate_gates(res, THRESH)
+    res["paper_protocol"] = [_row("loki-post[query]", "loki", 21.5)]
+    res["generalization"] = {"setting": "s", "texts": ["a", "b"], "full": {"a": 10.0, "b": 20.0},
+                             "table": {"wikipedia": {"a": 11.0, "b": 24.0}, "book": {"a": 12.0, "b": 22.0}}}
+    files = report.write_report(res, tmp_path)
+    md = files["markdown"].read_text()
+    assert "## Gates: PASS" in md and "| loki-post[query] | loki | post |" in md and "+20.00%" in md
+    assert "## Generalisation" in md and "24.000 (+20.0%)" in md
+    assert json.loads(files["json"].read_text())["perplexity"][0]["name"] == "full"
+
+
+def test_basis_cache_path_keys(tiny, tmp_path):
+    model = tiny[0]
+    a = check.basis_cache_path(model, "packaged:wikipedia/calib", 4096, 512, "post", tmp_path)
+    assert a.parent == tmp_path / "bases" and a.name.endswith("-4096t-512s-post.safetensors")
+    assert a != check.basis_cache_path(model, "packaged:book/calib", 4096, 512, "post", tmp_path)
+    assert a != check.basis_cache_path(model, "packaged:wikipedia/calib", 2048, 512, "post", tmp_path)
+    other = tiny_model("llama", num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=128)
+    assert a != check.basis_cache_path(other, "packaged:wikipedia/calib", 4096, 512, "post", tmp_path)
+
+
+def test_get_bases_caches(tiny, monkeypatch, tmp_path):
+    from loki.evaluation import data
+
+    model = tiny[0]
+
+    class Tok:
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": [ord(c) % 128 for c in text]}
+
+    monkeypatch.setenv("LOKI_CACHE", str(tmp_path))
+    monkeypatch.setattr(data, "load_corpus", lambda name, part="calib", path=None:
+                        data.TextSource(name, "some calibration text " * 400, f"test:{name}"))
+    b1 = check.get_bases(model, Tok(), "wikipedia", 256, 64, progress=False)
+    assert set(b1) == {"pre", "post"} and b1["post"].num_tokens == 256
+    assert len(list((tmp_path / "bases").glob("*.safetensors"))) == 2
+    monkeypatch.setattr("loki.calibration.calibrate", lambda *a, **k: pytest.fail("recalibrated"))
+    b2 = check.get_bases(model, Tok(), "wikipedia", 256, 64, progress=False)
+    torch.testing.assert_close(b2["pre"].components, b1["pre"].components)
+
+
+# ------------------------------------------------------------------------------------------ CLI
+def test_cli_help_explains(capsys):
+    from loki.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["check", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "embedded default model" in out and "--update-thresholds" in out and "exits 1 when a gate" in out
+    for cmd in ("calibrate", "analyze", "ppl", "generate"):
+        with pytest.raises(SystemExit) as e:
+            main([cmd, "--help"])
+        assert e.value.code == 0
+    assert "--protocol" in capsys.readouterr().out
+
+
+def test_cli_bad_arguments(capsys, tmp_path):
+    from loki.cli import main
+    from loki.evaluation.commands import fraction_or_count
+
+    assert fraction_or_count("0.25") == 0.25 and fraction_or_count("16") == 16
+    for bad in ("0", "1.5", "abc", "-3"):
+        with pytest.raises(Exception, match="fraction|count"):
+            fraction_or_count(bad)
+    with pytest.raises(SystemExit) as e:
+        main(["ppl", "--k", "1.5"])
+    assert e.value.code == 2
+    assert "fraction must lie in (0, 1]" in capsys.readouterr().err
+    assert main(["calibrate", "--tokens", "0", "-o", str(tmp_path / "b.safetensors")]) == 2
+    assert "--tokens must be >= 1" in capsys.readouterr().err
+    assert main(["calibrate", "-o", str(tmp_path / "missing" / "b.safetensors")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["check", "--k", "0"]) == 2
+    assert main(["analyze", "--basis", str(tmp_path / "nope.safetensors")]) == 2
+    assert "no PCA basis file" in capsys.readouterr().err
+    assert main(["ppl", "--windows", "0"]) == 2
+    assert main(["generate", "--max-new-tokens", "0"]) == 2
+
+
+def test_cli_analyze_from_basis_files(tmp_path, capsys):
+    from loki.cli import main
+
+    pre, post = PCABasis.random(2, 2, 8, seed=0, rotary="pre"), PCABasis.random(2, 2, 8, seed=1, rotary="post")
+    pre.save(tmp_path / "pre.safetensors")
+    post.save(tmp_path / "post.safetensors")
+    out = tmp_path / "an"
+    assert main(["analyze", "--basis", str(tmp_path / "pre.safetensors"), "--basis",
+                 f"mine={tmp_path / 'post.safetensors'}", "--out", str(out)]) == 0
+    summary = json.loads((out / "rank_summary.json").read_text())
+    assert set(summary) == {"pre", "mine"}
+    assert (out / "rank90_heatmap.png").is_file()
