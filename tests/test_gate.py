@@ -1,0 +1,377 @@
+"""Tests of the benchmark gate (ci/gate.py) on ASV results files written by ASV's own ``Results`` class.
+
+Each test builds a small results tree in tmp_path (``<results>/<machine>/machine.json``, ``benchmarks.json``
+and one ``<hash8>-<env>.json`` per commit, in asv 0.6's api-version-2 format), plants a failure and checks
+that the gate fails naming the benchmark and its parameters, or that clean results pass.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+GATE_PATH = ROOT / "ci" / "gate.py"
+
+spec = importlib.util.spec_from_file_location("loki_ci_gate", GATE_PATH)
+gate = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = gate
+spec.loader.exec_module(gate)
+
+asv_results = pytest.importorskip("asv.results")
+asv_runner = pytest.importorskip("asv.runner")
+asv_util = pytest.importorskip("asv.util")
+
+MACHINE = "h100"
+ENV = "existing-py_opt_loki_bin_python"
+
+# Synthetic suite: two parameterised kernel benchmarks, a speed-up, and an accuracy delta.
+BENCHMARKS = {
+    "bench_kernels.Decode.track_loki_ms": {"param_names": ["shape"], "params": [["'B16-S4096'", "'B1-S4096'"]],
+                                           "unit": "ms"},
+    "bench_kernels.Decode.track_speedup_vs_sdpa": {"param_names": ["shape"],
+                                                   "params": [["'B16-S4096'", "'B1-S4096'"]], "unit": "x"},
+    "bench_accuracy.Accuracy.track_ppl_delta": {"param_names": ["setting"], "params": [["'k0.25-d0.25'"]],
+                                                "unit": "ppl"},
+    "bench_accuracy.Accuracy.track_jaccard": {"param_names": ["setting"], "params": [["'k0.25-d0.25'"]],
+                                              "unit": "jaccard"},
+}
+GOOD = {
+    "bench_kernels.Decode.track_loki_ms": [0.20, 0.03],
+    "bench_kernels.Decode.track_speedup_vs_sdpa": [2.4, 1.7],
+    "bench_accuracy.Accuracy.track_ppl_delta": [0.30],
+    "bench_accuracy.Accuracy.track_jaccard": [0.70],
+}
+THRESHOLDS = {
+    "regression": {"factor": 1.25, "min_abs_change": 0.0,
+                   "overrides": [{"benchmark": "bench_accuracy.*", "factor": 1.5, "min_abs_change": 0.05}]},
+    "directions": {
+        "by_unit": {"ms": "lower", "x": "higher", "GB/s": "higher", "MiB": "lower", "jaccard": "higher"},
+        "by_name": {"*track_ppl_delta*": "lower"},
+    },
+    "checks": [
+        {"benchmark": "bench_kernels.Decode.track_speedup_vs_sdpa", "params": {"shape": "B16-S4096"}, "min": 2.3},
+        {"benchmark": "bench_accuracy.Accuracy.track_ppl_delta", "max_from": "perplexity/max_delta"},
+    ],
+    "accuracy": {"profile": "check", "limits": [
+        {"section": "jaccard_min", "bound": "min", "benchmark": "bench_accuracy.Accuracy.track_jaccard",
+         "param": "setting"},
+    ]},
+}
+# "k0.5-d0.5" is not measured by the synthetic suite: an accuracy-file entry the suite skips is not an error.
+ACCURACY = {"perplexity": {"max_delta": 0.5},
+            "profiles": {"check": {"jaccard_min": {"k0.25-d0.25": {"measured": 0.7, "min": 0.6},
+                                                   "k0.5-d0.5": {"measured": 0.9, "min": 0.8}}}}}
+
+
+def write_results(results: Path, commit: str, values: dict, *, date: int, machine: str = MACHINE) -> Path:
+    """One commit's results written by asv's ``Results`` class (the real format), plus the metadata files."""
+    info = {"machine": machine, "arch": "x86_64", "cpu": "test", "num_cpu": "16", "os": "Linux", "ram": "1"}
+    mdir = results / machine
+    mdir.mkdir(parents=True, exist_ok=True)
+    asv_util.write_json(str(mdir / "machine.json"), info, api_version=1)
+    bench_meta = {name: {"name": name, "type": "track", "version": "1", **meta} for name, meta in BENCHMARKS.items()}
+    asv_util.write_json(str(results / "benchmarks.json"), bench_meta, api_version=2)
+    res = asv_results.Results(info, {}, commit, date, "3.12", ENV, {})
+    for name, vals in values.items():
+        n = len(vals)
+        br = asv_runner.BenchmarkResult(result=list(vals), samples=[None] * n, number=[None] * n,
+                                        errcode=0, stderr="", profile=None)
+        res.add_result(bench_meta[name], br, record_samples=False)
+    res.save(str(results))
+    return results / asv_results.get_filename(machine, commit, ENV)
+
+
+@pytest.fixture
+def tree(tmp_path):
+    (tmp_path / "thresholds.json").write_text(json.dumps(THRESHOLDS))
+    (tmp_path / "accuracy.json").write_text(json.dumps(ACCURACY))
+    return tmp_path
+
+
+def gate_run(tree, commit, previous=None, **kw):
+    buf = io.StringIO()
+    ok, checks = gate.run_gate(tree / "results", MACHINE, commit=commit, previous=previous,
+                               thresholds_path=tree / "thresholds.json", accuracy_path=tree / "accuracy.json",
+                               repo=tree, out=buf, **kw)
+    return ok, checks, buf.getvalue()
+
+
+A, B = "a" * 40, "b" * 40
+
+
+def test_results_written_by_asv_are_read_back(tree):
+    path = write_results(tree / "results", A, GOOD, date=1000)
+    assert path.is_file()
+    loaded = gate.ResultsFile.load(path)
+    assert loaded.commit_hash == A and loaded.env_name == ENV
+    cases = loaded.cases("bench_kernels.Decode.track_loki_ms", ["shape"])
+    assert cases == [({"shape": "B16-S4096"}, 0.20), ({"shape": "B1-S4096"}, 0.03)]
+    # asv itself reads the same file back with the same values
+    again = asv_results.Results.load(str(path), machine_name=MACHINE)
+    assert again.get_result_value("bench_kernels.Decode.track_loki_ms", [["'B16-S4096'", "'B1-S4096'"]]) == [0.2, 0.03]
+
+
+def test_passing_results_pass(tree):
+    write_results(tree / "results", A, GOOD, date=1000)
+    better = {k: list(v) for k, v in GOOD.items()}
+    better["bench_kernels.Decode.track_loki_ms"] = [0.19, 0.031]  # within noise
+    write_results(tree / "results", B, better, date=2000)
+    ok, checks, text = gate_run(tree, B)
+    assert ok, text
+    assert "previous commit aaaaaaaaaaaa (found by results date)" in text
+    assert {c.kind for c in checks} == {"threshold", "regression"}
+    assert "gate: PASSED" in text
+
+
+def test_planted_time_regression_fails_naming_benchmark(tree):
+    write_results(tree / "results", A, GOOD, date=1000)
+    slow = {k: list(v) for k, v in GOOD.items()}
+    slow["bench_kernels.Decode.track_loki_ms"] = [0.20, 0.06]  # B=1 case twice as slow
+    write_results(tree / "results", B, slow, date=2000)
+    ok, checks, text = gate_run(tree, B)
+    assert not ok
+    failed = [c for c in checks if not c.ok]
+    assert [(c.kind, c.benchmark, c.params) for c in failed] == [
+        ("regression", "bench_kernels.Decode.track_loki_ms", {"shape": "B1-S4096"})
+    ]
+    assert "FAIL regression: bench_kernels.Decode.track_loki_ms(shape=B1-S4096)" in text
+    assert "gate: FAILED" in text
+
+
+def test_direction_aware_regressions(tree):
+    write_results(tree / "results", A, GOOD, date=1000)
+    changed = {k: list(v) for k, v in GOOD.items()}
+    changed["bench_kernels.Decode.track_loki_ms"] = [0.10, 0.015]  # faster: not a regression
+    changed["bench_kernels.Decode.track_speedup_vs_sdpa"] = [2.4, 1.2]  # lower speed-up: regression
+    changed["bench_accuracy.Accuracy.track_jaccard"] = [0.40]  # lower Jaccard: regression
+    write_results(tree / "results", B, changed, date=2000)
+    ok, checks, _ = gate_run(tree, B)
+    failed = {(c.benchmark, tuple(c.params.values())) for c in checks if not c.ok}
+    assert failed == {
+        ("bench_kernels.Decode.track_speedup_vs_sdpa", ("B1-S4096",)),
+        ("bench_accuracy.Accuracy.track_jaccard", ("k0.25-d0.25",)),
+    }
+
+
+def test_small_change_near_zero_is_noise(tree):
+    base = {k: list(v) for k, v in GOOD.items()}
+    base["bench_accuracy.Accuracy.track_ppl_delta"] = [0.01]
+    write_results(tree / "results", A, base, date=1000)
+    up = {k: list(v) for k, v in base.items()}
+    up["bench_accuracy.Accuracy.track_ppl_delta"] = [0.04]  # 4x, but below min_abs_change 0.05
+    write_results(tree / "results", B, up, date=2000)
+    ok, _, text = gate_run(tree, B)
+    assert ok, text
+
+
+def test_speedup_threshold_miss_fails(tree):
+    slow = {k: list(v) for k, v in GOOD.items()}
+    slow["bench_kernels.Decode.track_speedup_vs_sdpa"] = [2.1, 1.7]
+    write_results(tree / "results", A, slow, date=1000)
+    ok, checks, text = gate_run(tree, A)
+    assert not ok
+    assert "FAIL threshold: bench_kernels.Decode.track_speedup_vs_sdpa(shape=B16-S4096) = 2.1, required >= 2.3" in text
+    # no previous commit: the regression check is skipped, not failed
+    assert "no previous results on this machine: regression check skipped" in text
+    assert all(c.kind == "threshold" for c in checks)
+
+
+def test_accuracy_threshold_from_accuracy_file(tree):
+    bad = {k: list(v) for k, v in GOOD.items()}
+    bad["bench_accuracy.Accuracy.track_ppl_delta"] = [0.8]
+    write_results(tree / "results", A, bad, date=1000)
+    ok, checks, text = gate_run(tree, A)
+    assert not ok
+    (c,) = [c for c in checks if not c.ok]
+    assert c.benchmark == "bench_accuracy.Accuracy.track_ppl_delta" and c.limit == "<= 0.5"
+    assert "accuracy.json:perplexity/max_delta" in text
+
+
+def test_accuracy_profile_limits_from_accuracy_file(tree):
+    low = {k: list(v) for k, v in GOOD.items()}
+    low["bench_accuracy.Accuracy.track_jaccard"] = [0.55]
+    write_results(tree / "results", A, low, date=1000)
+    ok, checks, text = gate_run(tree, A)
+    assert not ok
+    (c,) = [c for c in checks if not c.ok]
+    assert (c.benchmark, c.params, c.limit) == ("bench_accuracy.Accuracy.track_jaccard",
+                                                {"setting": "k0.25-d0.25"}, ">= 0.6")
+    assert "accuracy.json:profiles/check/jaccard_min/k0.25-d0.25/min" in text
+    assert "k0.5-d0.5" not in text
+
+
+def test_changed_benchmark_version_is_not_compared(tree):
+    write_results(tree / "results", A, GOOD, date=1000)
+    slow = {k: list(v) for k, v in GOOD.items()}
+    slow["bench_kernels.Decode.track_loki_ms"] = [0.20, 0.06]
+    BENCHMARKS["bench_kernels.Decode.track_loki_ms"]["version"] = "2"
+    try:
+        write_results(tree / "results", B, slow, date=2000)
+    finally:
+        del BENCHMARKS["bench_kernels.Decode.track_loki_ms"]["version"]
+    ok, checks, text = gate_run(tree, B)
+    assert ok, text
+    assert not [c for c in checks if c.benchmark == "bench_kernels.Decode.track_loki_ms"]
+
+
+def test_missing_or_failed_gated_benchmark_fails(tree):
+    partial = {k: list(v) for k, v in GOOD.items()}
+    partial["bench_kernels.Decode.track_speedup_vs_sdpa"] = [None, None]  # the benchmark failed
+    write_results(tree / "results", A, partial, date=1000)
+    ok, _, text = gate_run(tree, A)
+    assert not ok and "bench_kernels.Decode.track_speedup_vs_sdpa(shape=B16-S4096) = failed" in text
+    ok, _, _ = gate_run(tree, A, allow_missing=True)
+    assert ok
+
+
+def test_bench_filter_checks_only_matching_benchmarks(tree):
+    """On a CPU machine the kernel benchmarks are skipped: ``bench`` restricts the gate to the accuracy ones."""
+    cpu = {k: list(v) for k, v in GOOD.items()}
+    cpu["bench_kernels.Decode.track_speedup_vs_sdpa"] = [float("nan"), float("nan")]
+    write_results(tree / "results", A, cpu, date=1000)
+    ok, _, _ = gate_run(tree, A)
+    assert not ok
+    ok, checks, text = gate_run(tree, A, bench="bench_accuracy")
+    assert ok, text
+    assert checks and all(c.benchmark.startswith("bench_accuracy") for c in checks)
+
+
+def test_failure_after_success_is_a_regression(tree):
+    write_results(tree / "results", A, GOOD, date=1000)
+    broken = {k: list(v) for k, v in GOOD.items()}
+    broken["bench_kernels.Decode.track_loki_ms"] = [0.20, None]
+    write_results(tree / "results", B, broken, date=2000)
+    ok, checks, _ = gate_run(tree, B)
+    assert not ok
+    assert [c.params for c in checks if not c.ok] == [{"shape": "B1-S4096"}]
+
+
+def test_explicit_previous_and_missing_commit(tree):
+    write_results(tree / "results", A, GOOD, date=2000)  # later date, but named explicitly as previous
+    write_results(tree / "results", B, GOOD, date=1000)
+    ok, _, text = gate_run(tree, B, previous="aaaa")
+    assert ok and "(found by --previous)" in text
+    _, _, text = gate_run(tree, B)
+    assert "regression check skipped" in text  # nothing older than B by date
+    with pytest.raises(gate.GateError, match="no results for commit cccc"):
+        gate_run(tree, "c" * 40)
+    with pytest.raises(gate.GateError, match="no results for previous commit"):
+        gate_run(tree, B, previous="cccc")
+
+
+def test_previous_commit_from_git_log(tmp_path):
+    """With a git repository, the previous commit is the nearest ancestor with results, whatever the dates."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    hashes = []
+    for i in range(3):
+        subprocess.run([*git, "commit", "-q", "--allow-empty", "-m", f"c{i}"], check=True)
+        hashes.append(subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True,
+                                     check=True).stdout.strip())
+    (tmp_path / "thresholds.json").write_text(json.dumps(THRESHOLDS))
+    (tmp_path / "accuracy.json").write_text(json.dumps(ACCURACY))
+    slow = {k: list(v) for k, v in GOOD.items()}
+    slow["bench_kernels.Decode.track_loki_ms"] = [0.50, 0.03]
+    write_results(tmp_path / "results", hashes[0], slow, date=3000)  # root commit, slow
+    write_results(tmp_path / "results", hashes[2], slow, date=1000)  # head: same values
+    buf = io.StringIO()
+    ok, _, = gate.run_gate(tmp_path / "results", MACHINE, commit=None, thresholds_path=tmp_path / "thresholds.json",
+                           accuracy_path=tmp_path / "accuracy.json", repo=repo, out=buf)[:2]
+    text = buf.getvalue()
+    assert ok, text  # HEAD resolved by git; compared with the root commit (hashes[1] has no results)
+    assert f"previous commit {hashes[0][:12]} (found by git log)" in text
+
+
+def test_cli_exit_codes(tree):
+    write_results(tree / "results", A, GOOD, date=1000)
+    slow = {k: list(v) for k, v in GOOD.items()}
+    slow["bench_kernels.Decode.track_loki_ms"] = [0.40, 0.03]
+    write_results(tree / "results", B, slow, date=2000)
+    common = ["--results", str(tree / "results"), "--machine", MACHINE, "--thresholds", str(tree / "thresholds.json"),
+              "--accuracy-thresholds", str(tree / "accuracy.json"), "--repo", str(tree)]
+    assert gate.main([*common, "--commit", A]) == 0
+    assert gate.main([*common, "--commit", B]) == 1
+    assert gate.main([*common, "--commit", "c" * 40]) == 2
+    assert gate.main([*common[:2], "--machine", "a100", *common[4:], "--commit", A]) == 2
+
+
+def test_repository_threshold_files_are_consistent():
+    """ci/thresholds.json parses, and every accuracy pointer resolves in ci/accuracy_thresholds.json."""
+    thresholds = json.loads((ROOT / "ci" / "thresholds.json").read_text())
+    acc_path = ROOT / "ci" / "accuracy_thresholds.json"
+    accuracy = json.loads(acc_path.read_text()) if acc_path.is_file() else None
+    uses_accuracy = any("min_from" in c or "max_from" in c for c in thresholds.get("checks", []))
+    if accuracy is None and uses_accuracy:
+        pytest.skip("ci/accuracy_thresholds.json is not there yet")
+    rules = gate.load_rules(thresholds, accuracy, "ci/thresholds.json", str(acc_path))
+    assert rules, "ci/thresholds.json has no checks"
+    for r in rules:
+        assert r.minimum is not None or r.maximum is not None
+
+
+def test_repository_thresholds_name_real_benchmarks():
+    """Every benchmark and parameter value ci/thresholds.json names exists in benchmarks/ (a renamed
+    benchmark or config id would otherwise make the gate fail on the GPU only)."""
+    import fnmatch
+    import importlib
+
+    thresholds = json.loads((ROOT / "ci" / "thresholds.json").read_text())
+    sys.path.insert(0, str(ROOT))
+    try:
+        names, params = {}, {}
+        for mod_name in ("bench_kernels", "bench_accuracy"):
+            mod = importlib.import_module(f"benchmarks.{mod_name}")
+            for cls_name, cls in vars(mod).items():
+                if not isinstance(cls, type) or cls.__module__ != mod.__name__ or cls_name.startswith("_"):
+                    continue
+                for attr in dir(cls):
+                    if attr.startswith("track_"):
+                        full = f"{mod_name}.{cls_name}.{attr}"
+                        names[full] = cls
+                        params[full] = dict(zip(getattr(cls, "param_names", []), getattr(cls, "params", [])))
+    finally:
+        sys.path.remove(str(ROOT))
+    specs = list(thresholds["checks"]) + [
+        {"benchmark": lim["benchmark"], "params": {}} for lim in thresholds.get("accuracy", {}).get("limits", [])
+    ]
+    specs += [{"benchmark": o["benchmark"]} for o in thresholds["regression"].get("overrides", [])]
+    for spec in specs:
+        matched = [n for n in names if fnmatch.fnmatchcase(n, spec["benchmark"])]
+        assert matched, f"ci/thresholds.json names {spec['benchmark']}, which no benchmark matches"
+        for name in matched:
+            for pname, pvalue in spec.get("params", {}).items():
+                assert pvalue in params[name].get(pname, []), f"{name} has no {pname}={pvalue}"
+    for lim in thresholds.get("accuracy", {}).get("limits", []):
+        assert lim["param"] in params[lim["benchmark"]]
+    shapes = importlib.import_module("benchmarks._shapes")
+    assert thresholds["accuracy"]["profile"] == shapes.ACCURACY_PROFILE, (
+        "the gate must hold the accuracy benchmarks to the profile they run with"
+    )
+
+
+def test_committed_results_pass():
+    """The newest committed results of every machine in .asv/results pass the gate against their predecessor
+    (older commits are history: they may predate a threshold)."""
+    results = ROOT / ".asv" / "results"
+    machines = sorted(p.parent.name for p in results.glob("*/machine.json")) if results.is_dir() else []
+    checked = 0
+    for machine in machines:
+        files = gate.load_results(results, machine)
+        if not files:
+            continue
+        newest = max(files, key=lambda f: f.date or 0)
+        buf = io.StringIO()
+        ok, _ = gate.run_gate(results, machine, commit=newest.commit_hash, env=newest.env_name, repo=ROOT, out=buf)
+        assert ok, buf.getvalue()
+        checked += 1
+    if not checked:
+        pytest.skip("no committed ASV results under .asv/results yet")
