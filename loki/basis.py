@@ -10,8 +10,18 @@ Centring: the basis is fit on the centred covariance of the keys, but keys are *
 For orthogonal ``P``, ``(q P)(K P)^T = q K^T`` exactly (Loki, Lemma 1), so centring is not needed for
 correctness; the paper's code loads the means and never uses them.  ``means`` are stored for analysis only.
 
-Files are safetensors with tensors ``components`` (float32), ``eigenvalues`` and ``means`` (float64) and the
-metadata as string metadata: a JSON blob under ``loki.basis`` plus a few plain keys for quick inspection.
+Two kinds of basis (``kind``):
+
+- ``"pca"`` (the paper's): ``components`` is orthogonal and both queries and keys are rotated by it.
+- ``"score"`` (score-aware, :func:`loki.calibration.score_aware.score_aware_basis`): an invertible pair chosen so
+  that the first ``d`` coordinates give the best rank-``d`` approximation of the scores ``q . k`` over the
+  calibration queries and keys (not of the keys alone).  Keys use ``components`` (``k_hat = k @ P_k``), queries
+  use ``query_components`` (``q_hat = q @ P_q``) with ``P_q P_k^T = I``, so ``q_hat . k_hat = q . k`` exactly and
+  Lemma 1 still holds: the kernels and the cache are the same, only the query transform differs.
+
+Files are safetensors with tensors ``components`` (float32), ``eigenvalues`` and ``means`` (float64), for score
+bases also ``query_components`` (float32), and the metadata as string metadata: a JSON blob under
+``loki.basis`` plus a few plain keys for quick inspection.
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ import torch
 from loki._version import __version__
 
 ROTARY_CHOICES = ("pre", "post")
+KIND_CHOICES = ("pca", "score")
 _META_KEY = "loki.basis"
 _FORMAT = "loki.pca_basis.v1"
 
@@ -135,7 +146,12 @@ class PCABasis:
         means: ``[L, HKV, D]`` float64, mean key; for analysis only (keys are not centred at inference, see the
             module docstring).
 
-    Metadata: ``model_name``, ``config_hash`` (:func:`config_fingerprint`), ``config_fields`` (the hashed fields,
+        query_components: ``[L, HKV, D, D]`` float32 for ``kind="score"`` bases (``q_hat = q @ P_q``,
+            ``P_q P_k^T = I``); ``None`` for PCA bases, whose queries use ``components``.
+        For a score basis ``eigenvalues`` holds the singular values of the score operator (decreasing).
+
+    Metadata: ``kind`` ("pca" or "score"), ``model_name``,
+    ``config_hash`` (:func:`config_fingerprint`), ``config_fields`` (the hashed fields,
     for readable mismatch messages), ``corpus``, ``num_tokens``, ``seq_len``, ``rotary`` ("pre": keys before the
     rotary embedding, "post": keys as the KV cache stores them), ``model_dtype`` (dtype of the model during
     calibration), ``loki_version`` and ``centered`` (whether the covariance was centred before the PCA).
@@ -154,6 +170,8 @@ class PCABasis:
     model_dtype: str | None = None
     loki_version: str = __version__
     centered: bool = True
+    kind: str = "pca"
+    query_components: torch.Tensor | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ shapes and views
@@ -175,10 +193,25 @@ class PCABasis:
             raise IndexError(f"layer must be in [0, {self.num_layers}), got {layer}")
         return self.components[layer]
 
+    def query_layer(self, layer: int) -> torch.Tensor:
+        """The query transform of one layer, ``[HKV, D, D]``: ``query_components`` for a score basis, else the
+        (orthogonal) components themselves."""
+        if self.query_components is None:
+            return self.layer(layer)
+        self.layer(layer)  # range check
+        return self.query_components[layer]
+
+    @property
+    def queries(self) -> torch.Tensor:
+        """``[L, HKV, D, D]`` query transform (``components`` for PCA bases)."""
+        return self.components if self.query_components is None else self.query_components
+
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> PCABasis:
         """A copy on ``device`` with ``components`` and ``means`` cast to ``dtype`` (eigenvalues keep float64)."""
+        qc = self.query_components
         return replace(
             self,
+            query_components=None if qc is None else qc.to(device=device, dtype=dtype),
             components=self.components.to(device=device, dtype=dtype),
             means=self.means.to(device=device, dtype=dtype),
             eigenvalues=self.eigenvalues.to(device=device),
@@ -286,6 +319,14 @@ class PCABasis:
                 raise BasisError(f"basis {name} have shape {_shape(t.shape)} but components imply [{L}, {HKV}, {D}]")
         if self.rotary not in ROTARY_CHOICES:
             raise BasisError(f"basis rotary must be one of {ROTARY_CHOICES}, got {self.rotary!r}")
+        if self.kind not in KIND_CHOICES:
+            raise BasisError(f"basis kind must be one of {KIND_CHOICES}, got {self.kind!r}")
+        qc = self.query_components
+        if (qc is not None) != (self.kind == "score"):
+            need = "needs" if self.kind == "score" else "must not have"
+            raise BasisError(f"a {self.kind!r} basis {need} query_components")
+        if qc is not None and _shape(qc.shape) != _shape(comp.shape):
+            raise BasisError(f"basis query_components have shape {_shape(qc.shape)}, components {_shape(comp.shape)}")
 
         if config is not None:
             want = expected_shape(config)
@@ -298,21 +339,24 @@ class PCABasis:
                     f"the model is {config_model_name(config)!r}"
                 )
 
-        for name, t in (("components", comp), ("eigenvalues", eig), ("means", means)):
+        named = [("components", comp), ("eigenvalues", eig), ("means", means)]
+        if qc is not None:
+            named.append(("query_components", qc))
+        for name, t in named:
             if not torch.isfinite(t).all():
                 bad = int((~torch.isfinite(t)).sum())
                 raise BasisError(f"basis {name} contain {bad} non-finite values (NaN or inf)")
 
         p = comp.to(torch.float64)
-        gram = p.transpose(-1, -2) @ p
+        if qc is None:
+            gram, what = p.transpose(-1, -2) @ p, "not orthonormal: max |P^T P - I|"
+        else:  # q_hat . k_hat = q P_q P_k^T k^T must equal q . k
+            gram, what = qc.to(torch.float64) @ p.transpose(-1, -2), "not a dual pair: max |P_q P_k^T - I|"
         err = (gram - torch.eye(D, dtype=torch.float64, device=p.device)).abs().amax(dim=(-1, -2))  # [L, HKV]
         worst = float(err.max()) if err.numel() else 0.0
         if worst > atol:
             l, h = divmod(int(err.argmax()), HKV)
-            raise BasisError(
-                f"basis components are not orthonormal: max |P^T P - I| = {worst:.3g} > atol={atol:g} "
-                f"(layer {l}, KV head {h})"
-            )
+            raise BasisError(f"basis components are {what} = {worst:.3g} > atol={atol:g} (layer {l}, KV head {h})")
 
         if D > 1:
             rises = eig[..., 1:] - eig[..., :-1]
@@ -350,7 +394,7 @@ class PCABasis:
     # ------------------------------------------------------------------ I/O
     def metadata(self) -> dict[str, Any]:
         """All metadata fields as a JSON-able dict."""
-        skip = {"components", "eigenvalues", "means"}
+        skip = {"components", "eigenvalues", "means", "query_components"}
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
 
     def save(self, path: str | os.PathLike) -> None:
@@ -363,7 +407,7 @@ class PCABasis:
             "loki.format": _FORMAT,
             _META_KEY: json.dumps(meta, sort_keys=True),
         }
-        for key in ("model_name", "config_hash", "corpus", "rotary", "num_tokens", "seq_len", "loki_version"):
+        for key in ("model_name", "config_hash", "corpus", "rotary", "kind", "num_tokens", "seq_len", "loki_version"):
             if meta.get(key) is not None:
                 str_meta[key] = str(meta[key])
         tensors = {
@@ -371,6 +415,8 @@ class PCABasis:
             "eigenvalues": self.eigenvalues.detach().to("cpu").contiguous(),
             "means": self.means.detach().to("cpu").contiguous(),
         }
+        if self.query_components is not None:
+            tensors["query_components"] = self.query_components.detach().to("cpu", torch.float32).contiguous()
         save_file(tensors, os.fspath(path), metadata=str_meta)
 
     @classmethod
@@ -401,7 +447,8 @@ class PCABasis:
                 missing = [n for n in ("components", "eigenvalues", "means") if n not in names]
                 if missing:
                     raise BasisError(f"basis file {path} lacks tensor(s) {', '.join(missing)}")
-                tensors = {n: f.get_tensor(n) for n in ("components", "eigenvalues", "means")}
+                tensors = {n: f.get_tensor(n) for n in ("components", "eigenvalues", "means", "query_components")
+                           if n in names}
         except BasisError:
             raise
         except Exception as exc:  # safetensors raises SafetensorError, OSError, RuntimeError, ...

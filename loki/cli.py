@@ -17,6 +17,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "calibrate": ("loki.evaluation.commands.calibrate", "fit PCA bases of a model's keys on a calibration corpus"),
     "analyze": ("loki.evaluation.commands.analyze", "Rank@v of keys per layer and head, with plots"),
     "ppl": ("loki.evaluation.commands.ppl", "perplexity of a model under a sparse-attention method"),
+    "fidelity": ("loki.evaluation.fidelity", "the fidelity study: score-aware bases, budget splits and GQA modes "
+                 "against the paper-faithful Loki at equal bytes"),
     "generate": ("loki.evaluation.commands.generate", "generate text with Loki attention (a demo)"),
     "eval": ("loki.integrations.lm_eval", "run lm-eval tasks (local, offline) through the Loki model"),
     "bench": ("loki.bench.harness", "benchmark the decode kernels against torch SDPA (needs a CUDA GPU)"),

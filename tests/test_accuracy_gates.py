@@ -32,7 +32,7 @@ def _options():
 
     return SuiteOptions(
         k=0.25, d=0.25, calib_corpus="wikipedia", calib_tokens=2048, calib_seq_len=512, eval_windows=1,
-        eval_seq_len=256, eval_offset=0, h2o_gate_d=0.5, gqa_modes=("query",), methods="gates",
+        eval_seq_len=256, eval_offset=0, h2o_gate_d=None, gqa_modes=("query",), methods="gates",
         paper_protocol=False, agreement=True, rank=True, generalization=False, use_cache=False, progress=False,
         log=None,
     )
@@ -74,7 +74,7 @@ def test_accuracy_gates_on_the_real_model(tmp_path):
 
     # exactness, ordering, Loki vs H2O, regression: every gate must exist and pass
     expected = {"exactness: Loki d=D, k=all": 1, "exactness: Loki d=D == exact top-k": 1, "ordering:": 3,
-                "Loki best basis beats H2O": 1, "regression": 5}
+                "Loki best basis beats H2O": 1, "regression": 5, "fidelity:": 3}
     for prefix, n in expected.items():
         found = _named(gates, prefix)
         expect(len(found) >= n, f"expected >= {n} gate(s) {prefix!r}, found {len(found)}")
@@ -85,11 +85,13 @@ def test_accuracy_gates_on_the_real_model(tmp_path):
     expect(exact and exact[0]["value"] <= thresholds["exactness_rel_tol"] <= 1e-4, "exactness tolerance")
 
     # agreement and rank analysis are informative
-    for name in ("pre", "post"):
+    for name in ("pre", "post", "score"):
         a = results["agreement"][name]
         expect(0.2 < a["jaccard_mean"] < 1, f"{name}: Jaccard {a['jaccard_mean']}")
         expect(0.5 < a["mass_mean"] <= a["mass_exact_mean"] + 1e-9 <= 1 + 1e-9, f"{name}: mass {a['mass_mean']}")
         expect(len(a["jaccard"]) == 30 and len(a["jaccard"][0]) == 9, "agreement per layer x query head")
+        if name == "score":
+            continue
         r = results["rank"][name]["v90"]
         expect(1 <= r["mean"] <= 64 and len(r["per_layer"]) == 30, f"{name}: Rank@90 {r['mean']}")
     expect(set(results["plots"]) == {"rank_per_layer", "rank_heatmap", "explained_variance"}, "plots")

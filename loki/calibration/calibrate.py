@@ -232,6 +232,7 @@ def calibrate(
     corpus_name: str | None = None,
     model_name: str | None = None,
     progress: bool = True,
+    kind: str = "pca",
 ) -> PCABasis | dict[str, PCABasis]:
     """Fit the PCA basis of ``model``'s keys on ``data``.
 
@@ -250,11 +251,19 @@ def calibrate(
         corpus_name: recorded in the basis metadata.
         model_name: recorded in the metadata (default: ``model.config.name_or_path`` or the model type).
         progress: show a tqdm progress bar.
+        kind: "pca" (the paper's basis: PCA of the keys) or "score" (score-aware: the best rank-d approximation
+            of the post-rotary scores q . k, from query and key statistics; see
+            :mod:`loki.calibration.score_aware`; ``rotary`` must be "post").
 
     Returns:
         A :class:`PCABasis`, or ``{"pre": PCABasis, "post": PCABasis}`` for ``rotary="both"``.
     """
     kinds = _check_rotary(rotary)
+    if kind not in ("pca", "score"):
+        raise ValueError(f"kind must be 'pca' or 'score', got {kind!r}")
+    if kind == "score" and rotary != "post":
+        raise ValueError(f"a score-aware basis is fitted on post-rotary queries and keys: rotary must be 'post', "
+                         f"got {rotary!r}")
     _check_positive("num_tokens", num_tokens, 1)
     _check_positive("seq_len", seq_len, 2)
     _check_positive("batch_size", batch_size, 1)
@@ -266,6 +275,16 @@ def calibrate(
         batches = iter_token_batches(
             data, tokenizer=tokenizer, seq_len=seq_len, batch_size=batch_size, num_tokens=num_tokens
         )
+    if kind == "score":
+        from loki.calibration.score_aware import collect_score_statistics, score_aware_basis
+
+        keys, queries = collect_score_statistics(model, batches, num_tokens=num_tokens, progress=progress)
+        if keys.num_tokens < num_tokens:
+            warnings.warn(f"data ran out after {keys.num_tokens} tokens; num_tokens={num_tokens} requested",
+                          RuntimeWarning, stacklevel=2)
+        return score_aware_basis(keys, queries, config=model.config, corpus=corpus_name, seq_len=seq_len,
+                                 model_dtype=_model_dtype(model),
+                                 model_name=model_name if model_name is not None else config_model_name(model.config))
     stats = collect_key_statistics(model, batches, rotary=rotary, num_tokens=num_tokens, progress=progress)
     seen = next(iter(stats.values())).num_tokens
     if seen < num_tokens:

@@ -92,10 +92,12 @@ def selection_agreement(
     d: int | float,
     gqa_select: str = "query",
     aggregate: str = "sum",
+    P_q: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Agreement of Loki and exact top-k over the rows of one layer of one sequence.
 
-    q: [HQ, T, D]; k: [HKV, T, D] (post-rotary); P: [HKV, D, D].  Returns per-head means over informative rows:
+    q: [HQ, T, D]; k: [HKV, T, D] (post-rotary); P: [HKV, D, D] (the key transform); P_q: the query transform
+    of a score basis (default P).  Returns per-head means over informative rows:
     ``jaccard`` [H], ``mass`` [HQ] (exact attention mass on Loki's selection), ``mass_exact`` [HQ] (on the exact
     top-k), and ``rows`` (the number of informative rows).
     """
@@ -109,7 +111,7 @@ def selection_agreement(
     counts = budget(k_f, lengths, None, T, T)
     sel_scores = aggregate_group_scores(s, HKV, aggregate) if gqa_select == "kv" else s
     exact_idx = select_topk(sel_scores, counts)
-    q_hat = rotate_query(qr, P.float())
+    q_hat = rotate_query(qr, (P if P_q is None else P_q).float())
     k_hat = rotate_keys(k.float()[None], P.float()).expand(T, HKV, T, D)
     approx = approx_scores(q_hat, k_hat, d, lengths, gqa_select=gqa_select, aggregate=aggregate)
     loki_idx = select_topk(approx, counts)
@@ -135,6 +137,7 @@ def topk_agreement(
     k_f: float = 0.25,
     d: int | float = 0.25,
     gqa_select: str = "query",
+    aggregate: str = "sum",
     progress: bool = True,
 ) -> dict[str, dict]:
     """Jaccard and captured attention mass of Loki vs exact top-k for every basis, per layer and head.
@@ -151,7 +154,8 @@ def topk_agreement(
         for layer in sorted(qk):
             q, k = qk[layer]
             for name, basis in bases.items():
-                r = selection_agreement(q[0], k[0], basis.layer(layer), k_f=k_f, d=d, gqa_select=gqa_select)
+                r = selection_agreement(q[0], k[0], basis.layer(layer), k_f=k_f, d=d, gqa_select=gqa_select,
+                                        aggregate=aggregate, P_q=basis.query_layer(layer))
                 for key in ("jaccard", "mass", "mass_exact"):
                     per[name][key].append(r[key])
         for name in bases:

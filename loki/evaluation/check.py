@@ -67,7 +67,8 @@ class SuiteOptions:
     eval_seq_len: int = 256
     eval_offset: int = 0
     wikitext: str | None = None
-    h2o_gate_d: float | None = 0.5  # d at which "Loki beats H2O" is gated (None: use d)
+    h2o_gate_d: float | None = None  # d at which "Loki beats H2O" is gated (None: use d)
+    score_basis: bool = True  # also calibrate and evaluate the score-aware basis (kind "score")
     gqa_modes: tuple[str, ...] = ("query", "kv")
     methods: str = "all"  # "all" or "gates" (only what the gates need)
     paper_protocol: bool = True
@@ -115,13 +116,16 @@ def basis_cache_path(model, corpus_origin: str, num_tokens: int, seq_len: int, r
 
 def get_bases(model, tokenizer, corpus: str, num_tokens: int, seq_len: int, *, rotary: str = "both",
               use_cache: bool = True, progress: bool = True, log=None) -> dict[str, PCABasis]:
-    """``{"pre": PCABasis, "post": PCABasis}`` (or one of them) calibrated on the calibration part of ``corpus``
-    (a :data:`~loki.evaluation.data.CORPORA` name), from the cache when present."""
+    """``{"pre": PCABasis, "post": PCABasis}`` (or one of them; ``rotary="score"`` gives ``{"score": ...}``, the
+    score-aware basis) calibrated on the calibration part of ``corpus`` (a :data:`~loki.evaluation.data.CORPORA`
+    name), from the cache when present."""
     from loki.calibration import calibrate
     from loki.evaluation.data import load_corpus
 
     src = load_corpus(corpus, part="calib")
     kinds = ["pre", "post"] if rotary == "both" else [rotary]
+    if rotary not in ("both", "pre", "post", "score"):
+        raise ValueError(f"rotary must be 'both', 'pre', 'post' or 'score', got {rotary!r}")
     paths = {k: basis_cache_path(model, src.origin, num_tokens, seq_len, k) for k in kinds}
     if use_cache and all(p.is_file() for p in paths.values()):
         try:
@@ -135,8 +139,9 @@ def get_bases(model, tokenizer, corpus: str, num_tokens: int, seq_len: int, *, r
     if log:
         log(f"calibrating {'/'.join(kinds)} bases on {src.origin}: {num_tokens} tokens, sequences of {seq_len}")
     text = src.text[: max(20_000, 12 * num_tokens)]
-    out = calibrate(model, text, tokenizer=tokenizer, rotary=rotary, num_tokens=num_tokens, seq_len=seq_len,
-                    corpus_name=src.origin, progress=progress)
+    out = calibrate(model, text, tokenizer=tokenizer, rotary="post" if rotary == "score" else rotary,
+                    num_tokens=num_tokens, seq_len=seq_len, corpus_name=src.origin, progress=progress,
+                    kind="score" if rotary == "score" else "pca")
     bases = out if isinstance(out, dict) else {rotary: out}
     if use_cache:
         for k, b in bases.items():
@@ -165,6 +170,9 @@ def run_suite(model, tokenizer, opts: SuiteOptions | None = None, out_dir: str |
         model.config.hidden_size // model.config.num_attention_heads)
     bases = get_bases(model, tokenizer, opts.calib_corpus, opts.calib_tokens, opts.calib_seq_len,
                       use_cache=opts.use_cache, progress=opts.progress, log=log)
+    if opts.score_basis:
+        bases.update(get_bases(model, tokenizer, opts.calib_corpus, opts.calib_tokens, opts.calib_seq_len,
+                               rotary="score", use_cache=opts.use_cache, progress=opts.progress, log=log))
     wt = load_wikitext(opts.wikitext)
     windows = token_windows(tokenizer, wt, opts.eval_seq_len, opts.eval_windows, offset=opts.eval_offset)
     log(f"evaluation text: {wt.origin}, {opts.eval_windows} x {opts.eval_seq_len} tokens")
@@ -182,9 +190,9 @@ def run_suite(model, tokenizer, opts: SuiteOptions | None = None, out_dir: str |
         }
     }
 
-    specs = standard_methods(opts.k, opts.d, D, gqa_modes=opts.gqa_modes)
+    specs = standard_methods(opts.k, opts.d, D, rotary=tuple(bases), gqa_modes=opts.gqa_modes)
     if opts.methods == "gates":
-        keep = {"full", "exact_topk[query]", "loki-pre[query]", "loki-post[query]", "h2o",
+        keep = {"full", "exact_topk[query]", "loki-pre[query]", "loki-post[query]", "loki-score[query]", "h2o",
                 "loki-post(d=D,k=all)", "loki-post(d=D)[query]"}
         specs = [s for s in specs if s.name in keep]
     gate_d = opts.h2o_gate_d
@@ -195,7 +203,8 @@ def run_suite(model, tokenizer, opts: SuiteOptions | None = None, out_dir: str |
     results["perplexity"] = [r.to_dict() for r in ppl]
 
     if opts.paper_protocol:
-        paper_specs = [s for s in specs if s.name in ("exact_topk[query]", "loki-pre[query]", "loki-post[query]")]
+        paper_specs = [s for s in specs if s.name in ("exact_topk[query]", "loki-pre[query]", "loki-post[query]",
+                                                      "loki-score[query]")]
         results["paper_protocol"] = [r.to_dict() for r in evaluate_methods(
             model, windows, paper_specs, bases, protocol="paper", progress=opts.progress)]
 
@@ -205,9 +214,10 @@ def run_suite(model, tokenizer, opts: SuiteOptions | None = None, out_dir: str |
 
     plots: dict[str, str] = {}
     if opts.rank:
-        results["rank"] = rank_summary(bases, (90.0, 95.0))
+        pca_bases = {k: b for k, b in bases.items() if b.kind == "pca"}  # Rank@v is about the keys' PCA
+        results["rank"] = rank_summary(pca_bases, (90.0, 95.0))
         if out_dir is not None:
-            plots.update(write_rank_plots(bases, out_dir, 90.0))
+            plots.update(write_rank_plots(pca_bases, out_dir, 90.0))
 
     if opts.generalization:
         results["generalization"] = _generalization(model, tokenizer, bases, windows, results["perplexity"], opts)
@@ -301,13 +311,15 @@ def evaluate_gates(results: dict, thresholds: dict, profile: str = "check") -> l
             continue
         gates.append(_gate(f"ordering: full <= exact_topk[{g}]", ex["ppl"], full, full <= ex["ppl"] * (1 + otol),
                            f">= {full:.4f}"))
-        for rot in ("pre", "post"):
+        for rot in ("pre", "post", "score"):
             lk = rows.get(f"loki-{rot}[{g}]")
             if lk is not None:
                 gates.append(_gate(f"ordering: exact_topk[{g}] <= loki-{rot}[{g}]", lk["ppl"], ex["ppl"],
                                    ex["ppl"] <= lk["ppl"] * (1 + otol), f">= {ex['ppl']:.4f}"))
     if "h2o" in rows:
         h2o_d = thresholds.get("loki_vs_h2o", {}).get("d")
+        if h2o_d is None:  # the run's own d: the same byte budget as every other Loki row
+            h2o_d = results.get("settings", {}).get("d")
         k = rows["h2o"]["k"]
         cands = [r for r in rows.values() if r["method"] == "loki" and r["gqa_select"] == "query" and r["k"] == k
                  and (h2o_d is None or r["d"] == h2o_d)]
@@ -315,6 +327,21 @@ def evaluate_gates(results: dict, thresholds: dict, profile: str = "check") -> l
             best = min(cands, key=lambda r: r["ppl"])
             gates.append(_gate(f"Loki best basis beats H2O at k={k} ({best['name']})", best["ppl"], rows["h2o"]["ppl"],
                                best["ppl"] < rows["h2o"]["ppl"], f"< {rows['h2o']['ppl']:.4f} (h2o)"))
+    fid = thresholds.get("fidelity")
+    if fid:  # the score-aware basis: within a bound of full attention, never worse than the paper's PCA bases
+        for g in ("query", "kv"):
+            sc = rows.get(f"loki-{fid['basis']}[{g}]")
+            if sc is None:
+                continue
+            if g == "query":
+                rel = sc["ppl"] / full - 1
+                gates.append(_gate(f"fidelity: loki-{fid['basis']}[query] ppl within {fid['ppl_rel_max']:.0%} of full",
+                                   rel, fid["ppl_rel_max"], rel <= fid["ppl_rel_max"], f"<= {fid['ppl_rel_max']:g}"))
+            for rot in fid.get("never_worse_than", ()):
+                base = rows.get(f"loki-{rot}[{g}]")
+                if base is not None:
+                    gates.append(_gate(f"fidelity: loki-{fid['basis']}[{g}] <= loki-{rot}[{g}]", sc["ppl"], base["ppl"],
+                                       sc["ppl"] <= base["ppl"] * (1 + otol), f"<= {base['ppl']:.4f}"))
     prof = thresholds.get("profiles", {}).get(profile)
     if prof:
         settings = results.get("settings", {})

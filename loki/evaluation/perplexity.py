@@ -56,6 +56,7 @@ class MethodSpec:
     d: int | float = 1.0
     basis: str | None = None
     gqa_select: str = "query"
+    aggregate: str = "sum"
 
     def __post_init__(self):
         if self.method not in METHOD_NAMES:
@@ -150,7 +151,7 @@ def method_logits(model, input_ids: torch.Tensor, spec: MethodSpec, bases: dict 
     k = _protocol_k(spec.k, T, protocol)
     loop = spec.method == "h2o" if decode_loop is None else decode_loop
     enable_loki(model, basis, k=k, d=spec.d, method=spec.method, gqa_select=spec.gqa_select,
-                semantics="generate" if loop else "decode")
+                aggregate=spec.aggregate, semantics="generate" if loop else "decode")
     try:
         if loop:
             return _logits_decode_loop(model, input_ids, progress=progress)
@@ -196,11 +197,11 @@ def standard_methods(k_f: float = 0.25, d_f: float = 0.25, head_dim: int = 64, *
             specs.append(MethodSpec(f"loki-{rot}[{g}]", "loki", k=k_f, d=d_f, basis=rot, gqa_select=g))
     specs.append(MethodSpec("h2o", "h2o", k=k_f))
     specs.append(MethodSpec(f"sparq(r={r})", "sparq", k=k_f, d=r))
+    pca_rot = "post" if "post" in rotary else rotary[-1]  # PCAAttn and the exactness checks use the PCA basis
     if pcaattn:
-        for rot in rotary[-1:]:
-            specs.append(MethodSpec(f"pcaattn-{rot}", "pcaattn", d=d_f, basis=rot))
+        specs.append(MethodSpec(f"pcaattn-{pca_rot}", "pcaattn", d=d_f, basis=pca_rot))
     if exactness:
-        rot = rotary[-1]
+        rot = pca_rot
         specs.append(MethodSpec(f"loki-{rot}(d=D,k=all)", "loki", k=1.0, d=1.0, basis=rot))
         specs.append(MethodSpec(f"loki-{rot}(d=D)[query]", "loki", k=k_f, d=1.0, basis=rot))
     return specs

@@ -115,6 +115,7 @@ class LokiConfig:
     h2o_recent_fraction: float = 0.5
     chunk_elements: int = _ROW_CHUNK_ELEMENTS
     components: torch.Tensor | None = None  # [L, HKV, D, D] fp32 (the basis), None for basis-free methods
+    query_components: torch.Tensor | None = None  # [L, HKV, D, D] fp32 query transform of a score basis
     previous_implementation: str | None = None
     _per_device: dict = field(default_factory=dict, repr=False)
     # Per forward call: the cache being used (set by the pre-hook), or None without a cache.
@@ -126,13 +127,22 @@ class LokiConfig:
         return self.method in BASIS_METHODS
 
     def layer_basis(self, layer_idx: int, device: torch.device) -> torch.Tensor | None:
-        """P of one layer, [HKV, D, D] fp32 on ``device`` (cached per device)."""
-        if self.components is None:
+        """P (the key transform) of one layer, [HKV, D, D] fp32 on ``device`` (cached per device)."""
+        return self._on_device("keys", self.components, layer_idx, device)
+
+    def layer_query_basis(self, layer_idx: int, device: torch.device) -> torch.Tensor | None:
+        """The query transform of one layer: P_q of a score basis, else P itself (orthogonal)."""
+        if self.query_components is None:
+            return self.layer_basis(layer_idx, device)
+        return self._on_device("queries", self.query_components, layer_idx, device)
+
+    def _on_device(self, which, tensor, layer_idx, device):
+        if tensor is None:
             return None
-        comps = self._per_device.get(device)
+        comps = self._per_device.get((which, device))
         if comps is None:
-            comps = self.components.to(device=device, dtype=torch.float32)
-            self._per_device[device] = comps
+            comps = tensor.to(device=device, dtype=torch.float32)
+            self._per_device[(which, device)] = comps
         return comps[layer_idx]
 
 
@@ -375,7 +385,7 @@ def enable_loki(
     resolve_d(d, D, name="d")
     resolve_k(k, torch.ones(1, dtype=torch.long), 1 << 62, name="k")
 
-    components = None
+    components = query_components = None
     if method in BASIS_METHODS:
         if basis is None:
             raise ValueError(f"method={method!r} needs a PCA basis (basis=PCABasis or a path to one)")
@@ -384,6 +394,8 @@ def enable_loki(
         else:
             basis.validate(model.config, model_name=model_name)
         components = basis.components.detach().to(torch.float32)
+        if basis.query_components is not None:
+            query_components = basis.query_components.detach().to(torch.float32)
 
     if is_loki_enabled(model):
         disable_loki(model)
@@ -391,6 +403,7 @@ def enable_loki(
     cfg = LokiConfig(
         method=method, k=k, d=d, gqa_select=gqa_select, aggregate=aggregate, backend=backend,
         semantics=semantics, h2o_recent_fraction=float(h2o_recent_fraction), components=components,
+        query_components=query_components,
         previous_implementation=getattr(model.config, "_attn_implementation", None),
     )
     num_layers = _num_layers(model)
@@ -535,6 +548,7 @@ def teacher_forced_attention(
     k: int | float = 1.0,
     d: int | float = 1.0,
     P: torch.Tensor | None = None,
+    P_q: torch.Tensor | None = None,
     keys_rotated: bool = False,
     attention_mask: torch.Tensor | None = None,
     scale: float | None = None,
@@ -552,7 +566,8 @@ def teacher_forced_attention(
 
     query: [B, HQ, L, D] (post-rotary, original coordinates); key, value: [B, HKV, S, D] (post-rotary keys,
     already in the basis when ``keys_rotated``); P: [HKV, D, D] basis of this layer (needed for "loki" and
-    "pcaattn"); attention_mask: optional [B, 1, L, S] bool (True = attend) or additive float mask, default causal;
+    "pcaattn"); P_q: the query transform of a score basis (default P, an orthogonal basis);
+    attention_mask: optional [B, 1, L, S] bool (True = attend) or additive float mask, default causal;
     every row's visible tokens must be one contiguous range.  Returns [B, HQ, L, D] in query's dtype; rows that
     see no token return zeros.  ``method="h2o"`` is not supported (it is sequential by nature).
     """
@@ -560,16 +575,18 @@ def teacher_forced_attention(
     _, HKV, S, _ = key.shape
     if method == "h2o":
         raise ValueError("teacher_forced_attention does not support method='h2o'")
+    if P_q is None:
+        P_q = P
     if method in BASIS_METHODS:
         if P is None:
             raise ValueError(f"method={method!r} needs the layer's basis P [HKV, D, D]")
-        q_use = _rotate_rows(query, P)
+        q_use = _rotate_rows(query, P_q)
         k_use = key if keys_rotated else rotate_keys(key, P)
     else:
         if keys_rotated:
             if P is None:
                 raise ValueError("keys_rotated=True needs P to rotate the queries")
-            q_use = _rotate_rows(query, P)  # Lemma 1: exact and dense scores are invariant
+            q_use = _rotate_rows(query, P_q)  # Lemma 1: exact and dense scores are invariant
         else:
             q_use = query
         k_use = key
@@ -646,10 +663,11 @@ def loki_attention_forward(module, query, key, value, attention_mask, scaling=No
     layer = cache.layers[layer_idx] if cache is not None and layer_idx < len(cache.layers) else None
     keys_rotated = layer is not None and getattr(layer, "loki_P", None) is not None
     P = cfg.layer_basis(layer_idx, query.device) if (cfg.rotates or keys_rotated) else None
+    P_q = cfg.layer_query_basis(layer_idx, query.device) if P is not None else None
 
     if L > 1 and cfg.semantics == "generate" or cfg.method == "dense" and cfg.semantics == "generate":
         allowed = _allowed_mask(attention_mask, B, L, S, query.device)
-        q_use = _rotate_rows(query, P) if keys_rotated else query
+        q_use = _rotate_rows(query, P_q) if keys_rotated else query
         want = cfg.method == "h2o"
         out, p = _dense_prefill(q_use, key, value, allowed, scale, want_weights=want)
         if want:
@@ -680,7 +698,7 @@ def loki_attention_forward(module, query, key, value, attention_mask, scaling=No
         return out[:, None].contiguous(), None
 
     out = teacher_forced_attention(
-        query, key, value, method=cfg.method, k=cfg.k, d=cfg.d, P=P, keys_rotated=keys_rotated,
+        query, key, value, method=cfg.method, k=cfg.k, d=cfg.d, P=P, P_q=P_q, keys_rotated=keys_rotated,
         attention_mask=attention_mask, scale=scale, gqa_select=cfg.gqa_select, aggregate=cfg.aggregate,
         backend=cfg.backend, chunk_elements=cfg.chunk_elements,
     )

@@ -1,0 +1,160 @@
+"""Score-aware bases: choose the key/query transform that best preserves the attention *scores*.
+
+Loki ranks tokens by ``q_hat[:d] . k_hat[:d]``.  The paper's PCA basis keeps the ``d`` directions of largest key
+variance, whatever the queries look like.  What the ranking needs is the best rank-``d`` approximation of the
+bilinear form ``q . k`` over the queries and keys the model produces.  Lemma 1 only needs
+``q_hat . k_hat = q . k``, which any invertible pair ``k_hat = k P_k``, ``q_hat = q P_q`` with
+``P_q P_k^T = I`` satisfies, so the kernels and the rotated cache stay as they are.
+
+With ``M_q = E[q q^T]`` (uncentred: the query's own direction matters) and ``C_k`` the *centred* key covariance
+(a per-query constant shift ``q . mu`` moves every score of a row alike and never changes a top-k), the expected
+squared error of the rank-``d`` score approximation,
+``E_q Var_k[q^T k - q_hat[:d] . k_hat[:d]]``, is minimised (Eckart-Young) by the SVD
+``M_q^{1/2} C_k^{1/2} = U S V^T``:
+
+    P_q = M_q^{-1/2} U S^{1/2},    P_k = C_k^{-1/2} V S^{1/2},    P_q P_k^T = I,
+
+optimal for every ``d`` at once (singular values sorted).  Statistics are per layer and KV head; the queries of
+a GQA group are pooled, as they share the KV head's keys.  Queries and keys are post-rotary (what attention
+sees); ``eps`` floors the eigenvalues of both moments at ``eps`` times the largest, so the inverses stay finite.
+
+Shape letters: L layers, HQ query heads, HKV KV heads (G = HQ // HKV), B batch, S sequence length, D head dim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from loki.calibration.stats import KeyStatistics
+
+__all__ = ["collect_score_statistics", "score_aware_pair", "score_aware_basis"]
+
+
+def _sym_pow(m: torch.Tensor, power: float, eps: float) -> torch.Tensor:
+    w, v = torch.linalg.eigh(0.5 * (m + m.transpose(-1, -2)))
+    w = w.clamp_min(eps * w.amax(dim=-1, keepdim=True).clamp_min(1e-300))
+    return (v * w.pow(power).unsqueeze(-2)) @ v.transpose(-1, -2)
+
+
+def score_aware_pair(
+    query_moment: torch.Tensor, key_covariance: torch.Tensor, eps: float = 1e-4
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(P_q, P_k, s)`` for ``query_moment, key_covariance: [..., D, D]`` (float64): ``P_q, P_k [..., D, D]``
+    with ``P_q P_k^T = I`` and the singular values ``s [..., D]`` in decreasing order."""
+    mq = query_moment.to(torch.float64)
+    ck = key_covariance.to(torch.float64)
+    a, a_inv = _sym_pow(mq, 0.5, eps), _sym_pow(mq, -0.5, eps)
+    b, b_inv = _sym_pow(ck, 0.5, eps), _sym_pow(ck, -0.5, eps)
+    u, s, vh = torch.linalg.svd(a @ b)
+    root = s.clamp_min(1e-300).sqrt().unsqueeze(-2)
+    pq = a_inv @ u * root
+    pk = b_inv @ vh.transpose(-1, -2) * root
+    # deterministic signs: the largest-|.| entry of each key column positive (the query column flips with it)
+    idx = pk.abs().argmax(dim=-2, keepdim=True)
+    sign = torch.where(pk.gather(-2, idx) < 0, -1.0, 1.0).to(pk.dtype)
+    return pq * sign, pk * sign, s
+
+
+class _Recorder:
+    """A temporary attention function that streams post-rotary query and key statistics, then runs SDPA."""
+
+    def __init__(self, keys: KeyStatistics, queries: KeyStatistics):
+        self.keys, self.queries = keys, queries
+        self.valid: torch.Tensor | None = None  # [B, S] bool, set per batch
+        self.take: int | None = None
+
+    def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        B, HQ, S, D = query.shape
+        HKV = key.shape[1]
+        valid = self.valid
+        q = query.transpose(1, 2)[valid][: self.take]  # [N, HQ, D]
+        k = key.transpose(1, 2)[valid][: self.take]  # [N, HKV, D]
+        layer = int(module.layer_idx)
+        self.keys.update(layer, k)
+        self.queries.update(layer, q.reshape(-1, HKV, HQ // HKV, D).transpose(1, 2).reshape(-1, HKV, D))
+        G = HQ // HKV
+        kk = key.repeat_interleave(G, dim=1)
+        vv = value.repeat_interleave(G, dim=1)
+        causal = torch.ones(S, S, dtype=torch.bool, device=query.device).tril()
+        mask = causal[None, None] & valid[:, None, None, :]
+        out = torch.nn.functional.scaled_dot_product_attention(query, kk, vv, attn_mask=mask, scale=scaling)
+        return out.transpose(1, 2).contiguous(), None
+
+
+@torch.no_grad()
+def collect_score_statistics(
+    model: nn.Module, batches: Iterable, *, num_tokens: int | None = None, progress: bool = True
+) -> tuple[KeyStatistics, KeyStatistics]:
+    """Stream post-rotary key and query statistics of ``model`` over ``batches`` (as
+    :func:`~loki.calibration.calibrate.collect_key_statistics` takes them): one forward pass per batch through a
+    temporary attention function.  Returns ``(keys, queries)``; query statistics are per KV head, pooled over
+    the group's query heads (``count`` = tokens x G)."""
+    from tqdm.auto import tqdm
+    from transformers import AttentionInterface
+
+    from loki.calibration.calibrate import _as_batch, _model_device
+    from loki.calibration.hooks import key_layout, positions_from_mask
+
+    layout = key_layout(model)
+    L, HKV, D = layout.num_layers, layout.num_kv_heads, layout.head_dim
+    rec = _Recorder(KeyStatistics(L, HKV, D), KeyStatistics(L, HKV, D))
+    name = "loki_calibration_recorder"
+    AttentionInterface.register(name, rec)
+    previous = model.config._attn_implementation
+    was_training = model.training
+    model.eval()
+    model.set_attn_implementation(name)
+    device = _model_device(model)
+    seen = 0
+    bar = tqdm(total=num_tokens, unit="tok", desc="calibrating queries and keys", disable=not progress)
+    try:
+        for batch in batches:
+            if num_tokens is not None and seen >= num_tokens:
+                break
+            ids, mask = _as_batch(batch)
+            mask = torch.ones_like(ids) if mask is None else mask
+            ids, mask = ids.to(device), mask.to(device)
+            n = int(mask.sum())
+            if n == 0:
+                continue
+            take = n if num_tokens is None else min(n, num_tokens - seen)
+            rec.valid, rec.take = mask.bool(), take
+            layout.base(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask), use_cache=False)
+            seen += take
+            bar.update(take)
+    finally:
+        bar.close()
+        model.set_attn_implementation(previous)
+        model.train(was_training)
+    if seen == 0:
+        raise ValueError("batches contained no tokens (every attention_mask entry was 0, or no batches)")
+    return rec.keys, rec.queries
+
+
+def score_aware_basis(keys: KeyStatistics, queries: KeyStatistics, *, eps: float = 1e-4, config=None,
+                      model_name: str | None = None, corpus: str | None = None, seq_len: int | None = None,
+                      model_dtype=None):
+    """A :class:`~loki.basis.PCABasis` of kind "score" from post-rotary key and query statistics."""
+    from loki.basis import PCABasis, config_fields, config_fingerprint, config_model_name
+
+    pq, pk, s = score_aware_pair(queries.second_moment(), keys.covariance(centered=True), eps=eps)
+    return PCABasis(
+        components=pk.to(torch.float32).contiguous(),
+        query_components=pq.to(torch.float32).contiguous(),
+        eigenvalues=s.contiguous(),
+        means=keys.mean.cpu(),
+        kind="score",
+        rotary="post",
+        model_name=model_name if model_name is not None else (config_model_name(config) if config else None),
+        config_hash=config_fingerprint(config) if config is not None else None,
+        config_fields=config_fields(config) if config is not None else None,
+        corpus=corpus,
+        num_tokens=keys.num_tokens,
+        seq_len=seq_len,
+        model_dtype=None if model_dtype is None else str(model_dtype).replace("torch.", ""),
+        centered=True,
+        extra={"eps": eps},
+    )
