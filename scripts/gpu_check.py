@@ -1,6 +1,6 @@
-"""The one script sent to the GPU machine: correctness checks, block-size variants, the benchmark grid.
+"""The one script sent to the GPU machine: correctness checks, kernel variants, the benchmark grid.
 
-    PYTHONPATH=. python3 scripts/gpu_check.py --out $OUT [--quick] [--tune] [--no-bench]
+    PYTHONPATH=. python3 scripts/gpu_check.py --out $OUT [--quick] [--variants] [--no-bench]
     PYTHONPATH=. compute-sanitizer --tool memcheck python3 scripts/gpu_check.py --sanitize
 
 Writes JSON / markdown / PNG under --out and prints a short table last.
@@ -9,7 +9,6 @@ Writes JSON / markdown / PNG under --out and prints a short table last.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -28,7 +27,7 @@ def _err(a, b):
 def check(out_rows: list) -> bool:
     """Kernels vs references at decode shapes, outputs poisoned with NaN."""
     import loki.reference as R
-    from loki.kernels import approx_scores, decode_attention, select_topk, sparq_attention
+    from loki.kernels import approx_scores, decode_attention, make_key_prefix, select_topk, sparq_attention
     from loki.testing.inputs import make_decode_inputs
 
     os.environ["LOKI_POISON_OUTPUTS"] = "1"
@@ -53,9 +52,11 @@ def check(out_rows: list) -> bool:
         a = torch.sort(torch.where(idx[..., :kr] >= 0, idx[..., :kr].long(), S), -1).values
         b = torch.sort(torch.where(idx_ref >= 0, idx_ref, S), -1).values
         sel_ok = bool(torch.equal(a, b)) and bool((idx[..., kr:] == -1).all())
-        for sm in ("torch", "triton"):
+        kp = make_key_prefix(x.k_cache, D // 4)
+        for sm in ("torch", "triton", "auto+k_prefix"):
             out = decode_attention(x.q, x.k_cache, x.v_cache, d=0.25, k=0.25, lengths=x.lengths, starts=x.starts,
-                                   backend="triton", gqa_select=mode, select_method=sm)
+                                   backend="triton", gqa_select=mode, select_method=sm.split("+")[0],
+                                   k_prefix=kp if "k_prefix" in sm else None)
             ref = decode_attention(x.q, x.k_cache, x.v_cache, d=0.25, k=0.25, lengths=x.lengths, starts=x.starts,
                                    backend="torch", gqa_select=mode)
             e_o = _err(out, ref)
@@ -76,7 +77,14 @@ def check(out_rows: list) -> bool:
 
 def sanitize() -> None:
     """Odd shapes through every kernel once (run under compute-sanitizer)."""
-    from loki.kernels import approx_scores, decode_attention, select_topk, sparq_attention, sparse_attention
+    from loki.kernels import (
+        approx_scores,
+        decode_attention,
+        make_key_prefix,
+        select_topk,
+        sparq_attention,
+        sparse_attention,
+    )
     from loki.kernels.decode import selection_bound
     from loki.reference import budget
     from loki.testing.inputs import make_decode_inputs
@@ -84,71 +92,38 @@ def sanitize() -> None:
     for B, HQ, HKV, S, D, dtype in [(1, 2, 2, 1, 64, torch.float32), (3, 6, 2, 97, 96, torch.bfloat16),
                                     (2, 8, 1, 1025, 128, torch.float16), (2, 12, 3, 4099, 96, torch.bfloat16)]:
         x = make_decode_inputs(B, HQ, HKV, S, D, dtype=dtype, device="cuda", ragged=True, left_pad=True)
+        kp = make_key_prefix(x.k_cache, 9)
         for mode in ("query", "kv"):
             s = approx_scores(x.q, x.k_cache, 7, x.lengths, x.starts, gqa_select=mode)
+            approx_scores(x.q, x.k_cache, 7, x.lengths, x.starts, gqa_select=mode, k_prefix=kp)
+            approx_scores(x.q, x.k_cache, 9, x.lengths, x.starts, gqa_select=mode, k_prefix=kp)
             for k in (1, 0.3, S):
                 counts = budget(k, x.lengths, x.starts, B, S, "cuda")
                 K = selection_bound(k, S)
                 idx = select_topk(s, counts, method="triton", k_max=K)
+                select_topk(s, counts, method="triton", k_max=K, radix_bits=1, chunk=256)
+                select_topk(s, counts, method="triton", k_max=K, radix_bits=2, early_exit=False)
                 sparse_attention(x.q, x.k_cache, x.v_cache, idx, counts)
-                sparse_attention(x.q, x.k_cache, x.v_cache, idx, counts, num_splits=3)
+                sparse_attention(x.q, x.k_cache, x.v_cache, idx, counts, num_splits=3, block_k=16)
+                sparse_attention(x.q, x.k_cache, x.v_cache, idx, counts, num_splits=3, prefetch=False)
+                sparse_attention(x.q, x.k_cache, x.v_cache, idx, counts, num_splits=2, slots=False, prefetch=True)
+                if mode == "query":
+                    sparse_attention(x.q, x.k_cache, x.v_cache, idx, counts, prefix_scores=s, prefix_dims=7,
+                                     block_k=16)
             decode_attention(x.q, x.k_cache, x.v_cache, d=0.25, k=0.25, lengths=x.lengths, starts=x.starts,
                              backend="triton", gqa_select=mode, select_method="triton")
+            decode_attention(x.q, x.k_cache, x.v_cache, d=9, k=0.25, lengths=x.lengths, starts=x.starts,
+                             backend="triton", gqa_select=mode, k_prefix=kp)
         sparq_attention(x.q, x.k_cache, x.v_cache, r=8, k=0.25, lengths=x.lengths, starts=x.starts)
     torch.cuda.synchronize()
     print("sanitize: all kernels ran")
-
-
-def tune(out_rows: list) -> None:
-    """Block-size / split variants of each stage at the key shapes."""
-    for model, B, S, mode in [("llama2-13b", 16, 4096, "query"), ("llama2-13b", 1, 16384, "query"),
-                              ("llama3-8b", 16, 8192, "kv"), ("llama3-8b", 1, 16384, "kv")]:
-        _tune_shape(out_rows, model, B, S, mode)
-        torch.cuda.empty_cache()
-
-
-def _tune_shape(out_rows, model, B, S, mode):
-    from loki.kernels import select_topk, sparse_attention
-    from loki.kernels.approx_scores import _launch_approx_scores
-
-    HQ, HKV, D = harness.MODELS[model]
-    x = harness.make_bench_inputs(B, HQ, HKV, S, D)
-    H = HQ if mode == "query" else HKV
-    K = S // 4
-    counts = torch.full((B,), K, dtype=torch.int32, device="cuda")
-    scores = torch.empty(B, H, S, device="cuda")
-    ho, ao = (scores, None) if mode == "query" else (None, scores)
-    tag = f"{model}-B{B}-S{S}-{mode}"
-    for dd in (16, 32, 64):  # bytes per key row read: 32, 64, 128 (DRAM fetch granularity)
-        t = harness.time_ms(lambda dd=dd: _launch_approx_scores(x.q, x.k_cache, dd, x.lengths, x.starts, ho, ao,
-                                                                "sum"))
-        out_rows.append(dict(shape=tag, stage="scores", variant=f"d={dd}", ms=t))
-    _launch_approx_scores(x.q, x.k_cache, 32, x.lengths, x.starts, ho, ao, "sum")
-    t = harness.time_ms(lambda: select_topk(scores, counts, k_max=K, method="triton"))
-    out_rows.append(dict(shape=tag, stage="select", variant="triton", ms=t))
-    idx = select_topk(scores, counts, k_max=K, method="triton")
-    variants = [(None, None, 4, None)]
-    for bk in (32, 64, 128):
-        for ns in (None, 4, 16):
-            for nw in (4, 8):
-                for st in (2, 3, 4):
-                    variants.append((bk, ns, nw, st))
-    for bk, ns, nw, st in variants:
-        try:
-            t = harness.time_ms(lambda bk=bk, ns=ns, nw=nw, st=st: sparse_attention(
-                x.q, x.k_cache, x.v_cache, idx, counts, block_k=bk, num_splits=ns, num_warps=nw, num_stages=st))
-        except Exception as e:  # noqa: BLE001
-            t = float("nan")
-            print("tune error", tag, bk, ns, nw, st, type(e).__name__, str(e)[:200])
-        out_rows.append(dict(shape=tag, stage="attention", variant=f"bk={bk} splits={ns} warps={nw} stages={st}",
-                             ms=t))
 
 
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--sanitize", action="store_true")
-    p.add_argument("--tune", action="store_true")
+    p.add_argument("--variants", action="store_true", help="time kernel variants at the target shapes")
     p.add_argument("--no-check", action="store_true")
     p.add_argument("--no-bench", action="store_true")
     p.add_argument("--quick", action="store_true")
@@ -176,14 +151,11 @@ def main() -> int:
             print(r, flush=True)
         print(f"CHECK {'PASS' if ok else 'FAIL'} ({time.time() - t0:.0f} s)", flush=True)
         status |= 0 if ok else 1
-    if a.tune:
-        rows = []
-        tune(rows)
-        with open(os.path.join(a.out, "tune.json"), "w") as f:
-            json.dump(rows, f, indent=1)
-        for r in rows:
-            print(f"{r['shape']:28s} {r['stage']:9s} {r['variant']:26s} {r['ms']:.4f}")
-        print(f"tune done ({time.time() - t0:.0f} s)", flush=True)
+    if a.variants:
+        from loki.bench import variants
+
+        status |= variants.main(a.out)
+        print(f"variants done ({time.time() - t0:.0f} s)", flush=True)
     if not a.no_bench:
         bp = argparse.ArgumentParser()
         harness.add_arguments(bp)

@@ -23,6 +23,7 @@ from loki.kernels import (
     approx_scores,
     approx_scores_reference,
     decode_attention,
+    make_key_prefix,
     select_topk,
     sparq_attention,
     sparq_attention_reference,
@@ -115,6 +116,29 @@ def test_approx_scores(triton_device, B, HQ, HKV, S, D, d, ragged, left_pad):
 
 
 @interp
+@pytest.mark.parametrize("dp", [24, 40], ids=["dp=d", "dp>d"])
+def test_approx_scores_from_key_prefix(triton_device, dp):
+    """A contiguous prefix buffer (dp >= d dims) gives the same scores as reading K in place."""
+    x = _inputs(2, 6, 2, 300, 96, torch.float32, triton_device, ragged=True, left_pad=True)
+    kp = x.k_cache[..., :dp].contiguous()
+    assert torch.equal(make_key_prefix(x.k_cache, dp), kp)
+    for mode in ("query", "kv"):
+        ref = approx_scores(x.q, x.k_cache, 24, x.lengths, x.starts, gqa_select=mode)
+        got = approx_scores(x.q, x.k_cache, 24, x.lengths, x.starts, gqa_select=mode, k_prefix=kp)
+        assert torch.equal(torch.isneginf(got), torch.isneginf(ref)) and not torch.isnan(got).any()
+        fin = torch.isfinite(ref)
+        assert (got[fin] - ref[fin]).abs().max().item() <= 1e-5 * max(1.0, ref[fin].abs().max().item())
+
+
+def test_approx_scores_key_prefix_errors():
+    x = make_decode_inputs(1, 2, 2, 16, 64)
+    with pytest.raises(ValueError, match="k_prefix"):
+        approx_scores(x.q, x.k_cache, 16, k_prefix=x.k_cache[..., :8].contiguous())  # dp < d
+    with pytest.raises(ValueError, match="k_prefix"):
+        approx_scores(x.q, x.k_cache, 8, k_prefix=x.k_cache[:, :, :8, :8].contiguous())  # wrong S
+
+
+@interp
 def test_approx_scores_out_argument_poisoned(triton_device):
     x = _inputs(2, 4, 2, 130, 64, torch.float32, triton_device, ragged=True)
     out = torch.full((2, 4, 130), float("nan"), device=triton_device)
@@ -133,10 +157,8 @@ SELECT_CASES = [
 ]
 
 
-@interp
-@pytest.mark.parametrize("method", ["triton", "torch"])
-@pytest.mark.parametrize("B,H,S,kspec,ragged", SELECT_CASES)
-def test_select_topk_invariants(triton_device, method, B, H, S, kspec, ragged):
+def _select_case(B, H, S, kspec, ragged):
+    """Scores (ties, -0.0 and invalid tokens where asked), counts and the bound K of one selection case."""
     g = torch.Generator().manual_seed(S)
     scores = torch.randn(B, H, S, generator=g)
     if kspec == 0.25:
@@ -150,9 +172,33 @@ def test_select_topk_invariants(triton_device, method, B, H, S, kspec, ragged):
     scores = scores.masked_fill(~valid_token_mask(lengths, starts, S)[:, None, :], float("-inf"))
     k = {"1": 1, "S": S}.get(kspec, kspec)
     counts = R.budget(k, lengths, starts, B, S)
+    return scores, counts, int(R.budget(k, None, None, B, S).max())
+
+
+@interp
+@pytest.mark.parametrize("method", ["triton", "torch", "auto"])
+@pytest.mark.parametrize("B,H,S,kspec,ragged", SELECT_CASES)
+def test_select_topk_invariants(triton_device, method, B, H, S, kspec, ragged):
+    scores, counts, K = _select_case(B, H, S, kspec, ragged)
     sc, cn = scores.to(triton_device), counts.to(triton_device)
-    idx = select_topk(sc, cn, method=method, k_max=R.budget(k, None, None, B, S).max().item())
-    assert idx.shape == (B, H, int(R.budget(k, None, None, B, S).max()))
+    idx = select_topk(sc, cn, method=method, k_max=K)
+    assert idx.shape == (B, H, K)
+    assert check_selection(idx, scores, counts) == B * H
+
+
+@interp
+@pytest.mark.parametrize("radix_bits,chunk,early_exit", [(1, None, False), (2, None, False), (1, 64, False),
+                                                         (2, 256, False), (1, None, True), (1, 64, True)],
+                         ids=["1bit", "2bit", "1bit-chunk64", "2bit-chunk256", "early-exit", "early-exit-chunk64"])
+@pytest.mark.parametrize("B,H,S,kspec,ragged", SELECT_CASES)
+def test_select_topk_triton_radix_and_chunked_compaction(triton_device, radix_bits, chunk, early_exit, B, H, S,
+                                                         kspec, ragged):
+    """Both search widths, the early-exit search, and the chunked compaction of long rows (forced here with
+    a small chunk)."""
+    scores, counts, K = _select_case(B, H, S, kspec, ragged)
+    idx = select_topk(scores.to(triton_device), counts.to(triton_device), method="triton", k_max=K,
+                      radix_bits=radix_bits, chunk=chunk, early_exit=early_exit)
+    assert idx.dtype == torch.int32 and idx.shape == (B, H, K)
     assert check_selection(idx, scores, counts) == B * H
 
 
@@ -203,6 +249,40 @@ def test_sparse_attention_int32_idx_and_splits(triton_device):
                                      compute_dtype=torch.float64)
     out = sparse_attention(x.q, x.k_cache, x.v_cache, idx.to(torch.int32), counts, num_splits=3, block_k=64)
     assert (out.double() - ref).abs().max().item() < 1e-5
+
+
+@interp
+@pytest.mark.parametrize("prefetch,slots", [(True, False), (False, False), (True, True), (False, True)],
+                         ids=["prefetch", "no-prefetch", "prefetch-slots", "slots"])
+@pytest.mark.parametrize("mode,reuse", [("query", False), ("query", True), ("kv", False)],
+                         ids=["query", "query-reuse-scores", "kv"])
+def test_sparse_attention_many_tiles_per_split(triton_device, prefetch, slots, mode, reuse):
+    """Small tiles and few splits: the (software-pipelined) loop runs over several tiles per split, with a
+    ragged last tile; with ``prefix_scores`` the first d dims come from the approximate scores."""
+    B, HQ, HKV, S, D, d = 2, 6, 2, 700, 96, 24
+    x = _inputs(B, HQ, HKV, S, D, torch.float32, triton_device, ragged=True, left_pad=True, seed=5)
+    s = approx_scores(x.q, x.k_cache, d, x.lengths, x.starts, gqa_select=mode)
+    counts = R.budget(0.4, x.lengths, x.starts, B, S, triton_device)
+    idx = select_topk(s, counts, method="triton", k_max=R.budget(0.4, None, None, B, S).max().item())
+    extra = {"prefix_scores": s, "prefix_dims": d} if reuse else {}
+    out = sparse_attention(x.q, x.k_cache, x.v_cache, idx, counts, block_k=16, num_splits=3, prefetch=prefetch,
+                           slots=slots, **extra)
+    ref = sparse_attention_reference(x.q.double(), x.k_cache.double(), x.v_cache.double(), idx.long(), counts,
+                                     compute_dtype=torch.float64)
+    assert not torch.isnan(out).any()
+    assert (out.double() - ref).abs().max().item() < 1e-5
+
+
+def test_sparse_attention_prefix_scores_errors():
+    x = make_decode_inputs(1, 4, 2, 16, 64)
+    idx = torch.zeros(1, 2, 4, dtype=torch.int32)
+    counts = torch.tensor([4])
+    with pytest.raises(ValueError, match="per-query-head"):
+        sparse_attention(x.q, x.k_cache, x.v_cache, idx, counts, prefix_scores=torch.zeros(1, 4, 16),
+                         prefix_dims=8)
+    with pytest.raises(ValueError, match="prefix_scores"):
+        sparse_attention(x.q, x.k_cache, x.v_cache, torch.zeros(1, 4, 4, dtype=torch.int32), counts,
+                         prefix_scores=torch.zeros(1, 4, 15), prefix_dims=8)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -281,6 +361,26 @@ def _run_decode_case(device, B, HQ, HKV, S, D, d, k, mode, select_method, dtype,
 
 
 @interp
+@pytest.mark.parametrize("mode", ["query", "kv"])
+def test_decode_attention_key_prefix_and_auto_select(triton_device, mode):
+    """k_prefix (a cache-layout option) and the default select method give the same step as the plain path."""
+    B, HQ, HKV, S, D = 2, 8, 2, 500, 64
+    x = _inputs(B, HQ, HKV, S, D, torch.float32, triton_device, ragged=True, left_pad=True, seed=9)
+    kw = dict(d=16, k=0.25, lengths=x.lengths, starts=x.starts, backend="triton", gqa_select=mode,
+              return_indices=True)
+    base, (idx0, counts) = decode_attention(x.q, x.k_cache, x.v_cache, select_method="triton", **kw)
+    out, (idx1, _) = decode_attention(x.q, x.k_cache, x.v_cache, k_prefix=make_key_prefix(x.k_cache, 16), **kw)
+    s64 = approx_scores_reference(x.q.double(), x.k_cache.double(), 16, x.lengths, x.starts, gqa_select=mode,
+                                  compute_dtype=torch.float64)
+    slack = 1e-5 * s64[torch.isfinite(s64)].abs().max().item()
+    assert check_selection(idx1, s64, counts, slack=slack) == B * idx1.shape[1]
+    ref = sparse_attention_reference(x.q.double(), x.k_cache.double(), x.v_cache.double(), idx1.long(), counts,
+                                     compute_dtype=torch.float64)
+    assert (out.double() - ref).abs().max().item() < 1e-5
+    assert (out - base).abs().max().item() < 1e-4
+
+
+@interp
 def test_decode_attention_full_budget_is_dense(triton_device):
     """d = D and k = S: Loki equals dense attention."""
     x = _inputs(2, 6, 3, 200, 64, torch.float32, triton_device)
@@ -305,6 +405,9 @@ def test_decode_attention_errors_name_the_argument():
         decode_attention(x.q, x.k_cache, x.v_cache, d=8, k=4, gqa_select="group")
     with pytest.raises(ValueError, match="select_method"):
         decode_attention(x.q, x.k_cache, x.v_cache, d=8, k=4, select_method="radix")
+    with pytest.raises(ValueError, match="k_prefix"):
+        decode_attention(x.q, x.k_cache, x.v_cache, d=8, k=4, backend="triton",
+                         k_prefix=x.k_cache[..., :4].contiguous())
     with pytest.raises(ValueError, match="lengths"):
         decode_attention(x.q, x.k_cache, x.v_cache, d=8, k=4, lengths=torch.tensor([17]), backend="triton")
     with pytest.raises(ValueError, match="k_cache batch"):
@@ -385,6 +488,40 @@ GPU_DECODE = [
 @pytest.mark.parametrize("B,HQ,HKV,S,D,mode,dtype", GPU_DECODE)
 def test_gpu_decode_attention_triton_vs_torch(B, HQ, HKV, S, D, mode, dtype, select_method):
     _run_decode_case(torch.device("cuda"), B, HQ, HKV, S, D, 0.25, 0.25, mode, select_method, dtype)
+
+
+@gpu
+@pytest.mark.parametrize("B,HQ,HKV,S,D,mode,dtype", GPU_DECODE[:3])
+def test_gpu_decode_attention_key_prefix(B, HQ, HKV, S, D, mode, dtype):
+    """The fast path (k_prefix, default select, score reuse) against the fp64 reference of its selection."""
+    dev = torch.device("cuda")
+    x = _inputs(B, HQ, HKV, S, D, dtype, dev, ragged=True, left_pad=True, seed=3)
+    d = D // 4
+    out, (idx, counts) = decode_attention(x.q, x.k_cache, x.v_cache, d=d, k=0.25, lengths=x.lengths,
+                                          starts=x.starts, backend="triton", gqa_select=mode,
+                                          k_prefix=make_key_prefix(x.k_cache, d), return_indices=True)
+    assert idx.dtype == torch.int32  # "auto" picked the Triton select on CUDA
+    s64 = approx_scores_reference(x.q.double(), x.k_cache.double(), d, x.lengths, x.starts, gqa_select=mode,
+                                  compute_dtype=torch.float64)
+    slack = 1e-4 * s64[torch.isfinite(s64)].abs().max().item()
+    assert check_selection(idx, s64, counts, slack=slack) == B * idx.shape[1]
+    ref64 = sparse_attention_reference(x.q.double(), x.k_cache.double(), x.v_cache.double(), idx.long(), counts,
+                                       compute_dtype=torch.float64)
+    lowp = sparse_attention_reference(x.q, x.k_cache, x.v_cache, idx.long(), counts, compute_dtype=dtype)
+    _assert_close_to_reference(out, ref64, lowp, dtype, "decode_attention(k_prefix)")
+
+
+@gpu
+@pytest.mark.parametrize("radix_bits", [1, 2])
+@pytest.mark.parametrize("B,H,S", [(16, 40, 4096), (2, 8, 16384), (3, 5, 32768)], ids=lambda v: str(v))
+def test_gpu_select_radix_bits(B, H, S, radix_bits):
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(S)
+    scores = torch.randn(B, H, S, device=dev, generator=g)
+    scores[:, :, ::5] = torch.round(scores[:, :, ::5])  # exact ties
+    counts = torch.randint(1, S + 1, (B,), device=dev, generator=g)
+    idx = select_topk(scores, counts, method="triton", k_max=S, radix_bits=radix_bits)
+    assert check_selection(idx, scores, counts) == B * H
 
 
 GPU_SPARQ = [

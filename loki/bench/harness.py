@@ -169,7 +169,7 @@ def _eager_fn(q, k, v):
 def bench_config(cfg: BenchConfig, *, copy_gbps: float, providers=None, gqa_select=None, seed=0,
                  use_graphs: bool = True) -> dict:
     """Time every provider on one configuration; returns a dict of rows (ms, GB/s, % of copy, speed-up)."""
-    from loki.kernels import select_topk, sparq_attention, sparq_prepare, sparse_attention
+    from loki.kernels import make_key_prefix, select_topk, sparq_attention, sparq_prepare, sparse_attention
     from loki.kernels.approx_scores import _launch_approx_scores
     from loki.kernels.decode import loki_decode_step, selection_bound
     from loki.reference import loki_attention
@@ -188,6 +188,8 @@ def bench_config(cfg: BenchConfig, *, copy_gbps: float, providers=None, gqa_sele
     gqa = HQ != HKV
     dense_bytes = 2 * B * HKV * S * D * es
     loki_bytes = B * HKV * S * d * es + 2 * B * H * K * D * es
+    # the cache-layout option: the first d rotated key dims kept contiguously beside K (built at append time)
+    kp = make_key_prefix(kc, d)
     rows = {}
 
     def add(name, fn, nbytes, graph=True):
@@ -203,7 +205,8 @@ def bench_config(cfg: BenchConfig, *, copy_gbps: float, providers=None, gqa_sele
             except Exception as e:  # noqa: BLE001 - host syncs make a provider uncapturable
                 rows[name]["graph_error"] = f"{type(e).__name__}: {str(e)[:120]}"
 
-    want = set(providers or ["sdpa", "eager", "loki_torch", "sparq", "loki", "loki_topk", "stages"])
+    want = set(providers or ["sdpa", "eager", "loki_torch", "sparq", "loki", "loki_noprefix", "loki_topk",
+                             "stages"])
     sdpa, backend = _sdpa_fn(q, kc, vc, gqa)
     add("sdpa", sdpa, dense_bytes)
     rows["sdpa"]["backend"] = backend
@@ -212,20 +215,28 @@ def bench_config(cfg: BenchConfig, *, copy_gbps: float, providers=None, gqa_sele
     common = dict(d=d, k_max=K, gqa_select=mode, uniform=True)
     if "loki" in want:
         add("loki", lambda: loki_decode_step(q, kc, vc, x.lengths, x.starts, counts, select_method="triton",
-                                             **common), loki_bytes)
+                                             k_prefix=kp, **common), loki_bytes)
+    if "loki_noprefix" in want:
+        add("loki_noprefix", lambda: loki_decode_step(q, kc, vc, x.lengths, x.starts, counts,
+                                                      select_method="triton", **common), loki_bytes)
     if "loki_topk" in want:
         add("loki_topk", lambda: loki_decode_step(q, kc, vc, x.lengths, x.starts, counts,
-                                                  select_method="torch", **common), loki_bytes)
+                                                  select_method="torch", k_prefix=kp, **common), loki_bytes)
     if "stages" in want:
+        # the stages of the "loki" provider, one at a time
         scores = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
         ho, ao = (scores, None) if mode == "query" else (None, scores)
-        add("stage_scores", lambda: _launch_approx_scores(q, kc, d, x.lengths, x.starts, ho, ao, "sum"),
+        add("stage_scores", lambda: _launch_approx_scores(q, kp, d, x.lengths, x.starts, ho, ao, "sum"),
             B * HKV * S * d * es)
-        _launch_approx_scores(q, kc, d, x.lengths, x.starts, ho, ao, "sum")
+        add("stage_scores_strided", lambda: _launch_approx_scores(q, kc, d, x.lengths, x.starts, ho, ao, "sum"),
+            B * HKV * S * d * es, graph=False)
+        _launch_approx_scores(q, kp, d, x.lengths, x.starts, ho, ao, "sum")
         add("stage_select_triton", lambda: select_topk(scores, counts, k_max=K, method="triton"), None)
-        add("stage_select_topk", lambda: select_topk(scores, counts, k_max=K, method="torch", uniform=True), None)
+        add("stage_select_topk", lambda: select_topk(scores, counts, k_max=K, method="torch", uniform=True), None,
+            graph=False)
         idx = select_topk(scores, counts, k_max=K, method="triton")
-        add("stage_attention", lambda: sparse_attention(q, kc, vc, idx, counts), 2 * B * H * K * D * es)
+        reuse = {"prefix_scores": scores, "prefix_dims": d} if mode == "query" and d < D else {}
+        add("stage_attention", lambda: sparse_attention(q, kc, vc, idx, counts, **reuse), 2 * B * H * K * D * es)
     if "sparq" in want:
         k_t, v_mean = sparq_prepare(kc, vc)
         add("sparq", lambda: sparq_attention(q, kc, vc, r=d, k=K, k_cache_t=k_t, v_mean=v_mean, k_max=K,
@@ -251,7 +262,7 @@ def bench_config(cfg: BenchConfig, *, copy_gbps: float, providers=None, gqa_sele
     }
 
 
-KEY_PROVIDERS = ("sdpa", "eager", "loki_torch", "sparq", "loki_topk", "loki")
+KEY_PROVIDERS = ("sdpa", "eager", "loki_torch", "sparq", "loki_topk", "loki_noprefix", "loki")
 
 
 def _g(rows, name, key, nd=3):
@@ -265,15 +276,19 @@ def write_markdown(results: dict, path: str) -> str:
         "",
         f"torch {results['torch']}, triton {results['triton']}; copy bandwidth {results['copy_gbps']:.0f} GB/s; "
         f"do_bench median, L2 flushed between runs: {results['l2_flush']}.",
-        "`loki` = Loki kernels with the Triton threshold select; `loki_topk` = the same with torch.topk.",
-        "Times in ms; x = speed-up vs torch SDPA (flash) in the same run; % = share of copy bandwidth.",
+        "`loki` = Loki kernels with the Triton threshold select and the contiguous key-prefix buffer (`k_prefix`,"
+        " a cache-layout option); `loki_noprefix` = the same reading the first d dims in place from K;"
+        " `loki_topk` = `loki` with torch.topk.",
+        "Times in ms; x = speed-up vs torch SDPA (flash) in the same run; % = share of copy bandwidth;"
+        " floor = bytes Loki must read (d/D of K + k rows of K and V) / copy bandwidth; x floor = loki / floor;"
+        " stages = the `loki` stages timed alone (scores from `k_prefix`, Triton select, attention).",
         "",
         "Graph columns: the same call captured in a CUDA graph, L2 flushed before each replay (no Python launch"
         " overhead; SparQ and the PyTorch reference synchronise with the host and cannot be captured).",
         "",
-        "| config | d | K | " + " | ".join(KEY_PROVIDERS) + " | loki x SDPA | loki % bw | loki floor | "
-        "scores / select / attn | graph: sdpa | graph: loki | graph: loki x SDPA | graph: loki % bw |",
-        "|---" * (len(KEY_PROVIDERS) + 11) + "|",
+        "| config | d | K | " + " | ".join(KEY_PROVIDERS) + " | loki x SDPA | loki % bw | loki floor | x floor | "
+        "scores / select / attn | select share | graph: sdpa | graph: loki | graph: loki x SDPA | graph: loki % bw |",
+        "|---" * (len(KEY_PROVIDERS) + 13) + "|",
     ]
     for res in results["results"]:
         r = res["rows"]
@@ -283,11 +298,15 @@ def write_markdown(results: dict, path: str) -> str:
 
         lk = r.get("loki", {})
         st = "/".join(ms(n) for n in ("stage_scores", "stage_select_triton", "stage_attention"))
+        stage_ms = [r.get(n, {}).get("ms") for n in ("stage_scores", "stage_select_triton", "stage_attention")]
+        share = (f"{100 * stage_ms[1] / sum(stage_ms):.0f}%" if all(v is not None for v in stage_ms) else "-")
+        xfloor = f"{lk['ms'] / res['loki_floor_ms']:.2f}" if "ms" in lk else "-"
         lines.append(
             f"| {res['id']} | {res['d']} | {res['K']} | " + " | ".join(ms(n) for n in KEY_PROVIDERS)
             + f" | {lk.get('speedup_vs_sdpa', float('nan')):.2f} | {lk.get('pct_copy_bw') or float('nan'):.0f} | "
-            f"{res['loki_floor_ms']:.3f} | {st} | {_g(r, 'sdpa', 'graph_ms')} | {_g(r, 'loki', 'graph_ms')} | "
-            f"{_g(r, 'loki', 'graph_speedup_vs_sdpa', 2)} | {_g(r, 'loki', 'graph_pct_copy_bw', 0)} |"
+            f"{res['loki_floor_ms']:.3f} | {xfloor} | {st} | {share} | {_g(r, 'sdpa', 'graph_ms')} | "
+            f"{_g(r, 'loki', 'graph_ms')} | {_g(r, 'loki', 'graph_speedup_vs_sdpa', 2)} | "
+            f"{_g(r, 'loki', 'graph_pct_copy_bw', 0)} |"
         )
     text = "\n".join(lines) + "\n"
     with open(path, "w") as f:

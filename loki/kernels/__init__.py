@@ -9,7 +9,7 @@
 Importing this package compiles nothing and probes no device; kernels are built at their first launch.
 """
 
-from .approx_scores import approx_scores, approx_scores_reference
+from .approx_scores import approx_scores, approx_scores_reference, make_key_prefix
 from .decode import BACKENDS, decode_attention, loki_attention_reference, loki_decode_step, selection_bound
 from .select import SELECT_METHODS, select_topk, select_topk_reference
 from .sparq import sparq_attention, sparq_attention_reference, sparq_prepare
@@ -23,6 +23,7 @@ __all__ = [
     "decode_attention",
     "loki_attention_reference",
     "loki_decode_step",
+    "make_key_prefix",
     "select_topk",
     "select_topk_reference",
     "selection_bound",

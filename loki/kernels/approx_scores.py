@@ -11,6 +11,12 @@ Design: a 2-D grid over (B x HKV, token blocks).  Each program reads a [BLOCK_S,
 keys (only the first d dims of each row: d/D of the key bytes) once and scores it against all G query
 heads of its group, so the key read is shared across the group.  Tails and invalid tokens are masked;
 invalid rows are not even read.
+
+Key layout: the first d dims can be read in place from ``k_hat`` (a strided read of 64 of every 256
+bytes at D = 128, d = 32 in bf16: on an H100 it takes 1.4-1.5x the time of reading the same bytes
+contiguously), or from an optional contiguous prefix buffer ``k_prefix: [B, HKV, S, dp]`` (dp >= d; the
+cache keeps the first dp rotated dims of every key a second time, ``make_key_prefix``), which reads
+exactly d/D of the key bytes when dp = d (78-92% of copy bandwidth on an H100).
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from loki._checks import check_decode_inputs, resolve_d
 from loki.reference.selection import GQA_AGGREGATES, GQA_SELECT_MODES
 from loki.reference.selection import approx_scores as approx_scores_reference
 
-__all__ = ["approx_scores", "approx_scores_reference", "interpreting", "new_output"]
+__all__ = ["approx_scores", "approx_scores_reference", "interpreting", "make_key_prefix", "new_output"]
 
 
 def interpreting() -> bool:
@@ -102,16 +108,39 @@ def _approx_scores_kernel(
         tl.store(agg_ptr + b * stride_ab + h * stride_ah + offs_s, agg, mask=in_range)
 
 
-def _launch_approx_scores(q_hat, k_hat, dd, lengths, starts, heads_out, agg_out, aggregate, block_s=None):
+def make_key_prefix(k_hat: torch.Tensor, d: int) -> torch.Tensor:
+    """The contiguous prefix buffer ``k_prefix: [B, HKV, S, d]`` (a copy of ``k_hat[..., :d]``) that lets
+    the approximate scores read exactly d/D of the key bytes.  A cache keeps it beside ``k_hat`` and
+    appends each new key's first d rotated dims to both."""
+    return k_hat[..., :d].contiguous()
+
+
+def _check_key_prefix(k_prefix: torch.Tensor, k_hat: torch.Tensor, dd: int) -> torch.Tensor:
+    B, HKV, S, _ = k_hat.shape
+    if (k_prefix.dim() != 4 or tuple(k_prefix.shape[:3]) != (B, HKV, S) or not dd <= k_prefix.shape[3]
+            or k_prefix.dtype != k_hat.dtype or k_prefix.device != k_hat.device):
+        raise ValueError(f"k_prefix must be a {k_hat.dtype} tensor [B, HKV, S, dp]=[{B}, {HKV}, {S}, >={dd}] on "
+                         f"{k_hat.device}, got {k_prefix.dtype} {list(k_prefix.shape)} on {k_prefix.device}")
+    return k_prefix if k_prefix.stride(-1) == 1 else k_prefix.contiguous()
+
+
+def _launch_approx_scores(q_hat, k_hat, dd, lengths, starts, heads_out, agg_out, aggregate, block_s=None,
+                          num_warps=None):
+    """Launch the scores kernel; ``k_hat`` is the full [B, HKV, S, D] keys or a prefix buffer [.., dp]."""
     B, HQ, _ = q_hat.shape
     _, HKV, S, D = k_hat.shape
     G = HQ // HKV
     BLOCK_D = triton.next_power_of_2(dd)
+    contiguous_rows = k_hat.stride(2) == dd  # a prefix buffer of exactly d dims: one contiguous stream
     if block_s is None:
         if interpreting():
             block_s = min(2048, triton.next_power_of_2(S))
+        elif contiguous_rows:
+            block_s = max(16, 8192 // BLOCK_D)  # 16 KB of bf16 keys per program
         else:
             block_s = 128 if BLOCK_D <= 64 else 64
+    if num_warps is None:
+        num_warps = 4
     dummy = heads_out if heads_out is not None else agg_out
     ho = heads_out if heads_out is not None else dummy
     ao = agg_out if agg_out is not None else dummy
@@ -125,7 +154,7 @@ def _launch_approx_scores(q_hat, k_hat, dd, lengths, starts, heads_out, agg_out,
         ao.stride(0), ao.stride(1),
         G=G, BLOCK_S=block_s, BLOCK_D=BLOCK_D,
         WRITE_HEADS=heads_out is not None, WRITE_AGG=agg_out is not None, AGG_MAX=aggregate == "max",
-        num_warps=4,
+        num_warps=num_warps,
     )
 
 
@@ -141,6 +170,7 @@ def approx_scores(
     return_both: bool = False,
     out: torch.Tensor | None = None,
     block_s: int | None = None,
+    k_prefix: torch.Tensor | None = None,
 ):
     """Approximate scores ``q_hat[:d] . K_hat[:, :d]^T`` (unscaled, fp32), -inf outside valid tokens.
 
@@ -148,7 +178,9 @@ def approx_scores(
     Returns [B, H, S] fp32 with H = HQ for ``gqa_select="query"`` and H = HKV for ``"kv"`` (the group's
     scores combined by ``aggregate``, "sum" or "max").  ``return_both`` returns
     ``(per_query_head [B, HQ, S], per_kv_head [B, HKV, S])`` from the same pass over the keys.
-    ``out`` (optional) receives the [B, H, S] result.  Matches ``approx_scores_reference``.
+    ``out`` (optional) receives the [B, H, S] result.  ``k_prefix`` (optional): [B, HKV, S, dp], dp >= d,
+    holding ``k_hat[..., :dp]`` contiguously (``make_key_prefix``); the keys are then read from it.
+    Matches ``approx_scores_reference``.
     """
     if gqa_select not in GQA_SELECT_MODES:
         raise ValueError(f"gqa_select must be one of {GQA_SELECT_MODES}, got {gqa_select!r}")
@@ -173,7 +205,8 @@ def approx_scores(
     for t, H in ((heads_out, HQ), (agg_out, HKV)):
         if t is not None and (t.shape != (B, H, S) or t.dtype != torch.float32 or t.stride(-1) != 1):
             raise ValueError(f"out must be a contiguous fp32 tensor of shape [B, H, S]=[{B}, {H}, {S}]")
-    _launch_approx_scores(q_hat, k_hat, dd, lengths, starts, heads_out, agg_out, aggregate, block_s)
+    k_src = k_hat if k_prefix is None else _check_key_prefix(k_prefix, k_hat, dd)
+    _launch_approx_scores(q_hat, k_src, dd, lengths, starts, heads_out, agg_out, aggregate, block_s)
     if return_both:
         return heads_out, agg_out
     return heads_out if gqa_select == "query" else agg_out

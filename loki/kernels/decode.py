@@ -19,8 +19,8 @@ from loki._checks import check_decode_inputs, resolve_d, resolve_k
 from loki.reference.methods import loki_attention as loki_attention_reference
 from loki.reference.selection import GQA_AGGREGATES, GQA_SELECT_MODES, budget
 
-from .approx_scores import _launch_approx_scores, check_triton_device, new_output
-from .select import SELECT_METHODS, select_topk
+from .approx_scores import _check_key_prefix, _launch_approx_scores, check_triton_device, new_output
+from .select import SELECT_METHODS, resolve_select_method, select_topk
 from .sparse_attention import sparse_attention
 
 __all__ = ["BACKENDS", "decode_attention", "loki_attention_reference", "loki_decode_step", "selection_bound"]
@@ -49,11 +49,12 @@ def decode_attention(
     gqa_select: str = "query",
     aggregate: str = "sum",
     scale: float | None = None,
-    select_method: str = "torch",
+    select_method: str = "auto",
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     return_indices: bool = False,
     check_values: bool = True,
+    k_prefix: torch.Tensor | None = None,
 ):
     """Loki decode attention on keys stored in the PCA basis.
 
@@ -66,7 +67,10 @@ def decode_attention(
 
     ``backend``: "torch" runs ``loki_attention_reference``; "triton" the kernels (CUDA tensors, or CPU
     tensors under ``TRITON_INTERPRET=1``); "auto" picks triton for CUDA tensors, torch otherwise.
-    ``select_method``: "torch" (``torch.topk``) or "triton" (exact threshold select).
+    ``select_method``: "auto" (the default: "triton" on CUDA tensors, "torch" otherwise), "torch"
+    (``torch.topk``) or "triton" (exact threshold select).  ``k_prefix`` (optional, triton backend):
+    [B, HKV, S, dp] with dp >= d, the first dp rotated key dims stored contiguously (a cache-layout option,
+    ``loki.kernels.make_key_prefix``), from which the approximate scores read exactly d/D of the key bytes.
     The triton path issues no host sync of its own beyond the input validation (the selection width K is
     bounded on the host from k and S; counts stay on the device); ``check_values=False`` skips the checks of
     the lengths/starts values, which are host syncs, for hot loops whose positions are known to be valid.
@@ -79,6 +83,7 @@ def decode_attention(
         raise ValueError(f"aggregate must be one of {GQA_AGGREGATES}, got {aggregate!r}")
     if select_method not in SELECT_METHODS:
         raise ValueError(f"select_method must be one of {SELECT_METHODS}, got {select_method!r}")
+    select_method = resolve_select_method(select_method, q_hat)
     if backend == "auto":
         backend = "triton" if q_hat.is_cuda else "torch"
     if backend == "torch":
@@ -94,11 +99,14 @@ def decode_attention(
     dd = resolve_d(d, D)
     resolve_k(k, torch.full((1,), S, dtype=torch.long), S)  # argument errors name k, before any launch
     check_triton_device(q_hat, "decode_attention(backend='triton')")
+    if k_prefix is not None:
+        k_prefix = _check_key_prefix(k_prefix, k_hat, dd)
     counts = budget(k, lengths, starts, B, S, q_hat.device)
     K = selection_bound(k, S)
     idx, res = loki_decode_step(q_hat, k_hat, v_cache, lengths, starts, counts, d=dd, k_max=K,
                                 gqa_select=gqa_select, aggregate=aggregate, scale=scale,
-                                select_method=select_method, uniform=uniform, out=out, num_splits=num_splits)
+                                select_method=select_method, uniform=uniform, out=out, num_splits=num_splits,
+                                k_prefix=k_prefix)
     return (res, (idx, counts)) if return_indices else res
 
 
@@ -115,16 +123,24 @@ def loki_decode_step(
     gqa_select: str = "query",
     aggregate: str = "sum",
     scale: float | None = None,
-    select_method: str = "torch",
+    select_method: str = "auto",
     uniform: bool = False,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
+    k_prefix: torch.Tensor | None = None,
+    reuse_scores: bool = True,
+    attn_options: dict | None = None,
 ):
     """The three Triton stages on already-validated inputs, with no host sync (for the integration's hot
-    loop and the benchmarks; ``decode_attention`` validates and calls this).
+    loop and the benchmarks; ``decode_attention`` validates and calls this).  Four kernel launches
+    (scores, select, attention splits, merge), all capturable in a CUDA graph.
 
     lengths, starts, counts: [B] int32/int64 on the device; d: int (1 <= d <= D); k_max: int bound
-    K >= max(counts); ``uniform``: every count equals k_max.  Returns ``(idx [B, H, K], out [B, HQ, D])``.
+    K >= max(counts); ``uniform``: every count equals k_max; ``k_prefix``: optional [B, HKV, S, dp >= d]
+    contiguous copy of the first dims of k_hat (validated by the caller).  ``reuse_scores`` (per-query-head
+    selections): the attention kernel takes the first d dims of each selected score from the approximate
+    scores instead of re-reading K[t, :d].  ``attn_options``: extra keyword arguments for
+    ``sparse_attention`` (tuning).  Returns ``(idx [B, H, K], out [B, HQ, D])``.
     """
     B, HQ, D = q_hat.shape
     _, HKV, S, _ = k_hat.shape
@@ -134,10 +150,17 @@ def loki_decode_step(
         q_hat = q_hat.contiguous()
     H = HQ if gqa_select == "query" else HKV
     scores = new_output((B, H, S), torch.float32, q_hat.device)
+    k_src = k_hat if k_prefix is None else k_prefix
     if gqa_select == "query":
-        _launch_approx_scores(q_hat, k_hat, d, lengths, starts, scores, None, aggregate)
+        _launch_approx_scores(q_hat, k_src, d, lengths, starts, scores, None, aggregate)
     else:
-        _launch_approx_scores(q_hat, k_hat, d, lengths, starts, None, scores, aggregate)
-    idx = select_topk(scores, counts, k_max=k_max, method=select_method, uniform=uniform)
-    res = sparse_attention(q_hat, k_hat, v_cache, idx, counts, scale=scale, out=out, num_splits=num_splits)
+        _launch_approx_scores(q_hat, k_src, d, lengths, starts, None, scores, aggregate)
+    idx = select_topk(scores, counts, k_max=k_max, method=resolve_select_method(select_method, q_hat),
+                      uniform=uniform)
+    extra = dict(attn_options or {})
+    if reuse_scores and gqa_select == "query" and d < D:
+        extra.setdefault("prefix_scores", scores)
+        extra.setdefault("prefix_dims", d)
+    res = sparse_attention(q_hat, k_hat, v_cache, idx, counts, scale=scale, out=out, num_splits=num_splits,
+                           **extra)
     return idx, res

@@ -5,10 +5,14 @@ Shape letters: B batch, H the selection's head axis (HQ or HKV), S cache length,
 per-sequence counts (``max(counts) <= K``).
 
 The Triton method ("triton") is an exact radix select: one program holds a whole score row in registers,
-maps each fp32 score to an order-preserving int32 key, finds the k-th largest key by a 32-step bitwise
-binary search (each step one count over the row), then compacts: every key above the threshold, plus
-as many keys equal to it as are needed, is written with its position from a prefix sum.  Output order is
-unspecified (like ``torch.topk(sorted=False)``); ties at the threshold are broken by position.
+maps each fp32 score to an order-preserving uint32 key, and finds the k-th largest key by a bitwise
+search from the top bit down, ``RADIX_BITS`` bits per step (each step one count over the row: 32 steps
+of 1 bit, or 16 steps of 2 bits whose three counts share one int64 reduction).  It then compacts in
+chunks that re-read the row from L1/L2 for long rows (so the registers of the search are free again):
+every key above the threshold, plus as many keys equal to it as are needed, is written at its
+position from one packed prefix sum (above-threshold count in the low 16 bits, tie count in the high 16).
+Output order is unspecified (like ``torch.topk(sorted=False)``), in practice ascending token position;
+ties at the threshold are broken by position.
 """
 
 from __future__ import annotations
@@ -19,13 +23,44 @@ import triton.language as tl
 
 from loki.reference.selection import select_topk as select_topk_reference
 
-from .approx_scores import check_triton_device, new_output
+from .approx_scores import check_triton_device, interpreting, new_output
 
-__all__ = ["SELECT_METHODS", "TRITON_SELECT_MAX_S", "select_topk", "select_topk_reference"]
+__all__ = ["SELECT_METHODS", "TRITON_SELECT_MAX_S", "select_topk", "select_topk_reference", "select_launch_config"]
 
-SELECT_METHODS = ("torch", "triton")
+SELECT_METHODS = ("auto", "torch", "triton")
 #: Longest row the register-resident Triton select handles; longer rows fall back to ``torch.topk``.
 TRITON_SELECT_MAX_S = 32768
+#: Compaction chunk (elements); rows up to this length are compacted straight from the registers.
+_CHUNK = 4096
+
+
+@triton.jit
+def _ordered_key(x):
+    """fp32 -> uint32 with the same order (-0.0 just below +0.0): flip all bits of negatives, set the
+    sign bit of non-negatives."""
+    bits = x.to(tl.uint32, bitcast=True)
+    sign = tl.full(x.shape, 1, tl.uint32) << 31
+    flip = tl.where((bits & sign) != 0, tl.full(x.shape, 0xFFFFFFFF, tl.uint32), sign)
+    return bits ^ flip
+
+
+@triton.jit
+def _compact(key, pos_in_row, in_row, thr, kk, n_gt_total, gt_base, eq_base, base, K):
+    """Write the positions of keys > thr and of the first ties (== thr) into their slots; -1 into slots
+    kk..K-1 of this chunk's position range.  Returns the updated (gt_base, eq_base)."""
+    gt = (key > thr) & in_row
+    eq = (key == thr) & in_row
+    packed = gt.to(tl.uint32) | (eq.to(tl.uint32) << 16)
+    incl = tl.cumsum(packed, axis=0)
+    pos_gt = gt_base + (incl & 0xFFFF).to(tl.int32) - 1
+    pos_eq = n_gt_total + eq_base + (incl >> 16).to(tl.int32) - 1
+    take_eq = eq & (pos_eq < kk)
+    pos = tl.where(gt, pos_gt, pos_eq)
+    tl.store(base + pos, pos_in_row.to(tl.int32), mask=gt | take_eq)
+    tl.store(base + pos_in_row, tl.full(pos_in_row.shape, -1, tl.int32),
+             mask=(pos_in_row >= kk) & (pos_in_row < K))
+    tot = tl.sum(packed, axis=0)
+    return gt_base + (tot & 0xFFFF).to(tl.int32), eq_base + (tot >> 16).to(tl.int32)
 
 
 @triton.jit
@@ -34,41 +69,81 @@ def _threshold_select_kernel(
     S, H, K,
     stride_sb, stride_sh,
     stride_ib, stride_ih,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, CHUNK: tl.constexpr, RADIX_BITS: tl.constexpr, EARLY_EXIT: tl.constexpr,
 ):
-    """idx[b, h, :counts[b]] = positions of the counts[b] largest scores of row (b, h); idx[.., counts[b]:K] = -1."""
+    """idx[b, h, :counts[b]] = positions of the counts[b] largest scores of row (b, h); idx[.., counts[b]:K] = -1.
+
+    Threshold: the largest uint32 T with #(key >= T) >= counts[b], built from the top bit down (with
+    EARLY_EXIT: the first T on that path with exactly counts[b] keys >= T, when there is one).
+    """
     pid = tl.program_id(0).to(tl.int64)
     b = pid // H
     h = pid % H
+    row = scores_ptr + b * stride_sb + h * stride_sh
     offs = tl.arange(0, BLOCK)
     in_row = offs < S
-    x = tl.load(scores_ptr + b * stride_sb + h * stride_sh + offs, mask=in_row, other=float("-inf"))
-    bits = x.to(tl.int32, bitcast=True)
-    # Order-preserving map fp32 -> int32: negative floats get their magnitude bits flipped.
-    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    int_min = tl.full((BLOCK,), 1, tl.int32) << 31
-    key = tl.where(in_row, key, int_min)
+    key = _ordered_key(tl.load(row + offs, mask=in_row, other=float("-inf")))
+    key = tl.where(in_row, key, 0)  # below every real key (-inf maps to 0x007FFFFF)
     kk = tl.load(counts_ptr + b).to(tl.int32)
-    # Largest thr with #(key >= thr) >= kk: sign bit first, then bits 30..0.
-    n_nonneg = tl.sum((key >= 0).to(tl.int32), axis=0)
-    thr = (n_nonneg < kk).to(tl.int32) << 31  # 0, or INT32_MIN when fewer than kk keys are >= 0
-    for i in tl.static_range(31):
-        cand = thr | (1 << (30 - i))
-        c = tl.sum((key >= cand).to(tl.int32), axis=0)
-        thr = tl.where(c >= kk, cand, thr)
-    gt = (key > thr) & in_row
-    eq = (key == thr) & in_row
-    n_gt = tl.sum(gt.to(tl.int32), axis=0)
-    pos_gt = tl.cumsum(gt.to(tl.int32), axis=0) - 1
-    pos_eq = n_gt + tl.cumsum(eq.to(tl.int32), axis=0) - 1
-    take_eq = eq & (pos_eq < kk)
-    pos = tl.where(gt, pos_gt, pos_eq)
+    one = tl.full((), 1, tl.uint32)
+    thr = tl.zeros((), tl.uint32)
+    if EARLY_EXIT:
+        # any T with exactly kk keys >= T will do: stop as soon as the running threshold has that count
+        n_ge = tl.full((), BLOCK + 1, tl.int32)
+        i = tl.zeros((), tl.int32)
+        while (i < 32) & (n_ge != kk):
+            cand = thr | (one << (31 - i).to(tl.uint32))
+            c = tl.sum((key >= cand).to(tl.int32), axis=0)
+            take = c >= kk
+            thr = tl.where(take, cand, thr)
+            n_ge = tl.where(take, c, n_ge)
+            i += 1
+    elif RADIX_BITS == 1:
+        for i in tl.static_range(32):
+            cand = thr | (one << (31 - i))
+            c = tl.sum((key >= cand).to(tl.int32), axis=0)
+            thr = tl.where(c >= kk, cand, thr)
+    else:
+        for i in tl.static_range(16):
+            c1 = thr | (one << (30 - 2 * i))
+            c2 = thr | ((one + one) << (30 - 2 * i))
+            c3 = c1 | c2
+            # three counts in one reduction: 21-bit fields of an int64 (S <= 32768 < 2^21)
+            packed = ((key >= c1).to(tl.int64) | ((key >= c2).to(tl.int64) << 21)
+                      | ((key >= c3).to(tl.int64) << 42))
+            tot = tl.sum(packed, axis=0)
+            n1 = (tot & 0x1FFFFF).to(tl.int32)
+            n2 = ((tot >> 21) & 0x1FFFFF).to(tl.int32)
+            n3 = (tot >> 42).to(tl.int32)
+            thr = tl.where(n3 >= kk, c3, tl.where(n2 >= kk, c2, tl.where(n1 >= kk, c1, thr)))
+    n_gt_total = tl.sum(((key > thr) & in_row).to(tl.int32), axis=0)
     base = idx_ptr + b * stride_ib + h * stride_ih
-    tl.store(base + pos, offs.to(tl.int32), mask=gt | take_eq)
-    tl.store(base + offs, tl.full((BLOCK,), -1, tl.int32), mask=(offs >= kk) & (offs < K))
+    zero = tl.zeros((), tl.int32)
+    if BLOCK <= CHUNK:
+        _compact(key, offs, in_row, thr, kk, n_gt_total, zero, zero, base, K)
+    else:
+        gt_base = zero
+        eq_base = zero
+        offs_c = tl.arange(0, CHUNK)
+        for c0 in range(0, S, CHUNK):
+            p = c0 + offs_c
+            m = p < S
+            kc = _ordered_key(tl.load(row + p, mask=m, other=float("-inf")))
+            gt_base, eq_base = _compact(kc, p, m, thr, kk, n_gt_total, gt_base, eq_base, base, K)
 
 
-def _select_triton(scores: torch.Tensor, counts: torch.Tensor, K: int, out: torch.Tensor | None):
+def select_launch_config(S: int, rows: int, num_sms: int = 132) -> tuple[int, int, bool]:
+    """(num_warps, RADIX_BITS, EARLY_EXIT) for rows of length S (measured on an H100, docs/kernels.md):
+    32 row elements per thread (64 for rows of 16K and more when there are many rows), 4 to 16 warps,
+    1-bit steps with early exit."""
+    block = triton.next_power_of_2(S)
+    per_thread = 64 if (block >= 16384 and rows >= num_sms // 2) else 32
+    return int(max(4, min(16, block // (32 * per_thread)))), 1, True
+
+
+def _select_triton(scores: torch.Tensor, counts: torch.Tensor, K: int, out: torch.Tensor | None,
+                   num_warps: int | None = None, radix_bits: int | None = None, chunk: int | None = None,
+                   early_exit: bool | None = None):
     B, H, S = scores.shape
     check_triton_device(scores, "select_topk(method='triton')")
     if scores.stride(-1) != 1:
@@ -77,13 +152,44 @@ def _select_triton(scores: torch.Tensor, counts: torch.Tensor, K: int, out: torc
     if idx.shape != (B, H, K) or idx.dtype != torch.int32 or idx.stride(-1) != 1:
         raise ValueError(f"out must be a contiguous int32 tensor of shape [B, H, K]=[{B}, {H}, {K}]")
     BLOCK = triton.next_power_of_2(S)
-    num_warps = 4 if BLOCK <= 2048 else (8 if BLOCK <= 8192 else 16)
+    warps, bits, early = select_launch_config(S, B * H, _num_sms(scores.device))
+    num_warps = warps if num_warps is None else num_warps
+    radix_bits = bits if radix_bits is None else radix_bits
+    early_exit = early if early_exit is None else early_exit
+    if radix_bits not in (1, 2):
+        raise ValueError(f"radix_bits must be 1 or 2, got {radix_bits}")
+    if chunk is not None and (chunk < 16 or chunk & (chunk - 1)):
+        raise ValueError(f"chunk must be a power of two >= 16, got {chunk}")
     _threshold_select_kernel[(B * H,)](
         scores, counts, idx, S, H, K,
         scores.stride(0), scores.stride(1), idx.stride(0), idx.stride(1),
-        BLOCK=BLOCK, num_warps=num_warps,
+        BLOCK=BLOCK, CHUNK=chunk or (max(_CHUNK, BLOCK) if interpreting() else _CHUNK), RADIX_BITS=radix_bits,
+        EARLY_EXIT=bool(early_exit), num_warps=num_warps,
     )
     return idx
+
+
+_SMS: dict = {}
+
+
+def _num_sms(device) -> int:
+    """Multiprocessor count of a CUDA device (cached; 132 = H100 SXM under the interpreter)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 132
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    if key not in _SMS:
+        _SMS[key] = torch.cuda.get_device_properties(key).multi_processor_count
+    return _SMS[key]
+
+
+def resolve_select_method(method: str, scores_or_q: torch.Tensor) -> str:
+    """"auto" -> "triton" on CUDA tensors (the fast exact select), "torch" elsewhere."""
+    if method not in SELECT_METHODS:
+        raise ValueError(f"method must be one of {SELECT_METHODS}, got {method!r}")
+    if method == "auto":
+        return "triton" if scores_or_q.is_cuda else "torch"
+    return method
 
 
 def select_topk(
@@ -91,9 +197,13 @@ def select_topk(
     counts: torch.Tensor,
     *,
     k_max: int | None = None,
-    method: str = "torch",
+    method: str = "auto",
     uniform: bool = False,
     out: torch.Tensor | None = None,
+    num_warps: int | None = None,
+    radix_bits: int | None = None,
+    chunk: int | None = None,
+    early_exit: bool | None = None,
 ) -> torch.Tensor:
     """Indices of the ``counts[b]`` largest scores of every row, unsorted.
 
@@ -101,11 +211,14 @@ def select_topk(
     device, 1 <= counts[b] <= the number of finite scores of each row of batch b; ``k_max`` an int bound
     K >= max(counts) (pass it to avoid a host sync; default ``int(counts.max())``).
     Returns idx: [B, H, K], int64 for ``method="torch"``, int32 for ``"triton"``; entries at positions
-    >= counts[b] are -1.  ``uniform=True`` promises all counts equal K (then ``torch.topk(sorted=False)``
-    is enough; otherwise the torch method sorts so that the first counts[b] entries are the top ones).
+    >= counts[b] are -1.  ``method="auto"`` is "triton" on CUDA tensors and "torch" otherwise.
+    ``uniform=True`` promises all counts equal K (then ``torch.topk(sorted=False)`` is enough; otherwise
+    the torch method sorts so that the first counts[b] entries are the top ones).  ``num_warps`` and
+    ``radix_bits`` (1 or 2 bits per search step) override the Triton launch configuration; ``chunk`` (a power
+    of two) is the compaction chunk for rows longer than it; ``early_exit`` stops the 1-bit search once
+    the running threshold has exactly counts[b] keys at or above it.
     """
-    if method not in SELECT_METHODS:
-        raise ValueError(f"method must be one of {SELECT_METHODS}, got {method!r}")
+    method = resolve_select_method(method, scores)
     if scores.dim() != 3:
         raise ValueError(f"scores must have shape [B, H, S], got {list(scores.shape)}")
     B, H, S = scores.shape
@@ -115,7 +228,8 @@ def select_topk(
     if not 1 <= K <= S:
         raise ValueError(f"k_max={K} must lie in [1, S={S}]")
     if method == "triton" and S <= TRITON_SELECT_MAX_S:
-        return _select_triton(scores, counts, K, out)
+        return _select_triton(scores, counts, K, out, num_warps=num_warps, radix_bits=radix_bits, chunk=chunk,
+                              early_exit=early_exit)
     idx = torch.topk(scores, K, dim=-1, sorted=not uniform).indices
     if not uniform:
         keep = torch.arange(K, device=scores.device)[None, None, :] < counts.to(scores.device)[:, None, None]
