@@ -295,3 +295,41 @@ def test_triton_backend_decode_step_matches_torch_backend():
         model(ids[:, :-1], **{_cache_kwarg(model): cache})
         logits[backend] = model(ids[:, -1:], **{_cache_kwarg(model): cache}).logits
     torch.testing.assert_close(logits["triton"], logits["torch"], atol=1e-4, rtol=1e-4)
+
+
+def test_triton_path_keeps_and_uses_a_contiguous_key_prefix(monkeypatch):
+    """With the Triton backend the cache keeps K_hat[..., :d] contiguous beside the keys (appended per
+    token) and the decode step hands it to the kernels; results equal the torch backend."""
+    import os
+
+    import loki.kernels.decode as kd
+
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton kernels need a CUDA device or TRITON_INTERPRET=1")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    seen = []
+    original = kd.decode_attention
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("k_prefix"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(kd, "decode_attention", spy)
+    model = tiny_model("llama", num_layers=1).to(device)
+    enable_loki(model, _basis(model), k=0.5, d=0.25, backend="triton")
+    ids = _prompt(20).to(device)
+    cache = loki_cache(model)
+    model(ids[:, :-1], **{_cache_kwarg(model): cache})
+    layer = cache.layers[0]
+    dp = 4  # d = 0.25 of head_dim 16
+    assert layer.loki_prefix.shape[-2:] == (19, dp) and layer.loki_prefix.is_contiguous()
+    logits = model(ids[:, -1:], **{_cache_kwarg(model): cache}).logits
+    torch.testing.assert_close(layer.loki_prefix, layer.keys[..., :dp])
+    assert seen and seen[-1] is not None and seen[-1].shape[-2] == 20
+    disable_loki(model)
+    enable_loki(model, _basis(model), k=0.5, d=0.25, backend="torch")
+    cache2 = loki_cache(model)
+    model(ids[:, :-1], **{_cache_kwarg(model): cache2})
+    assert getattr(cache2.layers[0], "loki_prefix", None) is None  # the torch path keeps no prefix
+    ref = model(ids[:, -1:], **{_cache_kwarg(model): cache2}).logits
+    torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)

@@ -114,6 +114,7 @@ class LokiConfig:
     semantics: str = "generate"
     h2o_recent_fraction: float = 0.5
     chunk_elements: int = _ROW_CHUNK_ELEMENTS
+    prefix_dims: int | None = None  # d of the contiguous key-prefix buffer kept for the Triton path (None: none)
     components: torch.Tensor | None = None  # [L, HKV, D, D] fp32 (the basis), None for basis-free methods
     query_components: torch.Tensor | None = None  # [L, HKV, D, D] fp32 query transform of a score basis
     previous_implementation: str | None = None
@@ -159,6 +160,9 @@ class LokiCacheLayer:
     ``update`` rotates the incoming keys into the PCA basis, ``K_hat = K P`` (per KV head), before the base class
     appends them, so every key is rotated exactly once.  ``loki_P`` ([HKV, D, D]) is None for methods that use
     the keys in their own coordinates.  ``loki_acc`` holds H2O's accumulated attention ([B, HQ, S]).
+    For the Triton decode path, ``loki_prefix`` ([B, HKV, S, d]) keeps the first d rotated dims of every key in
+    a contiguous buffer (appended once per token, like the keys), so the approximate scores read exactly d/D
+    of the key bytes; ``loki_prefix_d`` (the d of the enabled setting) is None when no prefix is kept.
     """
 
     _layer_type = None  # never auto-register in transformers' layer-type mappings
@@ -167,31 +171,43 @@ class LokiCacheLayer:
         P = getattr(self, "loki_P", None)
         if P is not None:
             key_states = rotate_keys(key_states, P.to(key_states.device))
+        dp = getattr(self, "loki_prefix_d", None)
+        if dp is not None and (key_states.is_cuda or getattr(self, "loki_prefix_always", False)):
+            new = key_states[..., :dp]
+            prev = getattr(self, "loki_prefix", None)
+            self.loki_prefix = new.contiguous() if prev is None else torch.cat([prev, new], dim=-2)
         return super().update(key_states, value_states, *args, **kwargs)
+
+    def _map_state(self, fn):
+        for name in ("loki_acc", "loki_prefix"):
+            t = getattr(self, name, None)
+            if t is not None:
+                setattr(self, name, fn(t))
 
     def reorder_cache(self, beam_idx):
         super().reorder_cache(beam_idx)
-        if getattr(self, "loki_acc", None) is not None:
-            self.loki_acc = self.loki_acc.index_select(0, beam_idx.to(self.loki_acc.device))
+        self._map_state(lambda t: t.index_select(0, beam_idx.to(t.device)))
 
     def batch_repeat_interleave(self, repeats):
         super().batch_repeat_interleave(repeats)
-        if getattr(self, "loki_acc", None) is not None:
-            self.loki_acc = self.loki_acc.repeat_interleave(repeats, dim=0)
+        self._map_state(lambda t: t.repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices):
         super().batch_select_indices(indices)
-        if getattr(self, "loki_acc", None) is not None:
-            self.loki_acc = self.loki_acc[indices, ...]
+        self._map_state(lambda t: t[indices, ...])
 
     def crop(self, tokens_to_remove):
         super().crop(tokens_to_remove)
-        if getattr(self, "loki_acc", None) is not None and self.keys is not None:
-            self.loki_acc = self.loki_acc[..., : self.keys.shape[-2]]
+        if self.keys is not None:
+            n = self.keys.shape[-2]
+            self.loki_acc = None if getattr(self, "loki_acc", None) is None else self.loki_acc[..., :n]
+            if getattr(self, "loki_prefix", None) is not None:
+                self.loki_prefix = self.loki_prefix[..., :n, :]
 
     def reset(self):
         super().reset()
         self.loki_acc = None
+        self.loki_prefix = None
 
 
 _LOKI_LAYER_CLASSES: dict[type, type] = {}
@@ -232,12 +248,20 @@ def _convert_cache(cache, cfg: LokiConfig, num_layers: int) -> None:
         new.__dict__.update(layer.__dict__)  # same state, Loki update; the cache keeps its identity
         layers[idx] = layer = new
         layer.loki_acc = None
+        layer.loki_prefix = None
+        # a sliding-window layer drops keys inside its own update: no prefix buffer beside it
+        layer.loki_prefix_d = None if getattr(layer, "is_sliding", False) else cfg.prefix_dims
+        layer.loki_prefix_always = cfg.backend == "triton"
         if P is not None:
             if getattr(layer, "keys", None) is not None and layer.keys.numel() > 0:
                 layer.keys = rotate_keys(layer.keys, P.to(layer.keys.device))  # tokens cached before enable_loki
             layer.loki_P = P
         else:
             layer.loki_P = None
+        keys = getattr(layer, "keys", None)
+        if layer.loki_prefix_d is not None and keys is not None and keys.numel() > 0 and (
+                keys.is_cuda or layer.loki_prefix_always):
+            layer.loki_prefix = keys[..., : layer.loki_prefix_d].contiguous()
 
 
 def loki_cache(model) -> Any:
@@ -403,6 +427,7 @@ def enable_loki(
     cfg = LokiConfig(
         method=method, k=k, d=d, gqa_select=gqa_select, aggregate=aggregate, backend=backend,
         semantics=semantics, h2o_recent_fraction=float(h2o_recent_fraction), components=components,
+        prefix_dims=resolve_d(d, D) if method == "loki" and backend != "torch" else None,
         query_components=query_components,
         previous_implementation=getattr(model.config, "_attn_implementation", None),
     )
@@ -504,18 +529,20 @@ def _row_intervals(allowed: torch.Tensor):
     return starts, lengths, any_
 
 
-def _loki_decode(q_hat, k_hat, v, *, d, k, lengths, starts, gqa_select, aggregate, scale, backend):
-    """One decode step of Loki through ``loki.kernels.decode_attention`` (torch or Triton backend)."""
+def _loki_decode(q_hat, k_hat, v, *, d, k, lengths, starts, gqa_select, aggregate, scale, backend, k_prefix=None):
+    """One decode step of Loki through ``loki.kernels.decode_attention`` (torch or Triton backend; the Triton
+    path reads the approximate scores from the cache's contiguous key prefix when one is kept)."""
     from ..kernels.decode import decode_attention
 
     if backend == "auto":
         backend = "triton" if q_hat.is_cuda else "torch"
+    extra = {"k_prefix": k_prefix} if backend == "triton" and k_prefix is not None else {}
     return decode_attention(q_hat, k_hat, v, d=d, k=k, lengths=lengths, starts=starts, backend=backend,
-                            gqa_select=gqa_select, aggregate=aggregate, scale=scale)
+                            gqa_select=gqa_select, aggregate=aggregate, scale=scale, **extra)
 
 
 def _decode_rows(method, q, kc, vc, *, k, d, lengths, starts, gqa_select, aggregate, scale, backend,
-                 acc=None, recent_fraction=0.5):
+                 acc=None, recent_fraction=0.5, k_prefix=None):
     """Dispatch one batch of decode-step rows. q: [R, HQ, D]; kc, vc: [R, HKV, S, D]; lengths, starts: [R]."""
     S = kc.shape[2]
     kk = min(int(k), S) if isinstance(k, Integral) else k
@@ -523,7 +550,7 @@ def _decode_rows(method, q, kc, vc, *, k, d, lengths, starts, gqa_select, aggreg
     starts = starts.to(torch.int32)
     if method == "loki":
         return _loki_decode(q, kc, vc, d=d, k=kk, lengths=lengths, starts=starts, gqa_select=gqa_select,
-                            aggregate=aggregate, scale=scale, backend=backend)
+                            aggregate=aggregate, scale=scale, backend=backend, k_prefix=k_prefix)
     if method == "exact_topk":
         return exact_topk_attention(q, kc, vc, k=kk, lengths=lengths, starts=starts, gqa_select=gqa_select,
                                     aggregate=aggregate, scale=scale)
@@ -556,6 +583,7 @@ def teacher_forced_attention(
     aggregate: str = "sum",
     backend: str = "auto",
     chunk_elements: int = _ROW_CHUNK_ELEMENTS,
+    k_prefix: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of every query row with decode-time semantics (teacher forcing).
 
@@ -570,6 +598,8 @@ def teacher_forced_attention(
     attention_mask: optional [B, 1, L, S] bool (True = attend) or additive float mask, default causal;
     every row's visible tokens must be one contiguous range.  Returns [B, HQ, L, D] in query's dtype; rows that
     see no token return zeros.  ``method="h2o"`` is not supported (it is sequential by nature).
+    ``k_prefix``: optional [B, HKV, S, dp] contiguous copy of the rotated keys' first dims, used by the Triton
+    Loki path on single-row (decode) calls.
     """
     B, HQ, L, D = query.shape
     _, HKV, S, _ = key.shape
@@ -612,13 +642,15 @@ def teacher_forced_attention(
         b, i = flat_b[r0:r1], flat_i[r0:r1]
         st, ln = starts[b, i], lengths[b, i]
         s_max = S if any_ is None else int(ln.max())
+        kp = None
         if L == 1:
             kc, vc = k_use[:, :, :s_max], value[:, :, :s_max]
+            kp = None if k_prefix is None else k_prefix[:, :, :s_max]
         else:
             kc = k_use[:, :, :s_max].index_select(0, b)
             vc = value[:, :, :s_max].index_select(0, b)
         o = _decode_rows(method, q_rows[b, i], kc, vc, k=k, d=d, lengths=ln, starts=st, gqa_select=gqa_select,
-                         aggregate=aggregate, scale=scale, backend=backend)
+                         aggregate=aggregate, scale=scale, backend=backend, k_prefix=kp)
         out[b, i] = o.to(out.dtype)
     if any_ is not None:
         out = out.masked_fill(~any_[..., None, None], 0)
@@ -697,10 +729,13 @@ def loki_attention_forward(module, query, key, value, attention_mask, scaling=No
         layer.loki_acc = acc + w
         return out[:, None].contiguous(), None
 
+    prefix = getattr(layer, "loki_prefix", None) if L == 1 and keys_rotated else None
+    if prefix is not None and prefix.shape[-2] != S:
+        prefix = None  # out of step with the keys (e.g. a cache edited outside Loki): read the keys in place
     out = teacher_forced_attention(
         query, key, value, method=cfg.method, k=cfg.k, d=cfg.d, P=P, P_q=P_q, keys_rotated=keys_rotated,
         attention_mask=attention_mask, scale=scale, gqa_select=cfg.gqa_select, aggregate=cfg.aggregate,
-        backend=cfg.backend, chunk_elements=cfg.chunk_elements,
+        backend=cfg.backend, chunk_elements=cfg.chunk_elements, k_prefix=prefix,
     )
     return out.transpose(1, 2).contiguous(), None
 
