@@ -20,7 +20,12 @@
 #   --dry-run         list the commits and the commands, run nothing
 #   -- ARGS...        extra arguments for `asv run` (e.g. --quick, --show-stderr)
 #
-# Environment: ASV_MACHINE, ASV_PYTHON, LOKI_ASV_WORKTREE (scratch worktree, default .asv/env/worktree).
+# Benchmarks are launched with `--launch-method forkserver` (the suite is imported once, then forked per
+# benchmark; ASV's default "spawn" re-imports torch and triton for every one of the ~26 kernel benchmarks,
+# minutes per commit).  CUDA is first touched in the forked children only.  LOKI_ASV_LAUNCH=spawn reverts.
+#
+# Environment: ASV_MACHINE, ASV_PYTHON, LOKI_ASV_WORKTREE (scratch worktree, default .asv/env/worktree),
+# LOKI_ASV_LAUNCH (ASV launch method, default forkserver).
 set -euo pipefail
 
 ROOT=$(git rev-parse --show-toplevel)
@@ -42,7 +47,7 @@ while [ $# -gt 0 ]; do
     --python) PY=$2; shift 2 ;;
     --bench) BENCH=(--bench "$2"); shift 2 ;;
     --dry-run) DRY=1; shift ;;
-    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
     --) shift; EXTRA=("$@"); break ;;
     -*) echo "run_asv_history: unknown option $1" >&2; exit 2 ;;
     *) RANGE=$1; shift ;;
@@ -99,7 +104,8 @@ for c in "${COMMITS[@]}"; do
     continue
   fi
   echo "== $short $(git log -1 --format='%ad %s' --date=short "$c")"
-  cmd=("$PY" -m asv run --python=same --machine "$MACHINE" --set-commit-hash="$c" "${BENCH[@]}" "${EXTRA[@]}")
+  cmd=("$PY" -m asv run --python=same --machine "$MACHINE" --set-commit-hash="$c" \
+       --launch-method "${LOKI_ASV_LAUNCH:-forkserver}" "${BENCH[@]}" "${EXTRA[@]}")
   if [ "$DRY" = 1 ]; then
     echo "   ASV_PYTHONPATH=$WORKTREE ${cmd[*]}"
     continue

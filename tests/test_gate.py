@@ -358,9 +358,58 @@ def test_repository_thresholds_name_real_benchmarks():
     )
 
 
+def test_known_misses_are_reported_and_fail_unless_allowed(tree):
+    """A failure listed in known_misses is still printed as a failure and fails the gate, unless
+    allow_known_misses; a listed entry that no longer fails is reported as stale; an unlisted failure always
+    fails."""
+    slow = {k: list(v) for k, v in GOOD.items()}
+    slow["bench_kernels.Decode.track_speedup_vs_sdpa"] = [2.1, 1.7]
+    write_results(tree / "results", A, slow, date=1000)
+    thresholds = dict(THRESHOLDS, known_misses=[
+        {"kind": "threshold", "benchmark": "bench_kernels.Decode.track_speedup_vs_sdpa",
+         "params": {"shape": "B16-S4096"}, "reason": "measured 2.1x: target missed"},
+        {"kind": "regression", "benchmark": "bench_kernels.Decode.track_loki_ms", "commit": "aaaa",
+         "reason": "noise"},
+    ])
+    (tree / "thresholds.json").write_text(json.dumps(thresholds))
+    ok, checks, text = gate_run(tree, A)
+    assert not ok
+    assert [c.known for c in checks if not c.ok] == ["measured 2.1x: target missed"]
+    assert ("FAIL threshold: bench_kernels.Decode.track_speedup_vs_sdpa(shape=B16-S4096) = 2.1, required >= 2.3"
+            in text and "[known miss: measured 2.1x: target missed]" in text)
+    assert "gate: FAILED: only known misses (1)" in text
+    assert ("known miss no longer fails (remove it from known_misses): "
+            "regression bench_kernels.Decode.track_loki_ms") in text
+    ok, _, text = gate_run(tree, A, allow_known_misses=True)
+    assert ok and "gate: PASSED with 1 known misses" in text
+    common = ["--results", str(tree / "results"), "--machine", MACHINE, "--thresholds", str(tree / "thresholds.json"),
+              "--accuracy-thresholds", str(tree / "accuracy.json"), "--repo", str(tree), "--commit", A]
+    assert gate.main(common) == 1
+    assert gate.main([*common, "--allow-known-misses"]) == 0
+    # an unlisted failure is not excused
+    worse = {k: list(v) for k, v in slow.items()}
+    worse["bench_accuracy.Accuracy.track_jaccard"] = [0.5]
+    write_results(tree / "results", B, worse, date=2000)
+    ok, checks, text = gate_run(tree, B, allow_known_misses=True)
+    assert not ok and "gate: FAILED (" in text
+
+
+def _committed_bench_filter(newest) -> str:
+    """The benchmark modules the newest committed results measured: the H100 history of 2026-11-26 ran
+    ``--bench bench_kernels`` only (the accuracy benchmarks are CPU-sized; docs/benchmarks.md), so the gate is
+    held to the modules that have values, exactly as ``ci/gate.py --bench`` would be run on them."""
+    measured = {name.split(".")[0] for name, vals in newest.values.items()
+                if any(isinstance(v, (int, float)) and v == v for v in vals)}
+    return "^(" + "|".join(sorted(measured)) + r")\."
+
+
 def test_committed_results_pass():
     """The newest committed results of every machine in .asv/results pass the gate against their predecessor
-    (older commits are history: they may predate a threshold)."""
+    (older commits are history: they may predate a threshold), except for the failures documented in
+    ``known_misses`` of ci/thresholds.json (targets the kernels miss; noise flagged as a regression at one
+    commit).  The gate's verdict must match that list exactly: every failure is listed, so the gate passes
+    with --allow-known-misses; and it still fails without it whenever a listed miss applies (a known miss is
+    reported, never hidden)."""
     results = ROOT / ".asv" / "results"
     machines = sorted(p.parent.name for p in results.glob("*/machine.json")) if results.is_dir() else []
     checked = 0
@@ -369,9 +418,22 @@ def test_committed_results_pass():
         if not files:
             continue
         newest = max(files, key=lambda f: f.date or 0)
+        bench = _committed_bench_filter(newest)
         buf = io.StringIO()
-        ok, _ = gate.run_gate(results, machine, commit=newest.commit_hash, env=newest.env_name, repo=ROOT, out=buf)
-        assert ok, buf.getvalue()
+        ok, checks = gate.run_gate(results, machine, commit=newest.commit_hash, env=newest.env_name, repo=ROOT,
+                                   bench=bench, out=buf)
+        text = buf.getvalue()
+        failed = [c for c in checks if not c.ok]
+        unlisted = [c.label for c in failed if not c.known]
+        assert not unlisted, f"failures not in known_misses of ci/thresholds.json: {unlisted}\n{text}"
+        assert ok == (not failed), text
+        if failed:
+            assert "gate: FAILED: only known misses" in text, text
+            for c in failed:
+                assert f"FAIL {c.kind}: {c.label}" in text
+        ok_allowed, _ = gate.run_gate(results, machine, commit=newest.commit_hash, env=newest.env_name, repo=ROOT,
+                                      bench=bench, allow_known_misses=True, out=io.StringIO())
+        assert ok_allowed, text
         checked += 1
     if not checked:
         pytest.skip("no committed ASV results under .asv/results yet")
