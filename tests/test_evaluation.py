@@ -225,6 +225,29 @@ def test_update_thresholds_and_regression_gates(tmp_path):
     assert len(skipped) == 1 and skipped[0]["passed"]
 
 
+def test_downstream_thresholds_recorded_and_gated(tmp_path):
+    path = tmp_path / "thr.json"
+    path.write_text(json.dumps(THRESH))
+    res = _results()
+    res["settings"].update(check.SuiteOptions().profile_settings())
+    res["downstream"] = {"tasks": ["loki_copa"], "limit": 30, "num_fewshot": 0,
+                         "accuracy": {"full": {"loki_copa": 0.6, "mean": 0.6},
+                                      "loki-score[query]": {"loki_copa": 0.55, "mean": 0.55}}}
+    data = check.update_thresholds(res, path, "check")
+    assert data["downstream"]["delta_max"]["loki-score[query]"] == {"measured": 0.05, "max": 0.1}
+    thr = check.load_thresholds(path)
+    ok = [g for g in check.evaluate_gates(res, thr, "check") if g["name"].startswith("downstream")]
+    assert len(ok) == 1 and ok[0]["passed"]
+    worse = json.loads(json.dumps(res))
+    worse["downstream"]["accuracy"]["loki-score[query]"]["mean"] = 0.45
+    bad = [g for g in check.evaluate_gates(worse, thr, "check") if g["name"].startswith("downstream")]
+    assert len(bad) == 1 and not bad[0]["passed"] and bad[0]["value"] == pytest.approx(0.15)
+    other = json.loads(json.dumps(res))
+    other["downstream"]["limit"] = 10
+    skipped = [g for g in check.evaluate_gates(other, thr, "check") if g["name"].startswith("downstream")]
+    assert skipped[0]["passed"] and "skipped" in skipped[0]["bound_text"]
+
+
 def test_markdown_report(tmp_path):
     res = _results()
     res["gates"] = check.evaluate_gates(res, THRESH)

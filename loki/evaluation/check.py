@@ -69,6 +69,9 @@ class SuiteOptions:
     wikitext: str | None = None
     h2o_gate_d: float | None = None  # d at which "Loki beats H2O" is gated (None: use d)
     score_basis: bool = True  # also calibrate and evaluate the score-aware basis (kind "score")
+    downstream: bool = False  # local lm-eval tasks (accuracy deltas vs full attention)
+    downstream_tasks: tuple[str, ...] = ("loki_copa", "loki_arc_easy")
+    downstream_limit: int = 30
     gqa_modes: tuple[str, ...] = ("query", "kv")
     methods: str = "all"  # "all" or "gates" (only what the gates need)
     paper_protocol: bool = True
@@ -219,6 +222,15 @@ def run_suite(model, tokenizer, opts: SuiteOptions | None = None, out_dir: str |
         if out_dir is not None:
             plots.update(write_rank_plots(pca_bases, out_dir, 90.0))
 
+    if opts.downstream:
+        from loki.evaluation.downstream import downstream_accuracy
+
+        log(f"downstream accuracy: {', '.join(opts.downstream_tasks)} ({opts.downstream_limit} documents each, "
+            "0-shot)")
+        ds_specs = [s for s in specs if s.name in ("full", "exact_topk[query]", "loki-post[query]",
+                                                    "loki-score[query]")]
+        results["downstream"] = downstream_accuracy(model, tokenizer, ds_specs, bases, tasks=opts.downstream_tasks,
+                                                    limit=opts.downstream_limit, progress=opts.progress)
     if opts.generalization:
         results["generalization"] = _generalization(model, tokenizer, bases, windows, results["perplexity"], opts)
     if plots:
@@ -342,6 +354,19 @@ def evaluate_gates(results: dict, thresholds: dict, profile: str = "check") -> l
                 if base is not None:
                     gates.append(_gate(f"fidelity: loki-{fid['basis']}[{g}] <= loki-{rot}[{g}]", sc["ppl"], base["ppl"],
                                        sc["ppl"] <= base["ppl"] * (1 + otol), f"<= {base['ppl']:.4f}"))
+    ds, ds_t = results.get("downstream"), thresholds.get("downstream")
+    if ds and ds_t:  # accuracy deltas vs full attention on the local lm-eval tasks
+        same = all(ds.get(k) == ds_t.get(k) for k in ("tasks", "limit", "num_fewshot"))
+        full_acc = ds["accuracy"].get("full", {}).get("mean")
+        for name, t in ds_t.get("delta_max", {}).items():
+            a = ds["accuracy"].get(name)
+            if not same or a is None or full_acc is None:
+                gates.append(_gate(f"downstream: {name} accuracy drop", None, t["max"], True,
+                                   bound_text="skipped (settings differ)", note="downstream settings differ"))
+                continue
+            drop = full_acc - a["mean"]
+            gates.append(_gate(f"downstream: {name} accuracy drop vs full", drop, t["max"], drop <= t["max"],
+                               f"<= {t['max']:.3f}"))
     prof = thresholds.get("profiles", {}).get(profile)
     if prof:
         settings = results.get("settings", {})
@@ -371,7 +396,8 @@ def evaluate_gates(results: dict, thresholds: dict, profile: str = "check") -> l
 
 
 def update_thresholds(results: dict, path: str | Path, profile: str, *, ppl_margin_rel: float = 0.10,
-                      ppl_margin_abs: float = 0.02, agree_margin: float = 0.02) -> dict:
+                      ppl_margin_abs: float = 0.02, agree_margin: float = 0.02,
+                      downstream_margin: float = 0.05) -> dict:
     """Record this run's measurements as the regression thresholds of ``profile`` (with the stated margins:
     ``max = measured * (1 + ppl_margin_rel) + ppl_margin_abs`` for perplexity increases, ``min = measured -
     agree_margin`` for Jaccard and mass) and write the file."""
@@ -396,6 +422,19 @@ def update_thresholds(results: dict, path: str | Path, profile: str, *, ppl_marg
             v = a[f"{kind}_mean"]
             prof[f"{kind}_min"][name] = {"measured": round(v, 6), "min": round(v - agree_margin, 6)}
     data.setdefault("profiles", {})[profile] = prof
+    ds = results.get("downstream")
+    if ds and "full" in ds["accuracy"]:
+        full_acc = ds["accuracy"]["full"]["mean"]
+        data["downstream"] = {
+            "_doc": "Mean accuracy drop vs full attention on local lm-eval tasks (0-shot, first `limit` documents "
+                    f"of each task): max = measured + {downstream_margin} (recorded by loki check "
+                    "--update-thresholds; downstream runs by default, --no-downstream skips it).",
+            "tasks": ds["tasks"], "limit": ds["limit"], "num_fewshot": ds["num_fewshot"],
+            "measured_full": round(full_acc, 6),
+            "delta_max": {n: {"measured": round(full_acc - a["mean"], 6),
+                              "max": round(full_acc - a["mean"] + downstream_margin, 6)}
+                          for n, a in ds["accuracy"].items() if n != "full"},
+        }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
     return data
@@ -439,6 +478,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="gates only: skip GQA 'kv', SparQ, PCAAttn, the paper protocol and generalisation")
     parser.add_argument("--no-generalization", action="store_true", help="skip the cross-corpus table")
+    parser.add_argument("--no-downstream", dest="downstream", action="store_false",
+                        help="skip the downstream-accuracy gates (local lm-eval tasks: COPA and ARC-Easy, "
+                        "first documents of each, 0-shot)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: 1 on machines with <= 2 cores, where 2 threads sharing "
                         "the cores with other work can be 10x slower; torch's choice elsewhere)")
@@ -484,6 +526,11 @@ def run(args: argparse.Namespace) -> int:
         opts.methods, opts.gqa_modes, opts.paper_protocol, opts.generalization = "gates", ("query",), False, False
     if args.no_generalization:
         opts.generalization = False
+    if args.downstream and not args.quick:
+        opts.downstream = True
+        ds_t = thresholds.get("downstream", {})
+        opts.downstream_tasks = tuple(ds_t.get("tasks", opts.downstream_tasks))
+        opts.downstream_limit = int(ds_t.get("limit", opts.downstream_limit))
     out = Path(args.out)
     results = run_suite(model, tokenizer, opts, out_dir=out)
     if args.update_thresholds:

@@ -87,6 +87,14 @@ def markdown_report(results: dict) -> str:
             per = ", ".join(f"{x:.1f}" for x in v.get("per_layer", []))
             out.append(f"| {name} | {v.get('mean', 0):.2f} | {r['D']} | {per} |")
         out.append("")
+    if results.get("downstream"):
+        ds = results["downstream"]
+        tasks = ds["tasks"]
+        out += [f"## Downstream accuracy (lm-eval, {ds['num_fewshot']}-shot, first {ds['limit']} documents per task)",
+                "", "| method | " + " | ".join(tasks) + " | mean |", "|---|" + "---:|" * (len(tasks) + 1)]
+        for name, acc in ds["accuracy"].items():
+            out.append(f"| {name} | " + " | ".join(f"{acc[t]:.3f}" for t in tasks) + f" | {acc['mean']:.3f} |")
+        out.append("")
     if results.get("generalization"):
         g = results["generalization"]
         texts = g["texts"]

@@ -297,6 +297,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--dtype", default=None, help="model dtype, e.g. float32, bfloat16 (default float32 on CPU)")
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: 1 on machines with <= 2 cores, where two threads sharing "
+                        "the cores with anything else run many times slower)")
     parser.add_argument("--output", default=None, help="write the results (metrics and settings) to this JSON file")
 
 
@@ -304,6 +307,9 @@ def run(args: argparse.Namespace) -> int:
     """``loki eval``: evaluate the Loki model on local lm-eval tasks and print (and optionally save) the metrics."""
     from lm_eval import simple_evaluate
 
+    from ..evaluation.commands import set_threads
+
+    set_threads(getattr(args, "threads", None))
     limit = args.limit
     if limit is not None and float(limit).is_integer() and limit >= 1:
         limit = int(limit)
