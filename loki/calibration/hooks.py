@@ -204,3 +204,41 @@ def batch_keys(
             post.append(keys.transpose(1, 2))  # [B, S, HKV, D]
         result["post"] = post
     return result
+
+
+class AttentionRecorder:
+    """Context manager: run ``model`` with a temporary attention function (transformers' AttentionInterface)
+    that hands every layer's post-rotary ``query [B, HQ, S, D]`` and ``key [B, HKV, S, D]`` to
+    ``callback(layer, query, key)`` and then computes causal attention itself (SDPA), so the model's outputs
+    are unchanged.  Set ``recorder.valid`` ([B, S] bool, True = real token) before a padded forward pass; the
+    previous attention implementation is restored on exit.
+    """
+
+    NAME = "loki_attention_recorder"
+
+    def __init__(self, model: nn.Module, callback):
+        self.model, self.callback = model, callback
+        self.valid: torch.Tensor | None = None
+        self._previous = None
+
+    def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        self.callback(int(module.layer_idx), query, key)
+        B, HQ, S, _ = query.shape
+        G = HQ // key.shape[1]
+        k, v = key.repeat_interleave(G, dim=1), value.repeat_interleave(G, dim=1)
+        causal = torch.ones(S, S, dtype=torch.bool, device=query.device).tril()
+        mask = causal[None, None] if self.valid is None else causal[None, None] & self.valid[:, None, None, :]
+        out = torch.nn.functional.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scaling)
+        return out.transpose(1, 2).contiguous(), None
+
+    def __enter__(self) -> AttentionRecorder:
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(self.NAME, self)
+        self._previous = self.model.config._attn_implementation
+        self.model.set_attn_implementation(self.NAME)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.model.set_attn_implementation(self._previous)
+

@@ -58,32 +58,6 @@ def score_aware_pair(
     return pq * sign, pk * sign, s
 
 
-class _Recorder:
-    """A temporary attention function that streams post-rotary query and key statistics, then runs SDPA."""
-
-    def __init__(self, keys: KeyStatistics, queries: KeyStatistics):
-        self.keys, self.queries = keys, queries
-        self.valid: torch.Tensor | None = None  # [B, S] bool, set per batch
-        self.take: int | None = None
-
-    def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        B, HQ, S, D = query.shape
-        HKV = key.shape[1]
-        valid = self.valid
-        q = query.transpose(1, 2)[valid][: self.take]  # [N, HQ, D]
-        k = key.transpose(1, 2)[valid][: self.take]  # [N, HKV, D]
-        layer = int(module.layer_idx)
-        self.keys.update(layer, k)
-        self.queries.update(layer, q.reshape(-1, HKV, HQ // HKV, D).transpose(1, 2).reshape(-1, HKV, D))
-        G = HQ // HKV
-        kk = key.repeat_interleave(G, dim=1)
-        vv = value.repeat_interleave(G, dim=1)
-        causal = torch.ones(S, S, dtype=torch.bool, device=query.device).tril()
-        mask = causal[None, None] & valid[:, None, None, :]
-        out = torch.nn.functional.scaled_dot_product_attention(query, kk, vv, attn_mask=mask, scale=scaling)
-        return out.transpose(1, 2).contiguous(), None
-
-
 @torch.no_grad()
 def collect_score_statistics(
     model: nn.Module, batches: Iterable, *, num_tokens: int | None = None, progress: bool = True
@@ -93,45 +67,51 @@ def collect_score_statistics(
     temporary attention function.  Returns ``(keys, queries)``; query statistics are per KV head, pooled over
     the group's query heads (``count`` = tokens x G)."""
     from tqdm.auto import tqdm
-    from transformers import AttentionInterface
 
     from loki.calibration.calibrate import _as_batch, _model_device
-    from loki.calibration.hooks import key_layout, positions_from_mask
+    from loki.calibration.hooks import AttentionRecorder, key_layout, positions_from_mask
 
     layout = key_layout(model)
     L, HKV, D = layout.num_layers, layout.num_kv_heads, layout.head_dim
-    rec = _Recorder(KeyStatistics(L, HKV, D), KeyStatistics(L, HKV, D))
-    name = "loki_calibration_recorder"
-    AttentionInterface.register(name, rec)
-    previous = model.config._attn_implementation
+    keys, queries = KeyStatistics(L, HKV, D), KeyStatistics(L, HKV, D)
+    take = None
+
+    def accumulate(layer, query, key):
+        HQ = query.shape[1]
+        q = query.transpose(1, 2)[rec.valid][:take]  # [N, HQ, D], real tokens only
+        k = key.transpose(1, 2)[rec.valid][:take]  # [N, HKV, D]
+        keys.update(layer, k)
+        queries.update(layer, q.reshape(-1, HKV, HQ // HKV, D).transpose(1, 2).reshape(-1, HKV, D))
+
+    rec = AttentionRecorder(model, accumulate)
     was_training = model.training
     model.eval()
-    model.set_attn_implementation(name)
     device = _model_device(model)
     seen = 0
     bar = tqdm(total=num_tokens, unit="tok", desc="calibrating queries and keys", disable=not progress)
     try:
-        for batch in batches:
-            if num_tokens is not None and seen >= num_tokens:
-                break
-            ids, mask = _as_batch(batch)
-            mask = torch.ones_like(ids) if mask is None else mask
-            ids, mask = ids.to(device), mask.to(device)
-            n = int(mask.sum())
-            if n == 0:
-                continue
-            take = n if num_tokens is None else min(n, num_tokens - seen)
-            rec.valid, rec.take = mask.bool(), take
-            layout.base(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask), use_cache=False)
-            seen += take
-            bar.update(take)
+        with rec:
+            for batch in batches:
+                if num_tokens is not None and seen >= num_tokens:
+                    break
+                ids, mask = _as_batch(batch)
+                mask = torch.ones_like(ids) if mask is None else mask
+                ids, mask = ids.to(device), mask.to(device)
+                n = int(mask.sum())
+                if n == 0:
+                    continue
+                take = n if num_tokens is None else min(n, num_tokens - seen)
+                rec.valid = mask.bool()
+                layout.base(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask),
+                            use_cache=False)
+                seen += take
+                bar.update(take)
     finally:
         bar.close()
-        model.set_attn_implementation(previous)
         model.train(was_training)
     if seen == 0:
         raise ValueError("batches contained no tokens (every attention_mask entry was 0, or no batches)")
-    return rec.keys, rec.queries
+    return keys, queries
 
 
 def score_aware_basis(keys: KeyStatistics, queries: KeyStatistics, *, eps: float = 1e-4, config=None,

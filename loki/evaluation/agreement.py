@@ -19,7 +19,6 @@ axis (HQ for ``gqa_select="query"``, HKV for ``"kv"``).
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 
 import torch
 
@@ -37,41 +36,18 @@ from loki.reference import (
 
 __all__ = ["capture_qk", "selection_agreement", "topk_agreement"]
 
-_CAPTURE_NAME = "loki_eval_capture"
-
-
-def _capture_attention(store: dict):
-    def fn(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        store[int(module.layer_idx)] = (query.detach().clone(), key.detach().clone())
-        G = query.shape[1] // key.shape[1]
-        k = key.repeat_interleave(G, dim=1)
-        v = value.repeat_interleave(G, dim=1)
-        out = torch.nn.functional.scaled_dot_product_attention(query, k, v, is_causal=query.shape[2] > 1,
-                                                               scale=scaling)
-        return out.transpose(1, 2).contiguous(), None
-
-    return fn
-
-
-@contextmanager
-def _attention_swapped(model, fn):
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(_CAPTURE_NAME, fn)
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(_CAPTURE_NAME)
-    try:
-        yield
-    finally:
-        model.set_attn_implementation(previous)
-
-
 @torch.no_grad()
 def capture_qk(model, input_ids: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """Post-rotary queries ``[B, HQ, T, D]`` and keys ``[B, HKV, T, D]`` of every layer for ``input_ids [B, T]``
     (one causal forward pass)."""
+    from loki.calibration.hooks import AttentionRecorder
+
     store: dict = {}
-    with _attention_swapped(model, _capture_attention(store)):
+
+    def keep(layer, query, key):
+        store[layer] = (query.detach().clone(), key.detach().clone())
+
+    with AttentionRecorder(model, keep):
         model(input_ids=input_ids.to(model.device), use_cache=False)
     return store
 
