@@ -31,9 +31,8 @@ from loki.kernels import (
     sparse_attention_reference,
 )
 from loki.testing.inputs import make_decode_inputs
-
-# One tolerance table: absolute slack added to 2x the reference's own error at input precision.
-ATOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 8e-3}
+from loki.testing.invariants import check_selection
+from loki.testing.tolerances import ATOL, assert_close_to_reference
 
 interp = pytest.mark.interpreter
 gpu = pytest.mark.gpu
@@ -46,44 +45,8 @@ def _poison(monkeypatch):
 
 
 def _inputs(B, HQ, HKV, S, D, dtype, device, *, ragged=False, left_pad=False, seed=0):
-    if torch.device(device).type == "cuda" and B * HKV * S * D > 2**22:
-        # big GPU caches: the same recipe drawn on the device (the CPU factory draws fp64 on the host)
-        from loki.bench.harness import make_bench_inputs
-
-        return make_bench_inputs(B, HQ, HKV, S, D, dtype=dtype, device=device, seed=seed, ragged=ragged,
-                                 left_pad=left_pad)
     return make_decode_inputs(B, HQ, HKV, S, D, dtype=dtype, device=device, ragged=ragged, left_pad=left_pad,
                               seed=seed)
-
-
-def _assert_close_to_reference(out, ref64, ref_lowp, dtype, what):
-    assert not torch.isnan(out).any(), f"{what}: NaN in output (unwritten or invalid)"
-    err = (out.double() - ref64).abs().max().item()
-    base = (ref_lowp.double() - ref64).abs().max().item()
-    tol = 2 * base + ATOL[dtype]
-    assert err <= tol, f"{what}: kernel error {err:.3g} > 2 x reference error {base:.3g} + {ATOL[dtype]:g}"
-
-
-def check_selection(idx, scores, counts, *, slack=0.0):
-    """Selection invariants per row: -1 padding after counts[b], in range, no duplicates, every selected
-    score >= the counts[b]-th largest (ties allowed, ``slack`` for scores computed in another order).
-    Returns the number of rows checked."""
-    B, H, S = scores.shape
-    idx, scores, counts = idx.cpu().long(), scores.cpu().double(), counts.cpu()
-    checked = 0
-    for b in range(B):
-        c = int(counts[b])
-        kth = torch.topk(scores[b], c, dim=-1).values[:, -1]  # [H]
-        for h in range(H):
-            sel = idx[b, h, :c]
-            assert bool((idx[b, h, c:] == -1).all()), f"row ({b},{h}): padding after counts[b]={c} is not -1"
-            assert bool(((sel >= 0) & (sel < S)).all()), f"row ({b},{h}): index out of range: {sel.tolist()[:8]}"
-            assert sel.unique().numel() == c, f"row ({b},{h}): duplicate indices"
-            vals = scores[b, h, sel]
-            assert bool(torch.isfinite(vals).all()), f"row ({b},{h}): selected an invalid token"
-            assert bool((vals >= kth[h] - slack).all()), f"row ({b},{h}): a selected score is below the k-th largest"
-            checked += 1
-    return checked
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -235,7 +198,7 @@ def _run_sparse_case(device, B, HQ, HKV, S, D, k, mode, dtype, ragged, num_split
     ref64 = sparse_attention_reference(x.q.double(), x.k_cache.double(), x.v_cache.double(), idx, counts,
                                        compute_dtype=torch.float64)
     lowp = sparse_attention_reference(x.q, x.k_cache, x.v_cache, idx, counts, compute_dtype=dtype)
-    _assert_close_to_reference(out, ref64, lowp, dtype, "sparse_attention")
+    assert_close_to_reference(out, ref64, lowp, dtype, "sparse_attention")
 
 
 @interp
@@ -303,7 +266,7 @@ def test_sparq_attention(triton_device, B, HQ, HKV, S, D, r, k, ragged):
     ref64 = sparq_attention_reference(x.q.double(), x.k_cache.double(), x.v_cache.double(), r=r, k=k,
                                       lengths=x.lengths, starts=x.starts, compute_dtype=torch.float64)
     lowp = sparq_attention_reference(x.q, x.k_cache, x.v_cache, r=r, k=k, lengths=x.lengths, starts=x.starts)
-    _assert_close_to_reference(out, ref64, lowp, torch.float32, "sparq_attention")
+    assert_close_to_reference(out, ref64, lowp, torch.float32, "sparq_attention")
 
 
 @interp
@@ -352,7 +315,7 @@ def _run_decode_case(device, B, HQ, HKV, S, D, d, k, mode, select_method, dtype,
     ref64 = sparse_attention_reference(x.q.double(), x.k_cache.double(), x.v_cache.double(), idx.long(), counts,
                                        compute_dtype=torch.float64)
     lowp = sparse_attention_reference(x.q, x.k_cache, x.v_cache, idx.long(), counts, compute_dtype=dtype)
-    _assert_close_to_reference(out, ref64, lowp, dtype, "decode_attention")
+    assert_close_to_reference(out, ref64, lowp, dtype, "decode_attention")
     # and the whole step agrees with the torch backend (selections may differ only at near-ties)
     ref = decode_attention(x.q, x.k_cache, x.v_cache, d=d, k=k, lengths=x.lengths, starts=x.starts,
                            backend="torch", gqa_select=mode)
@@ -508,7 +471,7 @@ def test_gpu_decode_attention_key_prefix(B, HQ, HKV, S, D, mode, dtype):
     ref64 = sparse_attention_reference(x.q.double(), x.k_cache.double(), x.v_cache.double(), idx.long(), counts,
                                        compute_dtype=torch.float64)
     lowp = sparse_attention_reference(x.q, x.k_cache, x.v_cache, idx.long(), counts, compute_dtype=dtype)
-    _assert_close_to_reference(out, ref64, lowp, dtype, "decode_attention(k_prefix)")
+    assert_close_to_reference(out, ref64, lowp, dtype, "decode_attention(k_prefix)")
 
 
 @gpu
@@ -543,3 +506,72 @@ def test_gpu_sparq_attention(B, HQ, HKV, S, D, r, k, dtype):
     err = (out.double() - ref64).abs().max().item()
     base = (lowp.double() - ref64).abs().max().item()
     assert err <= 2 * base + ATOL[dtype], (err, base)
+
+
+@interp
+@pytest.mark.parametrize("mode,prefix,with_out", [("query", True, False), ("kv", False, True)])
+def test_decode_step_plan_replay(triton_device, mode, prefix, with_out):
+    """The recorded host path (DecodePlan): later calls of a signature replay the compiled kernels on new
+    inputs and fresh buffers, and give what the normal launch path gives."""
+    from loki.kernels.decode import _PLANS, clear_decode_plans, loki_decode_step
+
+    B, HQ, HKV, S, D, d, K = 2, 8, 2, 300, 64, 16, 75
+    clear_decode_plans()
+    x = _inputs(B, HQ, HKV, S, D, torch.float32, triton_device, ragged=True, left_pad=True, seed=11)
+    counts = torch.full((B,), 60, dtype=torch.int32, device=triton_device)
+    kp = make_key_prefix(x.k_cache, d) if prefix else None
+    kw = dict(d=d, k_max=K, gqa_select=mode, select_method="triton", k_prefix=kp)
+    outs = []
+    for _step in range(3):
+        q = torch.randn_like(x.q)
+        out = torch.empty_like(q) if with_out else None
+        idx, res = loki_decode_step(q, x.k_cache, x.v_cache, x.lengths, x.starts, counts, out=out, **kw)
+        ridx, rres = loki_decode_step(q, x.k_cache, x.v_cache, x.lengths, x.starts, counts, use_plan=False, **kw)
+        assert torch.equal(idx, ridx) and (res - rres).abs().max().item() < 1e-5
+        assert not torch.isnan(res).any()
+        if with_out:
+            assert res is out
+        outs.append((idx, res))
+    plans = [p for p in _PLANS.values() if p]
+    assert len(plans) == 1
+    plan = plans[0]
+    assert [len(a) for a in plan.bind((q, x.k_cache, x.v_cache, kp, x.lengths, x.starts, counts, out),
+                                      plan.new_buffers(), True)] == [len(t[2]) for t in plan.launches]
+    # returned tensors are fresh on every call
+    assert outs[0][0].data_ptr() != outs[1][0].data_ptr() or outs[0][0] is not outs[1][0]
+    # raw addresses (the direct launch) equal the tensor views' addresses
+    bufs = plan.new_buffers()
+    inputs = (q, x.k_cache, x.v_cache, kp, x.lengths, x.starts, counts, out)
+    for views, ptrs in zip(plan.bind(inputs, bufs, True), plan.bind(inputs, bufs, False)):
+        for v, p in zip(views, ptrs):
+            if isinstance(v, torch.Tensor):
+                assert v.data_ptr() == p
+    clear_decode_plans()
+
+
+@gpu
+@pytest.mark.parametrize("mode,HQ,HKV", [("query", 40, 40), ("kv", 32, 8)])
+def test_gpu_decode_step_plan_replay(mode, HQ, HKV):
+    """The direct-launch replay on the GPU matches the normal launch path, poisoned and not."""
+    from loki.kernels.decode import clear_decode_plans, loki_decode_step
+
+    dev = torch.device("cuda")
+    B, S, D, d = 3, 4099, 128, 32
+    K = S // 4
+    x = _inputs(B, HQ, HKV, S, D, torch.bfloat16, dev, ragged=True, left_pad=True, seed=5)
+    counts = torch.full((B,), K - 7, dtype=torch.int32, device=dev)
+    kp = make_key_prefix(x.k_cache, d)
+    clear_decode_plans()
+    for poison in ("1", "0"):
+        os.environ["LOKI_POISON_OUTPUTS"] = poison
+        for _step in range(3):
+            q = torch.randn_like(x.q)
+            kw = dict(d=d, k_max=K, gqa_select=mode, k_prefix=kp)
+            idx, res = loki_decode_step(q, x.k_cache, x.v_cache, x.lengths, x.starts, counts, **kw)
+            ridx, rres = loki_decode_step(q, x.k_cache, x.v_cache, x.lengths, x.starts, counts, use_plan=False,
+                                          **kw)
+            torch.cuda.synchronize()
+            assert torch.equal(idx, ridx)
+            assert not torch.isnan(res).any() and torch.equal(res, rres)
+    os.environ["LOKI_POISON_OUTPUTS"] = "1"
+    clear_decode_plans()

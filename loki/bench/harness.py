@@ -205,7 +205,8 @@ def bench_config(cfg: BenchConfig, *, copy_gbps: float, providers=None, gqa_sele
             except Exception as e:  # noqa: BLE001 - host syncs make a provider uncapturable
                 rows[name]["graph_error"] = f"{type(e).__name__}: {str(e)[:120]}"
 
-    want = set(providers or ["sdpa", "eager", "loki_torch", "sparq", "loki", "loki_noprefix", "loki_topk",
+    want = set(providers or ["sdpa", "eager", "loki_torch", "sparq", "loki", "loki_noplan", "loki_noprefix",
+                             "loki_topk",
                              "stages"])
     sdpa, backend = _sdpa_fn(q, kc, vc, gqa)
     add("sdpa", sdpa, dense_bytes)
@@ -216,6 +217,9 @@ def bench_config(cfg: BenchConfig, *, copy_gbps: float, providers=None, gqa_sele
     if "loki" in want:
         add("loki", lambda: loki_decode_step(q, kc, vc, x.lengths, x.starts, counts, select_method="triton",
                                              k_prefix=kp, **common), loki_bytes)
+    if "loki_noplan" in want:  # the same step through Triton's normal launch path (no recorded plan)
+        add("loki_noplan", lambda: loki_decode_step(q, kc, vc, x.lengths, x.starts, counts, select_method="triton",
+                                                    k_prefix=kp, use_plan=False, **common), loki_bytes)
     if "loki_noprefix" in want:
         add("loki_noprefix", lambda: loki_decode_step(q, kc, vc, x.lengths, x.starts, counts,
                                                       select_method="triton", **common), loki_bytes)

@@ -31,6 +31,8 @@ from loki._checks import check_decode_inputs, resolve_d
 from loki.reference.selection import GQA_AGGREGATES, GQA_SELECT_MODES
 from loki.reference.selection import approx_scores as approx_scores_reference
 
+from .launch import launch, note_allocation
+
 __all__ = ["approx_scores", "approx_scores_reference", "interpreting", "make_key_prefix", "new_output"]
 
 
@@ -44,8 +46,8 @@ def new_output(shape, dtype: torch.dtype, device) -> torch.Tensor:
     sentinel (ints) so that an element a kernel forgets to write fails the tests."""
     if os.environ.get("LOKI_POISON_OUTPUTS") == "1":
         fill = float("nan") if dtype.is_floating_point else 2**30 + 7
-        return torch.full(shape, fill, dtype=dtype, device=device)
-    return torch.empty(shape, dtype=dtype, device=device)
+        return note_allocation(torch.full(shape, fill, dtype=dtype, device=device))
+    return note_allocation(torch.empty(shape, dtype=dtype, device=device))
 
 
 def check_triton_device(t: torch.Tensor, what: str = "the Triton kernels") -> None:
@@ -145,17 +147,16 @@ def _launch_approx_scores(q_hat, k_hat, dd, lengths, starts, heads_out, agg_out,
     ho = heads_out if heads_out is not None else dummy
     ao = agg_out if agg_out is not None else dummy
     grid = (B * HKV, triton.cdiv(S, block_s))
-    _approx_scores_kernel[grid](
+    launch(_approx_scores_kernel, grid, [
         q_hat, k_hat, ho, ao, lengths, starts,
         S, dd, HKV,
         q_hat.stride(0), q_hat.stride(1),
         k_hat.stride(0), k_hat.stride(1), k_hat.stride(2),
         ho.stride(0), ho.stride(1),
         ao.stride(0), ao.stride(1),
-        G=G, BLOCK_S=block_s, BLOCK_D=BLOCK_D,
-        WRITE_HEADS=heads_out is not None, WRITE_AGG=agg_out is not None, AGG_MAX=aggregate == "max",
-        num_warps=num_warps,
-    )
+        G, block_s, BLOCK_D,
+        heads_out is not None, agg_out is not None, aggregate == "max",
+    ], dict(num_warps=num_warps))
 
 
 def approx_scores(

@@ -24,6 +24,7 @@ import triton.language as tl
 from loki.reference.selection import select_topk as select_topk_reference
 
 from .approx_scores import check_triton_device, interpreting, new_output
+from .launch import launch
 
 __all__ = ["SELECT_METHODS", "TRITON_SELECT_MAX_S", "select_topk", "select_topk_reference", "select_launch_config"]
 
@@ -160,12 +161,11 @@ def _select_triton(scores: torch.Tensor, counts: torch.Tensor, K: int, out: torc
         raise ValueError(f"radix_bits must be 1 or 2, got {radix_bits}")
     if chunk is not None and (chunk < 16 or chunk & (chunk - 1)):
         raise ValueError(f"chunk must be a power of two >= 16, got {chunk}")
-    _threshold_select_kernel[(B * H,)](
+    launch(_threshold_select_kernel, (B * H,), [
         scores, counts, idx, S, H, K,
         scores.stride(0), scores.stride(1), idx.stride(0), idx.stride(1),
-        BLOCK=BLOCK, CHUNK=chunk or (max(_CHUNK, BLOCK) if interpreting() else _CHUNK), RADIX_BITS=radix_bits,
-        EARLY_EXIT=bool(early_exit), num_warps=num_warps,
-    )
+        BLOCK, chunk or (max(_CHUNK, BLOCK) if interpreting() else _CHUNK), radix_bits, bool(early_exit),
+    ], dict(num_warps=num_warps))
     return idx
 
 

@@ -33,6 +33,7 @@ import triton.language as tl
 from loki.reference.sparse import sparse_attention as sparse_attention_reference
 
 from .approx_scores import check_triton_device, interpreting, new_output
+from .launch import launch
 from .select import _num_sms
 
 __all__ = ["ATTN_DEFAULTS", "sparse_attention", "sparse_attention_reference", "choose_num_splits"]
@@ -375,7 +376,7 @@ def sparse_attention(
     # 32-bit row offsets inside one head when they cannot overflow
     off32 = S * max(k_hat.stride(2), v_cache.stride(2)) < 2**31
     ps = prefix_scores if use_prefix else ws
-    _sparse_attn_split_kernel[(B * H, num_splits)](
+    launch(_sparse_attn_split_kernel, (B * H, num_splits), [
         q_hat, k_hat, v_cache, idx, counts, ps,
         m_part, l_part, o_part,
         sm_scale * _LOG2E, H, kv_div, tokens_per_split, num_splits,
@@ -384,15 +385,13 @@ def sparse_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         idx.stride(0), idx.stride(1),
         ps.stride(0) if use_prefix else 0, ps.stride(1) if use_prefix else 0,
-        D=D, BLOCK_D=BLOCK_D, BLOCK_K=block_k, G_SEL=g_sel, G_PAD=g_pad, UPCAST=upcast, IEEE=ieee,
-        PREFETCH=bool(prefetch), OFF32=off32, PREFIX=use_prefix, D_SKIP=prefix_dims if use_prefix else 0,
-        SLOTS=bool(slots) and g_sel == 1,
-        num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
-    )
-    _merge_splits_kernel[(B * HQ,)](
+        D, BLOCK_D, block_k, g_sel, g_pad, upcast, ieee,
+        bool(prefetch), off32, use_prefix, prefix_dims if use_prefix else 0,
+        bool(slots) and g_sel == 1,
+    ], dict(num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages})))
+    launch(_merge_splits_kernel, (B * HQ,), [
         m_part, l_part, o_part, out,
         num_splits, out.stride(0), out.stride(1), HQ,
-        D=D, BLOCK_D=BLOCK_D, BLOCK_SPLIT=max(2, triton.next_power_of_2(num_splits)),
-        num_warps=4,
-    )
+        D, BLOCK_D, max(2, triton.next_power_of_2(num_splits)),
+    ], dict(num_warps=4))
     return out

@@ -1,0 +1,155 @@
+"""Host-side launch path of the decode step: every Triton launch of the kernels goes through ``launch``,
+and ``DecodePlan`` replays a recorded step with the compiled kernels called directly.
+
+Why: Triton's ``kernel[grid](...)`` binds ~30 arguments, computes a specialization key and looks the
+compiled kernel up on every call (25-40 us of host time per launch in triton 3.6); at small batch the
+4-launch decode step is host-bound (docs/kernels.md).  A ``DecodePlan`` is recorded once per argument
+signature (shapes, strides, dtypes, pointer alignment, scalar options): the first call launches normally
+and records each launch's compiled kernel, grid and argument list; later calls allocate the per-call
+buffers (one ``torch.empty`` each, NaN-filled with ``LOKI_POISON_OUTPUTS=1``), patch the pointers of
+the tensors that change (inputs by identity, internal buffers by storage and byte offset) and call the
+compiled kernels' launchers directly, with no other torch op.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+try:  # triton >= 3.4
+    from triton import knobs as _knobs
+    from triton.compiler.compiler import CompiledKernel as _CompiledKernel
+    from triton.runtime import driver as _driver
+except Exception:  # noqa: BLE001 - older triton: no direct launches
+    _knobs = _CompiledKernel = _driver = None
+
+__all__ = ["DecodePlan", "launch", "recording"]
+
+_RECORD: list | None = None
+_ALLOCS: list | None = None
+
+
+def note_allocation(t: torch.Tensor) -> torch.Tensor:
+    """Called by ``new_output``: while recording, remember every per-call buffer (in allocation order)."""
+    if _ALLOCS is not None:
+        _ALLOCS.append(t)
+    return t
+
+
+def launch(fn, grid, args, opts):
+    """``fn[grid](*args, **opts)`` (args: every kernel parameter in order, constexprs included), recorded
+    while a ``recording()`` is active.  Returns what Triton returns (the compiled kernel on a GPU)."""
+    ret = fn[grid](*args, **opts)
+    if _RECORD is not None:
+        _RECORD.append((fn, tuple(grid) + (1,) * (3 - len(grid)), list(args), opts, ret))
+    return ret
+
+
+class recording:
+    """Context manager collecting the ``launch`` calls made inside it."""
+
+    def __enter__(self):
+        global _RECORD, _ALLOCS
+        self.prev = (_RECORD, _ALLOCS)
+        _RECORD, _ALLOCS = [], []
+        self.launches, self.buffers = _RECORD, _ALLOCS
+        return self
+
+    def __exit__(self, *exc):
+        global _RECORD, _ALLOCS
+        _RECORD, _ALLOCS = self.prev
+        return False
+
+
+def tensor_key(t: torch.Tensor | None):
+    """What a compiled kernel depends on for one tensor argument (not its address, only its alignment)."""
+    if t is None:
+        return None
+    return (t.shape, t.stride(), t.dtype, t.device, (t.data_ptr() & 15) == 0)
+
+
+def _storage_ptr(t):
+    return t.untyped_storage().data_ptr()
+
+
+class DecodePlan:
+    """A recorded sequence of launches replayed with new input tensors and fresh per-call buffers.
+
+    ``inputs``: the tensors of the recorded call that the caller passes again on every call (by
+    position); ``buffers``: the tensors the recorded call allocated per call (returned ones first, in the
+    order ``returns`` names them), re-allocated with the same shape and dtype on every call.  Every
+    tensor argument of every launch must be one of the inputs (identity) or lie in one of the buffers'
+    storages; otherwise ``ok`` is False and the caller keeps the normal path.
+    """
+
+    def __init__(self, launches, inputs, buffers):
+        self.ok = all(interpreting() or (rec[4] is not None and hasattr(rec[4], "packed_metadata")
+                                         and hasattr(rec[4], "function")) for rec in launches)
+        self.buffers = [(tuple(b.shape), b.dtype, b.device) for b in buffers]
+        self.device_index = buffers[0].device.index if buffers and buffers[0].device.type == "cuda" else None
+        buf_storage = {}
+        for j, b in enumerate(buffers):
+            if b.storage_offset() != 0 or not b.is_contiguous():
+                self.ok = False
+            buf_storage.setdefault(_storage_ptr(b), j)
+        self.launches = []
+        for fn, grid, args, opts, compiled in launches:
+            subs = []
+            template = list(args)
+            for pos, a in enumerate(args):
+                if not isinstance(a, torch.Tensor):
+                    continue
+                src = next((("in", i) for i, t in enumerate(inputs) if t is a), None)
+                off = 0
+                if src is None:
+                    j = buf_storage.get(_storage_ptr(a))
+                    if j is None:
+                        self.ok = False
+                        continue
+                    src = ("buf", j)
+                    off = a.data_ptr() - buffers[j].data_ptr()
+                subs.append((pos, src[0] == "in", src[1], off, a.shape, a.stride(), a.storage_offset()
+                             - (buffers[src[1]].storage_offset() if src[0] == "buf" else 0)))
+                template[pos] = None
+            self.launches.append((fn, grid, template, subs, opts, compiled))
+
+    def new_buffers(self):
+        if os.environ.get("LOKI_POISON_OUTPUTS") == "1":
+            return [torch.full(s, float("nan") if dt.is_floating_point else 2**30 + 7, dtype=dt, device=dev)
+                    for s, dt, dev in self.buffers]
+        return [torch.empty(s, dtype=dt, device=dev) for s, dt, dev in self.buffers]
+
+    def bind(self, inputs, buffers, as_tensors: bool):
+        """The argument lists of every launch for these inputs and buffers: raw device addresses
+        (``as_tensors=False``, the direct launch) or tensor views (the interpreter, and the tests)."""
+        out = []
+        for _fn, _grid, template, subs, _opts, _compiled in self.launches:
+            args = list(template)
+            for pos, is_in, i, off, shape, stride, soff in subs:
+                t = inputs[i] if is_in else buffers[i]
+                if as_tensors:
+                    args[pos] = t if (is_in or (off == 0 and t.shape == shape)) else torch.as_strided(
+                        t, shape, stride, soff)
+                else:
+                    args[pos] = t.data_ptr() + off
+            out.append(args)
+        return out
+
+    def __call__(self, inputs):
+        """Launch the recorded step on new inputs; returns the fresh buffers."""
+        buffers = self.new_buffers()
+        if interpreting() or _CompiledKernel is None:
+            for (fn, grid, _, _, opts, _), args in zip(self.launches, self.bind(inputs, buffers, True)):
+                fn[grid](*args, **opts)
+            return buffers
+        stream = _driver.active.get_current_stream(self.device_index)
+        enter, exit_ = _knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook
+        for (_fn, grid, _, _, _opts, ck), args in zip(self.launches, self.bind(inputs, buffers, False)):
+            meta = ck.launch_metadata(grid, stream, *args) if enter is not None else None
+            ck.run(grid[0], grid[1], grid[2], stream, ck.function, ck.packed_metadata, meta, enter, exit_, *args)
+        return buffers
