@@ -51,6 +51,25 @@ def _as_batch(batch) -> tuple[torch.Tensor, torch.Tensor | None]:
     return ids, None
 
 
+def budgeted_batches(batches: Iterable, num_tokens: int | None, device) -> Iterator:
+    """``(input_ids [B, S], attention_mask [B, S], take)`` on ``device`` for every batch with real tokens, where
+    ``take`` is how many of its real tokens (row-major) still fit the budget; stops once ``num_tokens`` real
+    tokens were handed out (``None``: no budget)."""
+    seen = 0
+    for batch in batches:
+        if num_tokens is not None and seen >= num_tokens:
+            return
+        input_ids, mask = _as_batch(batch)
+        if mask is None:
+            mask = torch.ones_like(input_ids)
+        n = int(mask.sum())
+        if n == 0:
+            continue
+        take = n if num_tokens is None else min(n, num_tokens - seen)
+        yield input_ids.to(device), mask.to(device), take
+        seen += take
+
+
 def _model_device(model: nn.Module) -> torch.device:
     try:
         return next(model.parameters()).device
@@ -104,18 +123,8 @@ def collect_key_statistics(
     bar = tqdm(total=num_tokens, unit="tok", desc="calibrating keys", disable=not progress)
     seen = 0
     try:
-        for batch in batches:
-            if num_tokens is not None and seen >= num_tokens:
-                break
-            input_ids, mask = _as_batch(batch)
-            if mask is None:
-                mask = torch.ones_like(input_ids)
-            input_ids, mask = input_ids.to(device), mask.to(device)
+        for input_ids, mask, take in budgeted_batches(batches, num_tokens, device):
             valid = mask.bool()
-            n = int(valid.sum())
-            if n == 0:
-                continue
-            take = n if num_tokens is None else min(n, num_tokens - seen)
             keys = batch_keys(model, input_ids, mask, rotary=rotary, layout=layout)
             for kind in kinds:
                 for l, k in enumerate(keys[kind]):

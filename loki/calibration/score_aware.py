@@ -68,13 +68,13 @@ def collect_score_statistics(
     the group's query heads (``count`` = tokens x G)."""
     from tqdm.auto import tqdm
 
-    from loki.calibration.calibrate import _as_batch, _model_device
+    from loki.calibration.calibrate import _model_device, budgeted_batches
     from loki.calibration.hooks import AttentionRecorder, key_layout, positions_from_mask
 
     layout = key_layout(model)
     L, HKV, D = layout.num_layers, layout.num_kv_heads, layout.head_dim
     keys, queries = KeyStatistics(L, HKV, D), KeyStatistics(L, HKV, D)
-    take = None
+    take = None  # real tokens of the current batch that fit the budget (set by the loop below)
 
     def accumulate(layer, query, key):
         HQ = query.shape[1]
@@ -91,16 +91,7 @@ def collect_score_statistics(
     bar = tqdm(total=num_tokens, unit="tok", desc="calibrating queries and keys", disable=not progress)
     try:
         with rec:
-            for batch in batches:
-                if num_tokens is not None and seen >= num_tokens:
-                    break
-                ids, mask = _as_batch(batch)
-                mask = torch.ones_like(ids) if mask is None else mask
-                ids, mask = ids.to(device), mask.to(device)
-                n = int(mask.sum())
-                if n == 0:
-                    continue
-                take = n if num_tokens is None else min(n, num_tokens - seen)
+            for ids, mask, take in budgeted_batches(batches, num_tokens, device):
                 rec.valid = mask.bool()
                 layout.base(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask),
                             use_cache=False)
