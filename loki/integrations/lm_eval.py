@@ -353,3 +353,21 @@ if __name__ == "__main__":  # pragma: no cover
     p = argparse.ArgumentParser(prog="loki eval")
     add_arguments(p)
     sys.exit(run(p.parse_args()))
+
+
+def lm_eval_main(argv: list[str] | None = None) -> None:
+    """``loki-lm-eval``: the lm-eval command line with the ``loki`` model registered and the local task
+    folder added to ``--include_path`` (lm-eval 0.4.13 does not scan entry points for models), e.g.
+    ``loki-lm-eval --model loki --model_args basis=post.safetensors,k=0.25,d=0.25 --tasks loki_copa
+    --num_fewshot 0``."""
+    import sys
+
+    from lm_eval.__main__ import cli_evaluate
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    flags = [a.split("=", 1)[0] for a in args]
+    if "--include_path" not in flags and "-h" not in flags and "--help" not in flags:
+        args += ["--include_path", str(write_task_files())]
+    sys.argv = [sys.argv[0], *args]
+    cli_evaluate()
+
