@@ -2,6 +2,7 @@
 
 - ``approx_scores``: q_hat[:d] . K_hat[:, :d]^T over the whole cache (Algorithm 1, lines 3-4);
 - ``select_topk``: top-k per row, ``torch.topk`` or an exact Triton threshold select (line 5);
+- ``score_select``: the scores and the Triton select of each row in one kernel (lines 3-5 fused);
 - ``sparse_attention``: exact attention over the selected rows, flash-decoding splits (lines 6-7);
 - ``sparq_attention``: the SparQ-style baseline kernels the paper compares against;
 - ``decode_attention``: the whole Loki decode step, the entry point used by the integrations.
@@ -11,6 +12,7 @@ Importing this package compiles nothing and probes no device; kernels are built 
 
 from .approx_scores import approx_scores, approx_scores_reference, make_key_prefix
 from .decode import BACKENDS, decode_attention, loki_attention_reference, loki_decode_step, selection_bound
+from .score_select import score_select
 from .select import SELECT_METHODS, select_topk, select_topk_reference
 from .sparq import sparq_attention, sparq_attention_reference, sparq_prepare
 from .sparse_attention import sparse_attention, sparse_attention_reference
@@ -26,6 +28,7 @@ __all__ = [
     "make_key_prefix",
     "select_topk",
     "select_topk_reference",
+    "score_select",
     "selection_bound",
     "sparq_attention",
     "sparq_attention_reference",

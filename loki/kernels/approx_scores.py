@@ -31,7 +31,7 @@ from loki._checks import check_decode_inputs, resolve_d
 from loki.reference.selection import GQA_AGGREGATES, GQA_SELECT_MODES
 from loki.reference.selection import approx_scores as approx_scores_reference
 
-from .launch import launch, note_allocation
+from .launch import launch, note_allocation, pdl
 
 __all__ = ["approx_scores", "approx_scores_reference", "interpreting", "make_key_prefix", "new_output"]
 
@@ -73,13 +73,16 @@ def _approx_scores_kernel(
     stride_ob, stride_oh,
     stride_ab, stride_ah,
     G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-    WRITE_HEADS: tl.constexpr, WRITE_AGG: tl.constexpr, AGG_MAX: tl.constexpr,
+    WRITE_HEADS: tl.constexpr, WRITE_AGG: tl.constexpr, AGG_MAX: tl.constexpr, PDL: tl.constexpr,
 ):
     """s[g, t] = sum_{j<d} q_hat[h*G+g, j] K_hat[h, t, j] for one (b, h) and one block of tokens t."""
     pid_bh = tl.program_id(0).to(tl.int64)
     pid_s = tl.program_id(1).to(tl.int64)
     b = pid_bh // HKV
     h = pid_bh % HKV
+    if PDL:  # programmatic dependent launch (launch.py): wait for the previous kernel's writes
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     start = tl.load(starts_ptr + b).to(tl.int64)
     length = tl.load(lengths_ptr + b).to(tl.int64)
     offs_s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
@@ -88,26 +91,36 @@ def _approx_scores_kernel(
     valid = (offs_s >= start) & (offs_s < length)
     dmask = offs_d < d
     k_ptrs = k_ptr + b * stride_kb + h * stride_kh + offs_s[:, None] * stride_ks + offs_d[None, :]
-    kt = tl.load(k_ptrs, mask=valid[:, None] & dmask[None, :], other=0.0).to(tl.float32)
-    if AGG_MAX:
-        agg = tl.full((BLOCK_S,), float("-inf"), tl.float32)
-    else:
-        agg = tl.zeros((BLOCK_S,), tl.float32)
-    for g in tl.static_range(G):
-        hq = h * G + g
-        q = tl.load(q_ptr + b * stride_qb + hq * stride_qh + offs_d, mask=dmask, other=0.0).to(tl.float32)
-        s = tl.sum(kt * q[None, :], axis=1)
-        s = tl.where(valid, s, float("-inf"))
-        if WRITE_HEADS:
-            tl.store(out_ptr + b * stride_ob + hq * stride_oh + offs_s, s, mask=in_range)
-        if WRITE_AGG:
-            if AGG_MAX:
-                agg = tl.maximum(agg, s)
-            else:
-                agg = agg + s
-    if WRITE_AGG:
-        agg = tl.where(valid, agg, float("-inf"))
+    if WRITE_AGG and not WRITE_HEADS and not AGG_MAX:
+        # the sum over the group's heads is one dot product with the summed query (fp32)
+        kt = tl.load(k_ptrs, mask=valid[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+        qs = tl.zeros((BLOCK_D,), tl.float32)
+        for g in tl.static_range(G):
+            qs += tl.load(q_ptr + b * stride_qb + (h * G + g) * stride_qh + offs_d, mask=dmask, other=0.0).to(
+                tl.float32)
+        agg = tl.where(valid, tl.sum(kt * qs[None, :], axis=1), float("-inf"))
         tl.store(agg_ptr + b * stride_ab + h * stride_ah + offs_s, agg, mask=in_range)
+    else:
+        kt = tl.load(k_ptrs, mask=valid[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+        if AGG_MAX:
+            agg = tl.full((BLOCK_S,), float("-inf"), tl.float32)
+        else:
+            agg = tl.zeros((BLOCK_S,), tl.float32)
+        for g in tl.static_range(G):
+            hq = h * G + g
+            q = tl.load(q_ptr + b * stride_qb + hq * stride_qh + offs_d, mask=dmask, other=0.0).to(tl.float32)
+            s = tl.sum(kt * q[None, :], axis=1)
+            s = tl.where(valid, s, float("-inf"))
+            if WRITE_HEADS:
+                tl.store(out_ptr + b * stride_ob + hq * stride_oh + offs_s, s, mask=in_range)
+            if WRITE_AGG:
+                if AGG_MAX:
+                    agg = tl.maximum(agg, s)
+                else:
+                    agg = agg + s
+        if WRITE_AGG:
+            agg = tl.where(valid, agg, float("-inf"))
+            tl.store(agg_ptr + b * stride_ab + h * stride_ah + offs_s, agg, mask=in_range)
 
 
 def make_key_prefix(k_hat: torch.Tensor, d: int) -> torch.Tensor:
@@ -147,6 +160,7 @@ def _launch_approx_scores(q_hat, k_hat, dd, lengths, starts, heads_out, agg_out,
     ho = heads_out if heads_out is not None else dummy
     ao = agg_out if agg_out is not None else dummy
     grid = (B * HKV, triton.cdiv(S, block_s))
+    use_pdl = pdl(q_hat.device)
     launch(_approx_scores_kernel, grid, [
         q_hat, k_hat, ho, ao, lengths, starts,
         S, dd, HKV,
@@ -155,8 +169,8 @@ def _launch_approx_scores(q_hat, k_hat, dd, lengths, starts, heads_out, agg_out,
         ho.stride(0), ho.stride(1),
         ao.stride(0), ao.stride(1),
         G, block_s, BLOCK_D,
-        heads_out is not None, agg_out is not None, aggregate == "max",
-    ], dict(num_warps=num_warps))
+        heads_out is not None, agg_out is not None, aggregate == "max", use_pdl,
+    ], dict(num_warps=num_warps, pdl=use_pdl))
 
 
 def approx_scores(

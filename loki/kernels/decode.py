@@ -19,8 +19,10 @@ from loki._checks import check_decode_inputs, resolve_d, resolve_k
 from loki.reference.methods import loki_attention as loki_attention_reference
 from loki.reference.selection import GQA_AGGREGATES, GQA_SELECT_MODES, budget
 
+from . import launch as _launch_mod
 from .approx_scores import _check_key_prefix, _launch_approx_scores, check_triton_device, new_output
 from .launch import DecodePlan, recording, tensor_key
+from .score_select import score_select, score_select_fusable
 from .select import SELECT_METHODS, TRITON_SELECT_MAX_S, resolve_select_method, select_topk
 from .sparse_attention import sparse_attention
 
@@ -143,10 +145,11 @@ def loki_decode_step(
     reuse_scores: bool = True,
     attn_options: dict | None = None,
     use_plan: bool = True,
+    fuse_select: bool | None = None,
 ):
     """The three Triton stages on already-validated inputs, with no host sync (for the integration's hot
-    loop and the benchmarks; ``decode_attention`` validates and calls this).  Four kernel launches
-    (scores, select, attention splits, merge), all capturable in a CUDA graph.
+    loop and the benchmarks; ``decode_attention`` validates and calls this).  Three or four kernel launches
+    (scores and select, fused or not; attention splits; merge), all capturable in a CUDA graph.
 
     lengths, starts, counts: [B] int32/int64 on the device; d: int (1 <= d <= D); k_max: int bound
     K >= max(counts); ``uniform``: every count equals k_max; ``k_prefix``: optional [B, HKV, S, dp >= d]
@@ -160,12 +163,16 @@ def loki_decode_step(
     ``DecodePlan``; later calls with that signature allocate idx, out and the internal buffers and call
     the compiled kernels directly (~4x less host time per step; ``clear_decode_plans`` forgets them).
     Calls with ``attn_options`` always take the normal path.
+
+    ``fuse_select``: score and select in one kernel (``score_select``; three launches instead of four);
+    None (the default) decides by ``score_select_fusable`` (enough rows to fill the GPU, S not too long).
     """
     key = None
     if use_plan and attn_options is None:
         key = (tensor_key(q_hat), tensor_key(k_hat), tensor_key(v_cache), tensor_key(k_prefix),
                tensor_key(lengths), tensor_key(starts), tensor_key(counts), tensor_key(out), d, k_max,
-               gqa_select, aggregate, scale, select_method, uniform, num_splits, reuse_scores)
+               gqa_select, aggregate, scale, select_method, uniform, num_splits, reuse_scores, fuse_select,
+               _launch_mod.PDL)
         plan = _PLANS.get(key)
         if plan:
             bufs = plan((q_hat, k_hat, v_cache, k_prefix, lengths, starts, counts, out))
@@ -175,7 +182,7 @@ def loki_decode_step(
             with recording() as rec:
                 idx, res = _decode_step_launches(q_hat, k_hat, v_cache, lengths, starts, counts, d, k_max,
                                                  gqa_select, aggregate, scale, select_method, uniform, out,
-                                                 num_splits, k_prefix, reuse_scores, None)
+                                                 num_splits, k_prefix, reuse_scores, None, fuse_select)
             plan = DecodePlan(rec.launches, (q_hat, k_hat, v_cache, k_prefix, lengths, starts, counts, out),
                               rec.buffers)
             ids = [id(b) for b in rec.buffers]
@@ -189,11 +196,12 @@ def loki_decode_step(
             return idx, res
     return _decode_step_launches(q_hat, k_hat, v_cache, lengths, starts, counts, d, k_max, gqa_select, aggregate,
                                  scale, select_method, uniform, out, num_splits, k_prefix, reuse_scores,
-                                 attn_options)
+                                 attn_options, fuse_select)
 
 
 def _decode_step_launches(q_hat, k_hat, v_cache, lengths, starts, counts, d, k_max, gqa_select, aggregate, scale,
-                          select_method, uniform, out, num_splits, k_prefix, reuse_scores, attn_options):
+                          select_method, uniform, out, num_splits, k_prefix, reuse_scores, attn_options,
+                          fuse_select=None):
     B, HQ, D = q_hat.shape
     _, HKV, S, _ = k_hat.shape
     if k_hat.stride(-1) != 1:
@@ -201,14 +209,20 @@ def _decode_step_launches(q_hat, k_hat, v_cache, lengths, starts, counts, d, k_m
     if q_hat.stride(-1) != 1:
         q_hat = q_hat.contiguous()
     H = HQ if gqa_select == "query" else HKV
-    scores = new_output((B, H, S), torch.float32, q_hat.device)
     k_src = k_hat if k_prefix is None else k_prefix
-    if gqa_select == "query":
-        _launch_approx_scores(q_hat, k_src, d, lengths, starts, scores, None, aggregate)
+    method = resolve_select_method(select_method, q_hat)
+    if fuse_select is None:
+        fuse_select = method == "triton" and score_select_fusable(B * H, S, q_hat.device)
+    if fuse_select and method == "triton" and S <= TRITON_SELECT_MAX_S:
+        scores, idx = score_select(q_hat, k_src, d, lengths, starts, counts, k_max, gqa_select=gqa_select,
+                                   aggregate=aggregate)
     else:
-        _launch_approx_scores(q_hat, k_src, d, lengths, starts, None, scores, aggregate)
-    idx = select_topk(scores, counts, k_max=k_max, method=resolve_select_method(select_method, q_hat),
-                      uniform=uniform)
+        scores = new_output((B, H, S), torch.float32, q_hat.device)
+        if gqa_select == "query":
+            _launch_approx_scores(q_hat, k_src, d, lengths, starts, scores, None, aggregate)
+        else:
+            _launch_approx_scores(q_hat, k_src, d, lengths, starts, None, scores, aggregate)
+        idx = select_topk(scores, counts, k_max=k_max, method=method, uniform=uniform)
     extra = dict(attn_options or {})
     if reuse_scores and gqa_select == "query" and d < D:
         extra.setdefault("prefix_scores", scores)

@@ -24,7 +24,7 @@ import triton.language as tl
 from loki.reference.selection import select_topk as select_topk_reference
 
 from .approx_scores import check_triton_device, interpreting, new_output
-from .launch import launch
+from .launch import launch, pdl
 
 __all__ = ["SELECT_METHODS", "TRITON_SELECT_MAX_S", "select_topk", "select_topk_reference", "select_launch_config"]
 
@@ -33,6 +33,19 @@ SELECT_METHODS = ("auto", "torch", "triton")
 TRITON_SELECT_MAX_S = 32768
 #: Compaction chunk (elements); rows up to this length are compacted straight from the registers.
 _CHUNK = 4096
+#: With few rows (fewer than half the multiprocessors), rows up to this length are compacted straight from
+#: the registers (one program per SM, so their registers are free to hold the whole row).
+FEW_ROWS_REGISTER_COMPACT = 16384
+
+
+def compaction_chunk(S: int, rows: int, num_sms: int = 132) -> int:
+    """The select's compaction chunk for ``rows`` rows of length S (measured on an H100, docs/kernels.md)."""
+    block = triton.next_power_of_2(S)
+    if interpreting():
+        return max(_CHUNK, block)
+    if 2 * rows < num_sms and block <= FEW_ROWS_REGISTER_COMPACT:
+        return block
+    return _CHUNK
 
 
 @triton.jit
@@ -65,27 +78,17 @@ def _compact(key, pos_in_row, in_row, thr, kk, n_gt_total, gt_base, eq_base, bas
 
 
 @triton.jit
-def _threshold_select_kernel(
-    scores_ptr, counts_ptr, idx_ptr,
-    S, H, K,
-    stride_sb, stride_sh,
-    stride_ib, stride_ih,
-    BLOCK: tl.constexpr, CHUNK: tl.constexpr, RADIX_BITS: tl.constexpr, EARLY_EXIT: tl.constexpr,
-):
-    """idx[b, h, :counts[b]] = positions of the counts[b] largest scores of row (b, h); idx[.., counts[b]:K] = -1.
+def _select_row(row, S, kk, base, K, BLOCK: tl.constexpr, CHUNK: tl.constexpr, RADIX_BITS: tl.constexpr,
+                EARLY_EXIT: tl.constexpr):
+    """base[:kk] = positions of the kk largest of the S fp32 scores at ``row``; base[kk:K] = -1.
 
-    Threshold: the largest uint32 T with #(key >= T) >= counts[b], built from the top bit down (with
-    EARLY_EXIT: the first T on that path with exactly counts[b] keys >= T, when there is one).
+    Threshold: the largest uint32 T with #(key >= T) >= kk, built from the top bit down (with
+    EARLY_EXIT: the first T on that path with exactly kk keys >= T, when there is one).
     """
-    pid = tl.program_id(0).to(tl.int64)
-    b = pid // H
-    h = pid % H
-    row = scores_ptr + b * stride_sb + h * stride_sh
     offs = tl.arange(0, BLOCK)
     in_row = offs < S
     key = _ordered_key(tl.load(row + offs, mask=in_row, other=float("-inf")))
     key = tl.where(in_row, key, 0)  # below every real key (-inf maps to 0x007FFFFF)
-    kk = tl.load(counts_ptr + b).to(tl.int32)
     one = tl.full((), 1, tl.uint32)
     thr = tl.zeros((), tl.uint32)
     if EARLY_EXIT:
@@ -118,7 +121,6 @@ def _threshold_select_kernel(
             n3 = (tot >> 42).to(tl.int32)
             thr = tl.where(n3 >= kk, c3, tl.where(n2 >= kk, c2, tl.where(n1 >= kk, c1, thr)))
     n_gt_total = tl.sum(((key > thr) & in_row).to(tl.int32), axis=0)
-    base = idx_ptr + b * stride_ib + h * stride_ih
     zero = tl.zeros((), tl.int32)
     if BLOCK <= CHUNK:
         _compact(key, offs, in_row, thr, kk, n_gt_total, zero, zero, base, K)
@@ -131,6 +133,27 @@ def _threshold_select_kernel(
             m = p < S
             kc = _ordered_key(tl.load(row + p, mask=m, other=float("-inf")))
             gt_base, eq_base = _compact(kc, p, m, thr, kk, n_gt_total, gt_base, eq_base, base, K)
+
+
+@triton.jit
+def _threshold_select_kernel(
+    scores_ptr, counts_ptr, idx_ptr,
+    S, H, K,
+    stride_sb, stride_sh,
+    stride_ib, stride_ih,
+    BLOCK: tl.constexpr, CHUNK: tl.constexpr, RADIX_BITS: tl.constexpr, EARLY_EXIT: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """idx[b, h, :counts[b]] = positions of the counts[b] largest scores of row (b, h); idx[.., counts[b]:K] = -1."""
+    pid = tl.program_id(0).to(tl.int64)
+    b = pid // H
+    h = pid % H
+    if PDL:  # programmatic dependent launch (launch.py): wait for the scores
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    kk = tl.load(counts_ptr + b).to(tl.int32)
+    _select_row(scores_ptr + b * stride_sb + h * stride_sh, S, kk, idx_ptr + b * stride_ib + h * stride_ih, K,
+                BLOCK, CHUNK, RADIX_BITS, EARLY_EXIT)
 
 
 def select_launch_config(S: int, rows: int, num_sms: int = 132) -> tuple[int, int, bool]:
@@ -164,8 +187,9 @@ def _select_triton(scores: torch.Tensor, counts: torch.Tensor, K: int, out: torc
     launch(_threshold_select_kernel, (B * H,), [
         scores, counts, idx, S, H, K,
         scores.stride(0), scores.stride(1), idx.stride(0), idx.stride(1),
-        BLOCK, chunk or (max(_CHUNK, BLOCK) if interpreting() else _CHUNK), radix_bits, bool(early_exit),
-    ], dict(num_warps=num_warps))
+        BLOCK, chunk or compaction_chunk(S, B * H, _num_sms(scores.device)), radix_bits, bool(early_exit),
+        pdl(scores.device),
+    ], dict(num_warps=num_warps, pdl=pdl(scores.device)))
     return idx
 
 

@@ -33,7 +33,7 @@ import triton.language as tl
 from loki.reference.sparse import sparse_attention as sparse_attention_reference
 
 from .approx_scores import check_triton_device, interpreting, new_output
-from .launch import launch
+from .launch import launch, pdl
 from .select import _num_sms
 
 __all__ = ["ATTN_DEFAULTS", "sparse_attention", "sparse_attention_reference", "choose_num_splits"]
@@ -107,7 +107,7 @@ def _sparse_attn_split_kernel(
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
     G_SEL: tl.constexpr, G_PAD: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
     PREFETCH: tl.constexpr, OFF32: tl.constexpr, PREFIX: tl.constexpr, D_SKIP: tl.constexpr,
-    SLOTS: tl.constexpr,
+    SLOTS: tl.constexpr, PDL: tl.constexpr,
 ):
     """Partial softmax attention of G_SEL query heads over one split of one selection row.
 
@@ -124,6 +124,9 @@ def _sparse_attn_split_kernel(
     hs = pid % H
     kv = hs // KV_DIV
     hq0 = hs * G_SEL
+    if PDL:  # programmatic dependent launch: start early, wait here for the selection to be complete
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     count = tl.load(counts_ptr + b).to(tl.int64)
     lo = split * TOKENS_PER_SPLIT
     hi = tl.minimum(lo + TOKENS_PER_SPLIT, count)
@@ -240,12 +243,15 @@ def _group_tile(q, kt, vt, tmask, m_i, l_i, acc, qk_scale, UPCAST: tl.constexpr,
 def _merge_splits_kernel(
     m_ptr, l_ptr, o_ptr, out_ptr,
     NSPLIT, stride_ob, stride_oh, HQ,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SPLIT: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SPLIT: tl.constexpr, PDL: tl.constexpr,
 ):
     """out = sum_j 2^(m_j - M) o_j / sum_j 2^(m_j - M) l_j over the splits j of one (b, hq)."""
     pid = tl.program_id(0).to(tl.int64)
     b = pid // HQ
     hq = pid % HQ
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     offs_j = tl.arange(0, BLOCK_SPLIT)
     offs_d = tl.arange(0, BLOCK_D)
     jmask = offs_j < NSPLIT
@@ -265,7 +271,7 @@ def choose_num_splits(rows: int, K: int, block_k: int, *, programs_per_sm: int =
                       min_tiles: int = 4, max_splits: int = 64, num_sms: int = _NUM_SMS_H100) -> int:
     """Splits of the K selected tokens: at least ``min_splits`` and enough for ``programs_per_sm`` programs
     per SM over the rows x splits grid, but each split keeps at least ``min_tiles`` tiles of work; at most
-    ``max_splits``.  (H100, one head per program: B=16 S=4096..32768 -> 4 splits, B=1 S=16384 -> 7.)"""
+    ``max_splits``.  (H100, one head per program: B=16 S=4096..32768 -> 3 splits, B=1 S=16384 -> 7.)"""
     max_by_work = max(1, K // (min_tiles * block_k))
     want = max(min_splits, math.ceil(programs_per_sm * num_sms / max(rows, 1)))
     return int(max(1, min(want, max_by_work, max_splits)))
@@ -276,7 +282,7 @@ def choose_num_splits(rows: int, K: int, block_k: int, *, programs_per_sm: int =
 #: per-slot softmax, and the split-count rule (``choose_num_splits``).
 ATTN_DEFAULTS = {
     "head": dict(block_k=32, num_warps=4, prefetch=True, slots=True,
-                 splits=dict(programs_per_sm=2, min_splits=4, min_tiles=4, max_splits=64)),
+                 splits=dict(programs_per_sm=2, min_splits=3, min_tiles=4, max_splits=64)),
     "group": dict(block_k=64, num_warps=4, prefetch=False, slots=False,
                   splits=dict(programs_per_sm=4, min_splits=1, min_tiles=2, max_splits=64)),
 }
@@ -349,11 +355,12 @@ def sparse_attention(
     sm_scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     BLOCK_D = triton.next_power_of_2(D)
     interp = interpreting()
+    rows = B * H  # programs per split
     dflt = ATTN_DEFAULTS["head" if g_sel == 1 else "group"]
     if block_k is None:
         block_k = min(1024, max(16, triton.next_power_of_2(K))) if interp else dflt["block_k"]
     if num_splits is None:
-        num_splits = 1 if interp else choose_num_splits(B * H, K, block_k, num_sms=_num_sms(q_hat.device),
+        num_splits = 1 if interp else choose_num_splits(rows, K, block_k, num_sms=_num_sms(q_hat.device),
                                                          **dflt["splits"])
     num_warps = dflt["num_warps"] if num_warps is None else num_warps
     prefetch = dflt["prefetch"] if prefetch is None else prefetch
@@ -376,7 +383,8 @@ def sparse_attention(
     # 32-bit row offsets inside one head when they cannot overflow
     off32 = S * max(k_hat.stride(2), v_cache.stride(2)) < 2**31
     ps = prefix_scores if use_prefix else ws
-    launch(_sparse_attn_split_kernel, (B * H, num_splits), [
+    use_pdl = pdl(dev)
+    launch(_sparse_attn_split_kernel, (rows, num_splits), [
         q_hat, k_hat, v_cache, idx, counts, ps,
         m_part, l_part, o_part,
         sm_scale * _LOG2E, H, kv_div, tokens_per_split, num_splits,
@@ -387,11 +395,11 @@ def sparse_attention(
         ps.stride(0) if use_prefix else 0, ps.stride(1) if use_prefix else 0,
         D, BLOCK_D, block_k, g_sel, g_pad, upcast, ieee,
         bool(prefetch), off32, use_prefix, prefix_dims if use_prefix else 0,
-        bool(slots) and g_sel == 1,
-    ], dict(num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages})))
+        bool(slots) and g_sel == 1, use_pdl,
+    ], dict(num_warps=num_warps, pdl=use_pdl, **({} if num_stages is None else {"num_stages": num_stages})))
     launch(_merge_splits_kernel, (B * HQ,), [
         m_part, l_part, o_part, out,
         num_splits, out.stride(0), out.stride(1), HQ,
-        D, BLOCK_D, max(2, triton.next_power_of_2(num_splits)),
-    ], dict(num_warps=4))
+        D, BLOCK_D, max(2, triton.next_power_of_2(num_splits)), use_pdl,
+    ], dict(num_warps=4, pdl=use_pdl))
     return out

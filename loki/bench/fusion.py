@@ -1,0 +1,203 @@
+"""Decode-step variants at the performance targets, timed in one process on the GPU: the previous path
+(scores and select as two kernels, 4+ attention splits, chunked compaction everywhere), the current
+default (fused score+select where it pays, 3+ splits, register compaction for few rows), programmatic
+dependent launch (``LOKI_PDL``) on/off, and the fused kernel forced on/off.  Every variant's output is
+checked against the PyTorch reference, and its selection against exact top-k of the reference scores,
+before it is timed.  ``--stages`` times the score/select stages alone (two kernels vs fused, launch
+configurations).
+
+    PYTHONPATH=. python3 -m loki.bench.fusion --out $OUT [--quick] [--only "40h B16 S4096,..."] [--stages]
+
+Writes ``fusion.json`` (or ``stages.json``) under --out and prints a table last (ms; x = SDPA / variant
+in the same run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+
+import torch
+
+#: (name, B, HQ, HKV, S, gqa_select)
+SHAPES = [
+    ("40h B16 S4096", 16, 40, 40, 4096, "query"),
+    ("40h B16 S8192", 16, 40, 40, 8192, "query"),
+    ("40h B16 S16384", 16, 40, 40, 16384, "query"),
+    ("40h B16 S32768", 16, 40, 40, 32768, "query"),
+    ("40h B1 S16384", 1, 40, 40, 16384, "query"),
+    ("40h B4 S16384", 4, 40, 40, 16384, "query"),
+    ("GQA32/8 B16 S8192", 16, 32, 8, 8192, "kv"),
+    ("GQA32/8 B16 S4096", 16, 32, 8, 4096, "kv"),
+    ("GQA32/8 B1 S16384", 1, 32, 8, 16384, "kv"),
+]
+
+
+def _selection_ok(idx, s_ref, K):
+    """K distinct valid positions per row, each scoring (by the reference scores) at least the row's K-th
+    largest reference score up to rounding (the kernel's fp32 sums may order near-ties differently)."""
+    if idx.shape[-1] != K or bool((idx < 0).any()):
+        return False
+    srt = torch.sort(idx.long(), -1).values
+    if bool((srt[..., 1:] == srt[..., :-1]).any()):
+        return False
+    kth = torch.topk(s_ref, K, dim=-1).values[..., -1:]
+    got = torch.gather(s_ref, -1, idx.long())
+    return bool((got >= kth - 1e-4 * (kth.abs() + 1)).all())
+
+
+def stage_sweep(x, kp, counts, K, d, mode, s_ref):
+    """Scores + select as two kernels against the fused kernel over launch configurations (CUDA graph)."""
+    from loki.bench.harness import time_ms_graph
+    from loki.kernels import score_select, select_topk
+    from loki.kernels.approx_scores import _launch_approx_scores
+
+    B, HQ, _ = x.q.shape
+    HKV, S = x.k_cache.shape[1], x.k_cache.shape[2]
+    H = HQ if mode == "query" else HKV
+    scores = torch.empty(B, H, S, device="cuda")
+    out = {}
+
+    def run(name, fn, check=True):
+        try:
+            idx = fn()
+            torch.cuda.synchronize()
+            ok = _selection_ok(idx, s_ref, K) if check else True
+            out[name] = {"ok": ok, "ms": time_ms_graph(fn) if ok else float("nan")}
+        except Exception as e:  # noqa: BLE001 - a configuration that fails is recorded, not fatal
+            out[name] = {"ok": False, "error": repr(e)[:300]}
+        print(name, out[name], flush=True)
+
+    def scores_fn(**kw):
+        def fn():
+            _launch_approx_scores(x.q, kp, d, x.lengths, x.starts, scores if mode == "query" else None,
+                                  None if mode == "query" else scores, "sum", **kw)
+        return fn
+
+    def two():
+        scores_fn()()
+        return select_topk(scores, counts, k_max=K, method="triton")
+
+    run("scores", scores_fn(), check=False)
+    run("select", lambda: select_topk(scores, counts, k_max=K, method="triton"))
+    run("two kernels", two)
+    run("fused", lambda: score_select(x.q, kp, d, x.lengths, x.starts, counts, K, gqa_select=mode,
+                                      scores=scores)[1])
+    for w, bs, st in ((8, 256, 3), (16, 1024, 2), (8, 512, 3), (4, 512, 2)):
+        run(f"fused w{w} bs{bs} st{st}", lambda w=w, bs=bs, st=st: score_select(
+            x.q, kp, d, x.lengths, x.starts, counts, K, gqa_select=mode, scores=scores, num_warps=w, block_s=bs,
+            num_stages=st)[1])
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--quick", action="store_true", help="three shapes only")
+    ap.add_argument("--only", default=None, help="comma-separated shape names to run")
+    ap.add_argument("--stages", action="store_true", help="time the score/select stages instead")
+    args = ap.parse_args(argv)
+
+    L = importlib.import_module("loki.kernels.launch")
+    SA = importlib.import_module("loki.kernels.sparse_attention")
+    SEL = importlib.import_module("loki.kernels.select")
+    import loki.reference as R
+    from loki.bench.harness import _sdpa_fn, make_bench_inputs, measure_copy_bandwidth, time_ms, time_ms_graph
+    from loki.kernels import make_key_prefix
+    from loki.kernels.decode import clear_decode_plans, loki_decode_step, selection_bound
+
+    copy = measure_copy_bandwidth()
+    shapes = [SHAPES[0], SHAPES[4], SHAPES[6]] if args.quick else SHAPES
+    if args.only:
+        shapes = [s for s in shapes if s[0] in args.only.split(",")]
+    rows = []
+    for name, B, HQ, HKV, S, mode in shapes:
+        D, d = 128, 32
+        x = make_bench_inputs(B, HQ, HKV, S, D)
+        K = selection_bound(0.25, S)
+        counts = torch.full((B,), K, dtype=torch.int32, device="cuda")
+        kp = make_key_prefix(x.k_cache, d)
+        H = HQ if mode == "query" else HKV
+        floor = (B * HKV * S * d * 2 + B * H * K * 2 * D * 2) / (copy * 1e9) * 1e3
+        ref_out = R.loki_attention(x.q, x.k_cache, x.v_cache, d=d, k=0.25, gqa_select=mode)
+        s_ref = R.approx_scores(x.q, x.k_cache, d, gqa_select=mode)
+        sdpa, _ = _sdpa_fn(x.q, x.k_cache, x.v_cache, HQ != HKV)
+        r = {"shape": name, "B": B, "HQ": HQ, "HKV": HKV, "S": S, "D": D, "d": d, "K": K, "mode": mode,
+             "floor_ms": floor, "sdpa": time_ms(sdpa), "sdpa_graph": time_ms_graph(sdpa), "variants": {}}
+        if args.stages:
+            r["stages"] = stage_sweep(x, kp, counts, K, d, mode, s_ref)
+            rows.append(r)
+            continue
+
+        def variant(vname, fuse, use_pdl, previous=False, num_splits=None, r=r, x=x, counts=counts, kp=kp, K=K,
+                    mode=mode, ref_out=ref_out, s_ref=s_ref, d=d, name=name):
+            old = (L.PDL, SEL.FEW_ROWS_REGISTER_COMPACT, dict(SA.ATTN_DEFAULTS["head"]["splits"]))
+            L.PDL = use_pdl
+            if previous:  # the kernels' configuration before this round
+                SEL.FEW_ROWS_REGISTER_COMPACT = 0
+                SA.ATTN_DEFAULTS["head"]["splits"]["min_splits"] = 4
+            clear_decode_plans()
+            try:
+                def step():
+                    return loki_decode_step(x.q, x.k_cache, x.v_cache, x.lengths, x.starts, counts, d=d, k_max=K,
+                                            gqa_select=mode, uniform=True, select_method="triton", k_prefix=kp,
+                                            fuse_select=fuse, num_splits=num_splits)
+                os.environ["LOKI_POISON_OUTPUTS"] = "1"
+                idx, out = step()
+                idx2, out2 = step()  # the recorded plan's replay
+                os.environ.pop("LOKI_POISON_OUTPUTS", None)
+                torch.cuda.synchronize()
+                err = max((out.float() - ref_out.float()).abs().max().item(),
+                          (out2.float() - ref_out.float()).abs().max().item())
+                ok = bool(err < 2e-2 and _selection_ok(idx, s_ref, K) and _selection_ok(idx2, s_ref, K)
+                          and not torch.isnan(out).any())
+                v = {"ok": ok, "err": err}
+                if ok:
+                    v["ms"] = time_ms(step)
+                    v["graph_ms"] = time_ms_graph(step)
+                r["variants"][vname] = v
+                print(name, vname, json.dumps(v), flush=True)
+            except Exception as e:  # noqa: BLE001 - a variant that fails to build or run is recorded, not fatal
+                r["variants"][vname] = {"ok": False, "error": repr(e)[:300]}
+                print(name, vname, "ERROR", repr(e)[:300], flush=True)
+            finally:
+                L.PDL, SEL.FEW_ROWS_REGISTER_COMPACT, SA.ATTN_DEFAULTS["head"]["splits"] = old
+                clear_decode_plans()
+
+        variant("previous (two kernels, 4+ splits)", False, False, previous=True)
+        variant("default", None, False)
+        variant("default + PDL", None, True)
+        variant("two kernels", False, False)
+        variant("fused", True, False)
+        rows.append(r)
+    out_name = "stages.json" if args.stages else "fusion.json"
+    with open(os.path.join(args.out, out_name), "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "copy_gbps": copy, "torch": torch.__version__,
+                   "rows": rows}, f, indent=1)
+    dev = torch.cuda.get_device_name()
+    if args.stages:
+        print(f"\n{dev}, bf16, d=32, k_f=0.25: score/select stages (ms, CUDA graph, L2 flushed)")
+        print("| shape | variant | ms | ok |\n|---|---|---|---|")
+        for r in rows:
+            for vn, v in r["stages"].items():
+                print(f"| {r['shape']} | {vn} | {v.get('ms', float('nan')):.4f} | {v['ok']} |")
+        return 0 if all(v["ok"] for r in rows for v in r["stages"].values()) else 1
+    print(f"\n{dev}, bf16, D=128, k_f=d_f=0.25, copy {copy:.0f} GB/s (ms, do_bench with L2 flush / CUDA graph; "
+          "x = SDPA / variant, same run)")
+    print("| shape | sdpa | floor | variant | ms | x | graph | x graph | x floor | ok |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    bad = 0
+    for r in rows:
+        for vn, v in r["variants"].items():
+            bad += not v["ok"]
+            ms, g = v.get("ms", float("nan")), v.get("graph_ms", float("nan"))
+            print(f"| {r['shape']} | {r['sdpa']:.4f} | {r['floor_ms']:.4f} | {vn} | {ms:.4f} | {r['sdpa'] / ms:.2f} | "
+                  f"{g:.4f} | {r['sdpa_graph'] / g:.2f} | {ms / r['floor_ms']:.2f} | {v['ok']} |")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""The fused score + select kernel (``loki.kernels.score_select``) against the references, and the decode
+step with and without it.
+
+CPU: the Triton interpreter on small awkward shapes (odd S, ragged and left-padded batches, GQA groups,
+both aggregates, the key-prefix buffer, forced chunked compaction); GPU (``-m gpu``): the shapes where the
+decode step picks the fused kernel by default, and programmatic dependent launch on/off.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import loki.reference as R
+from loki.kernels import make_key_prefix, score_select
+from loki.kernels.decode import clear_decode_plans, loki_decode_step
+from loki.kernels.score_select import FUSED_DEFAULTS, score_select_fusable
+from loki.testing.inputs import make_decode_inputs
+from loki.testing.invariants import check_selection
+
+interp = pytest.mark.interpreter
+gpu = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _poison(monkeypatch):
+    monkeypatch.setenv("LOKI_POISON_OUTPUTS", "1")
+
+
+CASES = [
+    # B, HQ, HKV, S, D, d, mode, aggregate, k, prefix, chunk
+    pytest.param(1, 2, 2, 1, 64, 16, "query", "sum", 1, False, None, id="S1"),
+    pytest.param(3, 6, 2, 97, 96, 24, "query", "sum", "S", True, None, id="S97-G3-query-kS-prefix"),
+    pytest.param(2, 8, 2, 1100, 64, 16, "kv", "sum", 0.25, False, 256, id="S1100-G4-kv-sum-chunk256"),
+    pytest.param(3, 6, 2, 517, 32, 8, "kv", "max", 0.3, True, None, id="S517-G3-kv-max-prefix"),
+    pytest.param(2, 4, 4, 700, 128, 32, "query", "sum", 1, True, 64, id="S700-mha-k1-chunk64"),
+]
+
+
+@interp
+@pytest.mark.parametrize("B,HQ,HKV,S,D,d,mode,aggregate,k,prefix,chunk", CASES)
+def test_score_select_matches_references(triton_device, B, HQ, HKV, S, D, d, mode, aggregate, k, prefix, chunk):
+    x = make_decode_inputs(B, HQ, HKV, S, D, dtype=torch.float32, device=triton_device, ragged=True,
+                           left_pad=True, seed=S)
+    k = S if k == "S" else k
+    counts = R.budget(k, x.lengths, x.starts, B, S, triton_device)
+    K = int(counts.max())
+    src = make_key_prefix(x.k_cache, d) if prefix else x.k_cache
+    scores, idx = score_select(x.q, src, d, x.lengths, x.starts, counts, K, gqa_select=mode, aggregate=aggregate,
+                               chunk=chunk)
+    ref = R.approx_scores(x.q.double(), x.k_cache.double(), d, x.lengths, x.starts, gqa_select=mode,
+                          aggregate=aggregate, compute_dtype=torch.float64)
+    assert scores.shape == ref.shape and idx.shape == (B, ref.shape[1], K) and idx.dtype == torch.int32
+    assert torch.equal(torch.isneginf(scores), torch.isneginf(ref)), "-inf outside the valid tokens"
+    fin = torch.isfinite(ref)
+    err = (scores.double()[fin] - ref[fin]).abs().max().item()
+    assert err <= 1e-5 * max(1.0, ref[fin].abs().max().item())
+    slack = 1e-5 * max(1.0, ref[fin].abs().max().item())
+    assert check_selection(idx, ref, counts, slack=slack) == B * ref.shape[1]
+
+
+@interp
+@pytest.mark.parametrize("mode", ["query", "kv"])
+def test_decode_step_fused_equals_two_kernels(triton_device, mode):
+    """The decode step gives the same selection and output with the fused kernel as with two kernels, and
+    its recorded host path replays the fused launch."""
+    B, HQ, HKV, S, D, d = 2, 8, 2, 333, 64, 16
+    x = make_decode_inputs(B, HQ, HKV, S, D, dtype=torch.float32, device=triton_device, ragged=True,
+                           left_pad=True, seed=7)
+    counts = R.budget(0.25, x.lengths, x.starts, B, S, triton_device)
+    K = int(counts.max())
+    kw = dict(d=d, k_max=K, gqa_select=mode, select_method="triton")
+    clear_decode_plans()
+    for _step in range(2):  # the second call replays the recorded plan
+        q = torch.randn_like(x.q)
+        i1, o1 = loki_decode_step(q, x.k_cache, x.v_cache, x.lengths, x.starts, counts, fuse_select=True, **kw)
+        i2, o2 = loki_decode_step(q, x.k_cache, x.v_cache, x.lengths, x.starts, counts, fuse_select=False, **kw)
+        assert torch.equal(torch.sort(i1, -1).values, torch.sort(i2, -1).values)
+        assert not torch.isnan(o1).any() and (o1 - o2).abs().max().item() < 1e-5
+    clear_decode_plans()
+
+
+def test_fused_rule():
+    """Fused when the rows fill the GPU and rows are not too long (one program per row)."""
+    dev = torch.device("cpu")  # 132 multiprocessors assumed off the GPU
+    assert score_select_fusable(640, 4096, dev)
+    assert score_select_fusable(128, 8192, dev)
+    assert not score_select_fusable(40, 16384, dev)  # B=1: one SM per row would be too slow
+    assert not score_select_fusable(640, FUSED_DEFAULTS["max_s"] * 2, dev)
+
+
+def _gpu_case(B, HQ, HKV, S, mode, seed=0):
+    dev = torch.device("cuda")
+    x = make_decode_inputs(B, HQ, HKV, S, 128, dtype=torch.bfloat16, device=dev, ragged=True, left_pad=True,
+                           seed=seed)
+    counts = R.budget(0.25, x.lengths, x.starts, B, S, dev)
+    return x, counts, int(counts.max()), make_key_prefix(x.k_cache, 32)
+
+
+@gpu
+@pytest.mark.parametrize("B,HQ,HKV,S,mode", [(16, 40, 40, 4096, "query"), (16, 32, 8, 8192, "kv"),
+                                             (8, 32, 8, 4099, "query")])
+def test_gpu_fused_decode_step(B, HQ, HKV, S, mode):
+    x, counts, K, kp = _gpu_case(B, HQ, HKV, S, mode, seed=S)
+    s64 = R.approx_scores(x.q.double(), x.k_cache.double(), 32, x.lengths, x.starts, gqa_select=mode,
+                          compute_dtype=torch.float64)
+    slack = 1e-4 * s64[torch.isfinite(s64)].abs().max().item()
+    clear_decode_plans()
+    for fuse in (True, False):
+        idx, out = loki_decode_step(x.q, x.k_cache, x.v_cache, x.lengths, x.starts, counts, d=32, k_max=K,
+                                    gqa_select=mode, k_prefix=kp, fuse_select=fuse)
+        torch.cuda.synchronize()
+        assert check_selection(idx, s64, counts, slack=slack) == idx.shape[0] * idx.shape[1]
+        assert not torch.isnan(out).any()
+        if fuse:
+            first = out
+        else:
+            assert (first.float() - out.float()).abs().max().item() < 2e-2
+    clear_decode_plans()
+
+
+@gpu
+@pytest.mark.parametrize("mode,HQ,HKV", [("query", 40, 40), ("kv", 32, 8)])
+def test_gpu_programmatic_dependent_launch(mode, HQ, HKV):
+    """LOKI_PDL=1 (griddepcontrol waits in every decode kernel) gives the same results as without."""
+    import loki.kernels.launch as L
+
+    x, counts, K, kp = _gpu_case(4, HQ, HKV, 4096, mode, seed=1)
+    kw = dict(d=32, k_max=K, gqa_select=mode, k_prefix=kp)
+    results = []
+    old = L.PDL
+    try:
+        for flag in (False, True):
+            L.PDL = flag
+            clear_decode_plans()
+            for _step in range(3):
+                results.append((flag, loki_decode_step(x.q, x.k_cache, x.v_cache, x.lengths, x.starts, counts,
+                                                       **kw)))
+            torch.cuda.synchronize()
+    finally:
+        L.PDL = old
+        clear_decode_plans()
+    ref_idx, ref_out = results[0][1]
+    for _flag, (idx, out) in results[1:]:
+        assert torch.equal(idx, ref_idx) and torch.equal(out, ref_out)
