@@ -143,3 +143,15 @@ def test_gpu_programmatic_dependent_launch(mode, HQ, HKV):
     ref_idx, ref_out = results[0][1]
     for _flag, (idx, out) in results[1:]:
         assert torch.equal(idx, ref_idx) and torch.equal(out, ref_out)
+
+
+def test_attention_split_rule():
+    """Splits of the one-head attention path (measured on an H100, docs/kernels.md): 3 when the rows alone
+    give every SM at least 4 programs, otherwise at least 4 and enough for 2 programs per SM."""
+    from loki.kernels.sparse_attention import ATTN_DEFAULTS, choose_num_splits
+
+    sp = ATTN_DEFAULTS["head"]["splits"]
+    assert choose_num_splits(640, 1024, 32, num_sms=132, **sp) == 3  # B=16, 40 heads
+    assert choose_num_splits(160, 4096, 32, num_sms=132, **sp) == 4  # B=4
+    assert choose_num_splits(40, 4096, 32, num_sms=132, **sp) == 7  # B=1
+    assert choose_num_splits(40, 64, 32, num_sms=132, **sp) == 1  # too little work to split

@@ -1,6 +1,6 @@
 """Decode-step variants at the performance targets, timed in one process on the GPU: the previous path
 (scores and select as two kernels, 4+ attention splits, chunked compaction everywhere), the current
-default (fused score+select where it pays, 3+ splits, register compaction for few rows), programmatic
+default (fused score+select where it pays, 3 splits with many rows, register compaction for few rows), programmatic
 dependent launch (``LOKI_PDL``) on/off, and the fused kernel forced on/off.  Every variant's output is
 checked against the PyTorch reference, and its selection against exact top-k of the reference scores,
 before it is timed.  ``--stages`` times the score/select stages alone (two kernels vs fused, launch
@@ -99,6 +99,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="three shapes only")
     ap.add_argument("--only", default=None, help="comma-separated shape names to run")
     ap.add_argument("--stages", action="store_true", help="time the score/select stages instead")
+    ap.add_argument("--attn", action="store_true", help="attention launch variants in the whole step")
     args = ap.parse_args(argv)
 
     L = importlib.import_module("loki.kernels.launch")
@@ -132,13 +133,15 @@ def main(argv=None) -> int:
             rows.append(r)
             continue
 
-        def variant(vname, fuse, use_pdl, previous=False, num_splits=None, r=r, x=x, counts=counts, kp=kp, K=K,
-                    mode=mode, ref_out=ref_out, s_ref=s_ref, d=d, name=name):
-            old = (L.PDL, SEL.FEW_ROWS_REGISTER_COMPACT, dict(SA.ATTN_DEFAULTS["head"]["splits"]))
+        def variant(vname, fuse, use_pdl, previous=False, num_splits=None, head=None, r=r, x=x, counts=counts,
+                    kp=kp, K=K, mode=mode, ref_out=ref_out, s_ref=s_ref, d=d, name=name):
+            old = (L.PDL, SEL.FEW_ROWS_REGISTER_COMPACT, dict(SA.ATTN_DEFAULTS["head"]))
+            hd = SA.ATTN_DEFAULTS["head"]
+            SA.ATTN_DEFAULTS["head"] = dict(hd, splits=dict(hd["splits"]), **(head or {}))
             L.PDL = use_pdl
             if previous:  # the kernels' configuration before this round
                 SEL.FEW_ROWS_REGISTER_COMPACT = 0
-                SA.ATTN_DEFAULTS["head"]["splits"]["min_splits"] = 4
+                SA.ATTN_DEFAULTS["head"]["splits"]["min_splits_many"] = 4
             clear_decode_plans()
             try:
                 def step():
@@ -164,9 +167,20 @@ def main(argv=None) -> int:
                 r["variants"][vname] = {"ok": False, "error": repr(e)[:300]}
                 print(name, vname, "ERROR", repr(e)[:300], flush=True)
             finally:
-                L.PDL, SEL.FEW_ROWS_REGISTER_COMPACT, SA.ATTN_DEFAULTS["head"]["splits"] = old
+                L.PDL, SEL.FEW_ROWS_REGISTER_COMPACT, SA.ATTN_DEFAULTS["head"] = old
                 clear_decode_plans()
 
+        if args.attn:
+            variant("default", None, False)
+            for bk in (16, 32, 64):
+                for st in (2, 3, 4):
+                    for w in (4, 8):
+                        variant(f"attn bk{bk} w{w} stages{st} no-prefetch", None, False,
+                                head=dict(block_k=bk, num_warps=w, num_stages=st, prefetch=False))
+            for st in (2, 3):
+                variant(f"attn bk32 w4 stages{st} prefetch", None, False, head=dict(num_stages=st))
+            rows.append(r)
+            continue
         variant("previous (two kernels, 4+ splits)", False, False, previous=True)
         variant("default", None, False)
         variant("default + PDL", None, True)

@@ -268,10 +268,14 @@ def _merge_splits_kernel(
 
 
 def choose_num_splits(rows: int, K: int, block_k: int, *, programs_per_sm: int = 2, min_splits: int = 4,
-                      min_tiles: int = 4, max_splits: int = 64, num_sms: int = _NUM_SMS_H100) -> int:
-    """Splits of the K selected tokens: at least ``min_splits`` and enough for ``programs_per_sm`` programs
-    per SM over the rows x splits grid, but each split keeps at least ``min_tiles`` tiles of work; at most
-    ``max_splits``.  (H100, one head per program: B=16 S=4096..32768 -> 3 splits, B=1 S=16384 -> 7.)"""
+                      min_tiles: int = 4, max_splits: int = 64, num_sms: int = _NUM_SMS_H100,
+                      many_rows_per_sm: float | None = None, min_splits_many: int | None = None) -> int:
+    """Splits of the K selected tokens: at least ``min_splits`` (``min_splits_many`` when there are at least
+    ``many_rows_per_sm`` rows per SM) and enough for ``programs_per_sm`` programs per SM over the rows x
+    splits grid, but each split keeps at least ``min_tiles`` tiles of work; at most ``max_splits``.
+    (H100, one head per program, 40 heads: B=16 -> 3 splits, B=4 -> 4, B=1 S=16384 -> 7.)"""
+    if many_rows_per_sm is not None and min_splits_many is not None and rows >= many_rows_per_sm * num_sms:
+        min_splits = min_splits_many
     max_by_work = max(1, K // (min_tiles * block_k))
     want = max(min_splits, math.ceil(programs_per_sm * num_sms / max(rows, 1)))
     return int(max(1, min(want, max_by_work, max_splits)))
@@ -282,7 +286,8 @@ def choose_num_splits(rows: int, K: int, block_k: int, *, programs_per_sm: int =
 #: per-slot softmax, and the split-count rule (``choose_num_splits``).
 ATTN_DEFAULTS = {
     "head": dict(block_k=32, num_warps=4, prefetch=True, slots=True,
-                 splits=dict(programs_per_sm=2, min_splits=3, min_tiles=4, max_splits=64)),
+                 splits=dict(programs_per_sm=2, min_splits=4, min_tiles=4, max_splits=64, many_rows_per_sm=4,
+                             min_splits_many=3)),
     "group": dict(block_k=64, num_warps=4, prefetch=False, slots=False,
                   splits=dict(programs_per_sm=4, min_splits=1, min_tiles=2, max_splits=64)),
 }
@@ -365,6 +370,7 @@ def sparse_attention(
     num_warps = dflt["num_warps"] if num_warps is None else num_warps
     prefetch = dflt["prefetch"] if prefetch is None else prefetch
     slots = dflt["slots"] if slots is None else slots
+    num_stages = dflt.get("num_stages") if num_stages is None else num_stages
     tokens_per_split = triton.cdiv(triton.cdiv(K, num_splits), block_k) * block_k
     num_splits = triton.cdiv(K, tokens_per_split)
     dev = q_hat.device
