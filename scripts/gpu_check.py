@@ -81,11 +81,13 @@ def sanitize() -> None:
         approx_scores,
         decode_attention,
         make_key_prefix,
+        score_select,
         select_topk,
         sparq_attention,
         sparse_attention,
     )
-    from loki.kernels.decode import selection_bound
+    from loki.kernels import launch as launch_mod
+    from loki.kernels.decode import clear_decode_plans, selection_bound
     from loki.reference import budget
     from loki.testing.inputs import make_decode_inputs
 
@@ -103,6 +105,11 @@ def sanitize() -> None:
                 idx = select_topk(s, counts, method="triton", k_max=K)
                 select_topk(s, counts, method="triton", k_max=K, radix_bits=1, chunk=256)
                 select_topk(s, counts, method="triton", k_max=K, radix_bits=2, early_exit=False)
+                for aggregate in ("sum", "max"):  # the fused score+select kernel, in place and from the prefix
+                    score_select(x.q, x.k_cache, 7, x.lengths, x.starts, counts, K, gqa_select=mode,
+                                 aggregate=aggregate)
+                    score_select(x.q, kp, 9, x.lengths, x.starts, counts, K, gqa_select=mode, aggregate=aggregate,
+                                 chunk=256)
                 sparse_attention(x.q, x.k_cache, x.v_cache, idx, counts)
                 sparse_attention(x.q, x.k_cache, x.v_cache, idx, counts, num_splits=3, block_k=16)
                 sparse_attention(x.q, x.k_cache, x.v_cache, idx, counts, num_splits=3, prefetch=False)
@@ -114,6 +121,13 @@ def sanitize() -> None:
                              backend="triton", gqa_select=mode, select_method="triton")
             decode_attention(x.q, x.k_cache, x.v_cache, d=9, k=0.25, lengths=x.lengths, starts=x.starts,
                              backend="triton", gqa_select=mode, k_prefix=kp)
+            launch_mod.PDL = True  # programmatic dependent launch through the whole step
+            clear_decode_plans()
+            for _ in range(2):
+                decode_attention(x.q, x.k_cache, x.v_cache, d=9, k=0.25, lengths=x.lengths, starts=x.starts,
+                                 backend="triton", gqa_select=mode, k_prefix=kp)
+            launch_mod.PDL = False
+            clear_decode_plans()
         sparq_attention(x.q, x.k_cache, x.v_cache, r=8, k=0.25, lengths=x.lengths, starts=x.starts)
     torch.cuda.synchronize()
     print("sanitize: all kernels ran")
