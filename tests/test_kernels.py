@@ -549,6 +549,31 @@ def test_decode_step_plan_replay(triton_device, mode, prefix, with_out):
     clear_decode_plans()
 
 
+@interp
+def test_decode_step_records_at_the_second_call_only(triton_device):
+    """A signature is recorded at its second call; a cache that grows every step (new shapes each call)
+    never pays for a recording."""
+    from loki.kernels.decode import _PLANS, _SEEN, clear_decode_plans, loki_decode_step
+
+    B, HQ, HKV, D, d = 1, 4, 2, 64, 16
+    clear_decode_plans()
+    for S in (100, 101, 102, 103):  # growing cache: each signature once
+        x = _inputs(B, HQ, HKV, S, D, torch.float32, triton_device, seed=S)
+        counts = torch.full((B,), S // 4, dtype=torch.int32, device=triton_device)
+        loki_decode_step(x.q, x.k_cache, x.v_cache, x.lengths, x.starts, counts, d=d, k_max=S // 4,
+                         select_method="triton")
+    assert len(_PLANS) == 0 and len(_SEEN) == 4
+    S = 110
+    x = _inputs(B, HQ, HKV, S, D, torch.float32, triton_device, seed=S)
+    counts = torch.full((B,), S // 4, dtype=torch.int32, device=triton_device)
+    for call in range(3):  # fixed shapes: normal path, then recorded, then replayed
+        loki_decode_step(x.q, x.k_cache, x.v_cache, x.lengths, x.starts, counts, d=d, k_max=S // 4,
+                         select_method="triton")
+        assert len(_PLANS) == (0 if call == 0 else 1)
+    clear_decode_plans()
+    assert not _PLANS and not _SEEN
+
+
 @gpu
 @pytest.mark.parametrize("mode,HQ,HKV", [("query", 40, 40), ("kv", 32, 8)])
 def test_gpu_decode_step_plan_replay(mode, HQ, HKV):

@@ -48,6 +48,7 @@ def main() -> int:
         def new(x=x, counts=counts, common=common):
             return loki_decode_step(x.q, x.k_cache, x.v_cache, x.lengths, x.starts, counts, **common)
         a, b = old()[1], new()[1]
+        new()  # the second call of a signature records the plan; the next ones replay it
         a2, b2 = old()[1], new()[1]
         torch.cuda.synchronize()
         same = bool(torch.equal(a, b) and torch.equal(a2, b2))

@@ -33,11 +33,16 @@ __all__ = ["BACKENDS", "clear_decode_plans", "decode_attention", "loki_attention
 #: replayed.  Bounded: the oldest entry goes first.
 _PLANS: dict = {}
 _MAX_PLANS = 32
+#: Signatures seen once and not recorded yet: a plan is recorded at the second call of a signature, so a
+#: caller whose shapes change every step (a cache that grows by one token per step) never pays for it.
+_SEEN: dict = {}
+_MAX_SEEN = 256
 
 
 def clear_decode_plans() -> None:
-    """Forget every recorded decode step (the next call of each signature records again)."""
+    """Forget every recorded decode step (a signature is recorded again at its second call)."""
     _PLANS.clear()
+    _SEEN.clear()
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -158,10 +163,11 @@ def loki_decode_step(
     scores instead of re-reading K[t, :d].  ``attn_options``: extra keyword arguments for
     ``sparse_attention`` (tuning).  Returns ``(idx [B, H, K], out [B, HQ, D])``.
 
-    Host path (``use_plan``, the default): the first call with a given argument signature (shapes,
+    Host path (``use_plan``, the default): the second call with a given argument signature (shapes,
     strides, dtypes, pointer alignment, options; not the addresses) launches normally and records a
     ``DecodePlan``; later calls with that signature allocate idx, out and the internal buffers and call
     the compiled kernels directly (~4x less host time per step; ``clear_decode_plans`` forgets them).
+    Signatures seen only once (a cache that grows every step) are never recorded.
     Calls with ``attn_options`` always take the normal path.
 
     ``fuse_select``: score and select in one kernel (``score_select``; three launches instead of four);
@@ -177,8 +183,15 @@ def loki_decode_step(
         if plan:
             bufs = plan((q_hat, k_hat, v_cache, k_prefix, lengths, starts, counts, out))
             return bufs[plan.ret_idx], (out if plan.ret_out is None else bufs[plan.ret_out])
-        if plan is None and resolve_select_method(select_method, q_hat) == "triton" and \
-                k_hat.shape[2] <= TRITON_SELECT_MAX_S:
+        recordable = plan is None and resolve_select_method(select_method, q_hat) == "triton" and \
+            k_hat.shape[2] <= TRITON_SELECT_MAX_S
+        if recordable and key not in _SEEN:  # first call of this signature: the normal path, remembered
+            if len(_SEEN) >= _MAX_SEEN:
+                _SEEN.pop(next(iter(_SEEN)))
+            _SEEN[key] = True
+            recordable = False
+        if recordable:
+            _SEEN.pop(key, None)
             with recording() as rec:
                 idx, res = _decode_step_launches(q_hat, k_hat, v_cache, lengths, starts, counts, d, k_max,
                                                  gqa_select, aggregate, scale, select_method, uniform, out,

@@ -4,8 +4,9 @@ and ``DecodePlan`` replays a recorded step with the compiled kernels called dire
 Why: Triton's ``kernel[grid](...)`` binds ~30 arguments, computes a specialization key and looks the
 compiled kernel up on every call (25-40 us of host time per launch in triton 3.6); at small batch the
 4-launch decode step is host-bound (docs/kernels.md).  A ``DecodePlan`` is recorded once per argument
-signature (shapes, strides, dtypes, pointer alignment, scalar options): the first call launches normally
-and records each launch's compiled kernel, grid and argument list; later calls allocate the per-call
+signature (shapes, strides, dtypes, pointer alignment, scalar options; the decode step records at a
+signature's second call): that call launches normally and records each launch's compiled kernel, grid and
+argument list; later calls allocate the per-call
 buffers (one ``torch.empty`` each, NaN-filled with ``LOKI_POISON_OUTPUTS=1``), patch the pointers of
 the tensors that change (inputs by identity, internal buffers by storage and byte offset) and call the
 compiled kernels' launchers directly, with no other torch op.
