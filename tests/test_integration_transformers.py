@@ -322,7 +322,8 @@ def test_triton_path_keeps_and_uses_a_contiguous_key_prefix(monkeypatch):
     model(ids[:, :-1], **{_cache_kwarg(model): cache})
     layer = cache.layers[0]
     dp = 4  # d = 0.25 of head_dim 16
-    assert layer.loki_prefix.shape[-2:] == (19, dp) and layer.loki_prefix.is_contiguous()
+    assert layer.loki_prefix.shape[-2:] == (19, dp)
+    assert layer.loki_prefix.stride()[-2:] == (dp, 1)  # rows of dp contiguous values (a buffer with capacity)
     logits = model(ids[:, -1:], **{_cache_kwarg(model): cache}).logits
     torch.testing.assert_close(layer.loki_prefix, layer.keys[..., :dp])
     assert seen and seen[-1] is not None and seen[-1].shape[-2] == 20
@@ -333,3 +334,35 @@ def test_triton_path_keeps_and_uses_a_contiguous_key_prefix(monkeypatch):
     assert getattr(cache2.layers[0], "loki_prefix", None) is None  # the torch path keeps no prefix
     ref = model(ids[:, -1:], **{_cache_kwarg(model): cache2}).logits
     torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_key_prefix_is_appended_in_place():
+    """The key prefix grows inside a buffer with spare capacity (no copy of the whole prefix per decode step)
+    and stays equal to the rotated keys' first dims through decode steps, crop and beam reordering."""
+    import os
+
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton kernels need a CUDA device or TRITON_INTERPRET=1")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = tiny_model("llama", num_layers=1).to(device)
+    enable_loki(model, _basis(model), k=0.5, d=0.25, backend="triton")
+    kw = _cache_kwarg(model)
+    ids = _prompt(30).to(device)
+    cache = loki_cache(model)
+    model(ids[:, :20], **{kw: cache})
+    layer = cache.layers[0]
+    dp = 4  # d = 0.25 of head_dim 16
+    buf = layer.loki_prefix_buf
+    assert buf.shape[-2] >= 20 + 10
+    for t in range(20, 30):
+        model(ids[:, t:t + 1], **{kw: cache})
+        assert layer.loki_prefix_buf is buf  # appended in place, no reallocation
+        torch.testing.assert_close(layer.loki_prefix, layer.keys[..., :dp])
+    cache.crop(-5)  # drop the last 5 tokens (a negative count works on every transformers 5.x)
+    assert layer.loki_prefix.shape[-2] == 25
+    model(ids[:, 25:26], **{kw: cache})
+    torch.testing.assert_close(layer.loki_prefix, layer.keys[..., :dp])
+    cache.reorder_cache(torch.zeros(1, dtype=torch.long, device=device))
+    model(ids[:, 26:27], **{kw: cache})
+    assert layer.loki_prefix.shape[-2] == layer.keys.shape[-2] == 27
+    torch.testing.assert_close(layer.loki_prefix, layer.keys[..., :dp])

@@ -121,6 +121,7 @@ class LokiConfig:
     _per_device: dict = field(default_factory=dict, repr=False)
     # Per forward call: the cache being used (set by the pre-hook), or None without a cache.
     current_cache: Any = field(default=None, repr=False)
+    intervals_cache: dict | None = field(default=None, repr=False)  # per forward: row intervals by mask
     handles: list = field(default_factory=list, repr=False)
 
     @property
@@ -160,9 +161,10 @@ class LokiCacheLayer:
     ``update`` rotates the incoming keys into the PCA basis, ``K_hat = K P`` (per KV head), before the base class
     appends them, so every key is rotated exactly once.  ``loki_P`` ([HKV, D, D]) is None for methods that use
     the keys in their own coordinates.  ``loki_acc`` holds H2O's accumulated attention ([B, HQ, S]).
-    For the Triton decode path, ``loki_prefix`` ([B, HKV, S, d]) keeps the first d rotated dims of every key in
-    a contiguous buffer (appended once per token, like the keys), so the approximate scores read exactly d/D
-    of the key bytes; ``loki_prefix_d`` (the d of the enabled setting) is None when no prefix is kept.
+    For the Triton decode path, ``loki_prefix`` ([B, HKV, S, d], rows of d contiguous values) keeps the first d
+    rotated dims of every key (written once per token into ``loki_prefix_buf``, a buffer with spare capacity),
+    so the approximate scores read exactly d/D of the key bytes; ``loki_prefix_d`` (the d of the enabled
+    setting) is None when no prefix is kept.
     """
 
     _layer_type = None  # never auto-register in transformers' layer-type mappings
@@ -170,19 +172,40 @@ class LokiCacheLayer:
     def update(self, key_states, value_states, *args, **kwargs):
         P = getattr(self, "loki_P", None)
         if P is not None:
-            key_states = rotate_keys(key_states, P.to(key_states.device))
+            if P.device != key_states.device:
+                P = self.loki_P = P.to(key_states.device)  # moved once, not on every step
+            key_states = rotate_keys(key_states, P)
         dp = getattr(self, "loki_prefix_d", None)
         if dp is not None and (key_states.is_cuda or getattr(self, "loki_prefix_always", False)):
-            new = key_states[..., :dp]
-            prev = getattr(self, "loki_prefix", None)
-            self.loki_prefix = new.contiguous() if prev is None else torch.cat([prev, new], dim=-2)
+            self._append_prefix(key_states[..., :dp])
         return super().update(key_states, value_states, *args, **kwargs)
+
+    def _append_prefix(self, new: torch.Tensor) -> None:
+        """Append [B, HKV, L, dp] to the key prefix, in place into a buffer with spare capacity (a concatenation
+        would copy the whole prefix on every decode step); ``loki_prefix`` is the filled part of the buffer."""
+        prev = getattr(self, "loki_prefix", None)
+        buf = getattr(self, "loki_prefix_buf", None)
+        n = 0 if prev is None else prev.shape[-2]
+        need = n + new.shape[-2]
+        fits = (buf is not None and prev is not None and buf.shape[-2] >= need and buf.shape[:2] == new.shape[:2]
+                and buf.dtype == new.dtype and buf.device == new.device and prev.data_ptr() == buf.data_ptr()
+                and prev.stride() == buf.stride())
+        if not fits:
+            cap = max(need + 256, int(1.25 * (buf.shape[-2] if buf is not None else 0)))
+            cap = -(-cap // 256) * 256
+            nb = torch.empty(*new.shape[:2], cap, new.shape[-1], dtype=new.dtype, device=new.device)
+            if n:
+                nb[:, :, :n].copy_(prev)
+            buf = self.loki_prefix_buf = nb
+        buf[:, :, n:need].copy_(new)
+        self.loki_prefix = buf[:, :, :need]
 
     def _map_state(self, fn):
         for name in ("loki_acc", "loki_prefix"):
             t = getattr(self, name, None)
             if t is not None:
                 setattr(self, name, fn(t))
+        self.loki_prefix_buf = None  # the mapped prefix is a new tensor: the next append re-buffers it
 
     def reorder_cache(self, beam_idx):
         super().reorder_cache(beam_idx)
@@ -208,6 +231,7 @@ class LokiCacheLayer:
         super().reset()
         self.loki_acc = None
         self.loki_prefix = None
+        self.loki_prefix_buf = None
 
 
 _LOKI_LAYER_CLASSES: dict[type, type] = {}
@@ -249,12 +273,14 @@ def _convert_cache(cache, cfg: LokiConfig, num_layers: int) -> None:
         layers[idx] = layer = new
         layer.loki_acc = None
         layer.loki_prefix = None
+        layer.loki_prefix_buf = None
         # a sliding-window layer drops keys inside its own update: no prefix buffer beside it
         layer.loki_prefix_d = None if getattr(layer, "is_sliding", False) else cfg.prefix_dims
         layer.loki_prefix_always = cfg.backend == "triton"
         if P is not None:
             if getattr(layer, "keys", None) is not None and layer.keys.numel() > 0:
-                layer.keys = rotate_keys(layer.keys, P.to(layer.keys.device))  # tokens cached before enable_loki
+                P = P.to(layer.keys.device)
+                layer.keys = rotate_keys(layer.keys, P)  # tokens cached before enable_loki
             layer.loki_P = P
         else:
             layer.loki_P = None
@@ -450,10 +476,12 @@ def enable_loki(
         if cache is not None:
             _convert_cache(cache, cfg, num_layers)
         cfg.current_cache = cache
+        cfg.intervals_cache = {}
         return args, kwargs
 
     def post_hook(module, args, kwargs, output):
         cfg.current_cache = None
+        cfg.intervals_cache = None
         return output
 
     cfg.handles = [
@@ -537,8 +565,9 @@ def _loki_decode(q_hat, k_hat, v, *, d, k, lengths, starts, gqa_select, aggregat
     if backend == "auto":
         backend = "triton" if q_hat.is_cuda else "torch"
     extra = {"k_prefix": k_prefix} if backend == "triton" and k_prefix is not None else {}
+    # lengths and starts come from _row_intervals (checked there): no second check, no host sync
     return decode_attention(q_hat, k_hat, v, d=d, k=k, lengths=lengths, starts=starts, backend=backend,
-                            gqa_select=gqa_select, aggregate=aggregate, scale=scale, **extra)
+                            gqa_select=gqa_select, aggregate=aggregate, scale=scale, check_values=False, **extra)
 
 
 def _decode_rows(method, q, kc, vc, *, k, d, lengths, starts, gqa_select, aggregate, scale, backend,
@@ -584,6 +613,7 @@ def teacher_forced_attention(
     backend: str = "auto",
     chunk_elements: int = _ROW_CHUNK_ELEMENTS,
     k_prefix: torch.Tensor | None = None,
+    intervals_cache: dict | None = None,
 ) -> torch.Tensor:
     """Attention of every query row with decode-time semantics (teacher forcing).
 
@@ -599,7 +629,8 @@ def teacher_forced_attention(
     every row's visible tokens must be one contiguous range.  Returns [B, HQ, L, D] in query's dtype; rows that
     see no token return zeros.  ``method="h2o"`` is not supported (it is sequential by nature).
     ``k_prefix``: optional [B, HKV, S, dp] contiguous copy of the rotated keys' first dims, used by the Triton
-    Loki path on single-row (decode) calls.
+    Loki path on single-row (decode) calls.  ``intervals_cache``: a dict kept for one model forward, in which
+    the rows' visible ranges are computed (and checked, one host sync) once per attention mask, not per layer.
     """
     B, HQ, L, D = query.shape
     _, HKV, S, _ = key.shape
@@ -627,7 +658,22 @@ def teacher_forced_attention(
         lengths = torch.full((B, 1), S, dtype=torch.long, device=query.device)
         any_ = None
     else:
-        starts, lengths, any_ = _row_intervals(_allowed_mask(attention_mask, B, L, S, query.device))  # [B, L]
+        ikey = (id(attention_mask), B, L, S, query.device)
+        cached = None if intervals_cache is None else intervals_cache.get(ikey)
+        if cached is not None and cached[0] is attention_mask:
+            starts, lengths, any_ = cached[1]
+        else:
+            starts, lengths, any_ = _row_intervals(_allowed_mask(attention_mask, B, L, S, query.device))  # [B, L]
+            if intervals_cache is not None:
+                intervals_cache[ikey] = (attention_mask, (starts, lengths, any_))
+    if L == 1:  # plain decode step: the cache in place, no row gather, no host sync
+        kp = k_prefix[:, :, :S] if k_prefix is not None else None
+        o = _decode_rows(method, q_use[:, :, 0], k_use, value, k=k, d=d, lengths=lengths[:, 0], starts=starts[:, 0],
+                         gqa_select=gqa_select, aggregate=aggregate, scale=scale, backend=backend, k_prefix=kp)
+        o = o.to(query.dtype)[:, :, None]
+        if any_ is not None:
+            o = o.masked_fill(~any_[:, None, :, None], 0)
+        return o
     out = torch.empty(B, L, HQ, D, dtype=query.dtype, device=query.device)
     q_rows = q_use.transpose(1, 2)  # [B, L, HQ, D]
     per_row = max(1, HKV * S * D)
@@ -641,7 +687,7 @@ def teacher_forced_attention(
         r1 = min(R, r0 + chunk)
         b, i = flat_b[r0:r1], flat_i[r0:r1]
         st, ln = starts[b, i], lengths[b, i]
-        s_max = S if any_ is None else int(ln.max())
+        s_max = S if (any_ is None or L == 1) else int(ln.max())  # decode: lengths bound the rows, no sync
         kp = None
         if L == 1:
             kc, vc = k_use[:, :, :s_max], value[:, :, :s_max]
@@ -736,6 +782,7 @@ def loki_attention_forward(module, query, key, value, attention_mask, scaling=No
         query, key, value, method=cfg.method, k=cfg.k, d=cfg.d, P=P, P_q=P_q, keys_rotated=keys_rotated,
         attention_mask=attention_mask, scale=scale, gqa_select=cfg.gqa_select, aggregate=cfg.aggregate,
         backend=cfg.backend, chunk_elements=cfg.chunk_elements, k_prefix=prefix,
+        intervals_cache=cfg.intervals_cache,
     )
     return out.transpose(1, 2).contiguous(), None
 

@@ -48,9 +48,11 @@ def rotate_keys(k: torch.Tensor, P: torch.Tensor) -> torch.Tensor:
     HKV, D = k.shape[1], k.shape[-1]
     _check_basis(P, HKV, D, "P")
     ct = _compute_dtype(k)
+    # contiguous: einsum returns the head-major layout of its batched product, and a cache that keeps such a
+    # tensor pays for it on every append (a strided torch.cat) and every kernel read
     if k.dim() == 3:
-        return torch.einsum("bhd,hde->bhe", k.to(ct), P.to(ct)).to(k.dtype)
-    return torch.einsum("bhsd,hde->bhse", k.to(ct), P.to(ct)).to(k.dtype)
+        return torch.einsum("bhd,hde->bhe", k.to(ct), P.to(ct)).to(k.dtype).contiguous()
+    return torch.einsum("bhsd,hde->bhse", k.to(ct), P.to(ct)).to(k.dtype).contiguous()
 
 
 def expand_to_query_heads(x: torch.Tensor, HQ: int) -> torch.Tensor:
