@@ -31,7 +31,6 @@ from loki._checks import check_decode_inputs, resolve_d
 from loki.reference.selection import GQA_AGGREGATES, GQA_SELECT_MODES
 from loki.reference.selection import approx_scores as approx_scores_reference
 
-from .launch import GROWING_ARGS as _GROWING_ARGS
 from .launch import launch, note_allocation, pdl
 
 __all__ = ["approx_scores", "approx_scores_reference", "interpreting", "make_key_prefix", "new_output"]
@@ -65,7 +64,7 @@ def check_triton_device(t: torch.Tensor, what: str = "the Triton kernels") -> No
     )
 
 
-@triton.jit(do_not_specialize=_GROWING_ARGS)
+@triton.jit
 def _approx_scores_kernel(
     q_ptr, k_ptr, out_ptr, agg_ptr, lengths_ptr, starts_ptr,
     S, d, HKV,

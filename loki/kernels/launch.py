@@ -29,14 +29,7 @@ try:  # triton >= 3.4
 except Exception:  # noqa: BLE001 - older triton: no direct launches
     _knobs = _CompiledKernel = _driver = None
 
-__all__ = ["DecodePlan", "GROWING_ARGS", "launch", "pdl", "recording"]
-
-#: Integer kernel arguments that follow the cache length (S, the selection width K, the row strides of the
-#: scores, indices and prefix scores): Triton would otherwise specialise on their divisibility by 16 and
-#: compile a new variant whenever a growing cache crosses a multiple of 16 (seen as ~100 ms stalls in the
-#: middle of generation).  The decode kernels pass them as plain integers.
-GROWING_ARGS = ["S", "K", "stride_ob", "stride_oh", "stride_ab", "stride_ah", "stride_sb", "stride_sh",
-                "stride_ib", "stride_ih", "stride_pb", "stride_ph"]
+__all__ = ["DecodePlan", "launch", "pdl", "recording"]
 
 #: Programmatic dependent launch (Hopper+), opt-in with ``LOKI_PDL=1``: the decode kernels are launched so
 #: that each may start while the previous one drains, and wait (griddepcontrol.wait) before reading its

@@ -26,7 +26,6 @@ import triton
 import triton.language as tl
 
 from .approx_scores import interpreting, new_output
-from .launch import GROWING_ARGS as _GROWING_ARGS
 from .launch import launch, pdl
 from .select import TRITON_SELECT_MAX_S, _num_sms, _select_row, compaction_chunk, select_launch_config
 
@@ -37,7 +36,7 @@ __all__ = ["FUSED_DEFAULTS", "score_select", "score_select_fusable"]
 FUSED_DEFAULTS = dict(min_rows_per_sm=0.75, max_s=8192, num_stages=3)
 
 
-@triton.jit(do_not_specialize=_GROWING_ARGS)
+@triton.jit
 def _score_select_kernel(
     q_ptr, k_ptr, s_ptr, lengths_ptr, starts_ptr, counts_ptr, idx_ptr,
     S, d, H, K, KV_DIV,

@@ -24,7 +24,6 @@ import triton.language as tl
 from loki.reference.selection import select_topk as select_topk_reference
 
 from .approx_scores import check_triton_device, interpreting, new_output
-from .launch import GROWING_ARGS as _GROWING_ARGS
 from .launch import launch, pdl
 
 __all__ = ["SELECT_METHODS", "TRITON_SELECT_MAX_S", "select_topk", "select_topk_reference", "select_launch_config"]
@@ -136,7 +135,7 @@ def _select_row(row, S, kk, base, K, BLOCK: tl.constexpr, CHUNK: tl.constexpr, R
             gt_base, eq_base = _compact(kc, p, m, thr, kk, n_gt_total, gt_base, eq_base, base, K)
 
 
-@triton.jit(do_not_specialize=_GROWING_ARGS)
+@triton.jit
 def _threshold_select_kernel(
     scores_ptr, counts_ptr, idx_ptr,
     S, H, K,

@@ -33,7 +33,6 @@ import triton.language as tl
 from loki.reference.sparse import sparse_attention as sparse_attention_reference
 
 from .approx_scores import check_triton_device, interpreting, new_output
-from .launch import GROWING_ARGS as _GROWING_ARGS
 from .launch import launch, pdl
 from .select import _num_sms
 
@@ -95,7 +94,7 @@ def _head_tile(q, kt, vt, ps, tmask, m_i, l_i, acc, qk_scale, PREFIX: tl.constex
     return m_new, l_i, acc
 
 
-@triton.jit(do_not_specialize=_GROWING_ARGS)
+@triton.jit
 def _sparse_attn_split_kernel(
     q_ptr, k_ptr, v_ptr, idx_ptr, counts_ptr, ps_ptr,
     m_ptr, l_ptr, o_ptr,
