@@ -2,19 +2,21 @@
 backend on CUDA, fused score+select where it pays, Triton select, key-prefix buffer, recorded launches)
 gives inside a model, against the same model with ``attn_implementation="sdpa"``.
 
-The model is a randomly initialised Llama with the attention shapes of a real one (HQ, HKV, D) and few
-layers; its MLP is narrow (intermediate size 256) so that attention and the KV cache dominate a step, as
-they do at long context.  B sequences of S prompt tokens are prefilled once with SDPA into a
-``DynamicCache``; then both paths run N single-token steps from a copy of that cache (Loki converts its
-copy: keys rotated into the basis once, key prefix built) after 32 warm-up steps (a growing cache makes Triton
-compile a few more variants of the kernels in its first steps: it specialises integer arguments on their
-divisibility by 16; the count is reported).  Each step is timed with CUDA events; the table
-reports the median step and, for reference, the median time of the cache append alone (``DynamicCache``
-concatenates the whole cache every step, for both paths).  SDPA is timed twice: restricted to the flash and
-memory-efficient kernels (the baseline), and with torch's default backend choice (cuDNN on torch 2.11, which
-builds an execution plan on the host for every new sequence length, ~27 ms per call on an H100 machine).
+The model is a randomly initialised Llama with the attention shapes of a real one (HQ, HKV, D) and 8 layers
+(all layers of a step share their shapes: the first takes the normal launch path, the second records the
+step's launches, the others replay them, as in a real model); its MLP is narrow (intermediate size 256) so
+that attention and the KV cache dominate a step, as they do at long context. B sequences of S prompt tokens
+are prefilled once with SDPA into a ``DynamicCache``; then both paths run N single-token steps from a copy of
+that cache (Loki converts its copy: keys rotated into the basis once, key prefix built) after 32 warm-up steps
+(a growing cache makes Triton compile a few more variants of the kernels in its first steps: it specialises
+integer arguments on their divisibility by 16; the count is reported). Each step is timed with CUDA events;
+the table reports the median step and, for reference, the median time of the cache append alone
+(``DynamicCache`` concatenates the whole cache every step, for both paths). SDPA is timed twice: restricted to
+the flash and memory-efficient kernels (the baseline), and with torch's default backend choice (cuDNN on torch
+2.11, which builds an execution plan on the host for every new sequence length, ~27 ms per call on an H100
+machine).
 
-    PYTHONPATH=. python3 -m loki.bench.integration --out $OUT [--steps 16] [--layers 2]
+    PYTHONPATH=. python3 -m loki.bench.integration --out $OUT [--steps 40] [--layers 8]
 
 Writes ``integration.json`` under --out and prints a table last.
 """
@@ -147,7 +149,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=8)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("loki.bench.integration: needs a CUDA device")
