@@ -308,13 +308,13 @@ def test_triton_path_keeps_and_uses_a_contiguous_key_prefix(monkeypatch):
         pytest.skip("Triton kernels need a CUDA device or TRITON_INTERPRET=1")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     seen = []
-    original = kd.decode_attention
+    original = kd.loki_decode_step
 
     def spy(*args, **kwargs):
         seen.append(kwargs.get("k_prefix"))
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(kd, "decode_attention", spy)
+    monkeypatch.setattr(kd, "loki_decode_step", spy)  # the decode fast path calls the kernels' step directly
     model = tiny_model("llama", num_layers=1).to(device)
     enable_loki(model, _basis(model), k=0.5, d=0.25, backend="triton")
     ids = _prompt(20).to(device)
@@ -366,3 +366,29 @@ def test_key_prefix_is_appended_in_place():
     model(ids[:, 26:27], **{kw: cache})
     assert layer.loki_prefix.shape[-2] == layer.keys.shape[-2] == 27
     torch.testing.assert_close(layer.loki_prefix, layer.keys[..., :dp])
+
+
+@pytest.mark.parametrize("gqa_select", ["query", "kv"])
+def test_triton_decode_fast_path_with_padding_equals_torch_backend(gqa_select):
+    """The Triton decode path (visible ranges, budgets and bound computed once per forward, the kernels'
+    step called directly) gives what the torch backend gives on a left-padded batch, over several steps."""
+    import os
+
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton kernels need a CUDA device or TRITON_INTERPRET=1")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ids = torch.cat([_prompt(24, seed=1), _prompt(24, seed=2)]).to(device)
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0  # left padding of the second sequence
+    logits = {}
+    for backend in ("torch", "triton"):
+        model = tiny_model("llama", num_layers=3, num_heads=4, num_kv_heads=2).to(device)
+        enable_loki(model, _basis(model), k=0.5, d=0.5, backend=backend, gqa_select=gqa_select)
+        kw = _cache_kwarg(model)
+        cache = loki_cache(model)
+        model(ids[:, :20], attention_mask=mask[:, :20], **{kw: cache})
+        steps = []
+        for t in range(20, 24):  # decode steps: the third and later layers replay the recorded launches
+            steps.append(model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], **{kw: cache}).logits)
+        logits[backend] = torch.cat(steps, dim=1)
+    torch.testing.assert_close(logits["triton"], logits["torch"], atol=1e-4, rtol=1e-4)

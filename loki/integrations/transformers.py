@@ -703,6 +703,48 @@ def teacher_forced_attention(
     return out.transpose(1, 2)
 
 
+def _triton_backend(backend: str, query: torch.Tensor) -> bool:
+    import os
+
+    if backend == "triton":
+        return True
+    return backend == "auto" and query.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
+
+
+def _loki_decode_fast(cfg, query, key, value, attention_mask, P_q, scale, prefix):
+    """One decode step (L = 1) of Loki on the Triton kernels with as little host work as possible: the rows'
+    visible ranges, per-sequence budgets and the selection bound are computed once per forward (every layer
+    shares them) and the kernels are called through ``loki_decode_step`` (whose recorded launches replay from
+    the third layer of a step on).  Same result as ``teacher_forced_attention`` on this path.
+    Returns [B, 1, HQ, D]."""
+    from ..kernels.decode import loki_decode_step, selection_bound
+    from ..reference import budget
+
+    B, HQ, _, D = query.shape
+    S = key.shape[2]
+    memo = cfg.intervals_cache if cfg.intervals_cache is not None else {}
+    mkey = ("decode", id(attention_mask), B, S, query.device)
+    hit = memo.get(mkey)
+    if hit is None or hit[0] is not attention_mask:
+        if attention_mask is None:
+            starts = torch.zeros(B, dtype=torch.int32, device=query.device)
+            lengths = torch.full((B,), S, dtype=torch.int32, device=query.device)
+            any_ = None
+        else:
+            st, ln, any_ = _row_intervals(_allowed_mask(attention_mask, B, 1, S, query.device))
+            starts, lengths, any_ = st[:, 0].to(torch.int32), ln[:, 0].to(torch.int32), any_[:, 0]
+        counts = budget(cfg.k, lengths, starts, B, S, query.device)
+        hit = (attention_mask, starts, lengths, any_, counts, selection_bound(cfg.k, S), resolve_d(cfg.d, D))
+        memo[mkey] = hit
+    _, starts, lengths, any_, counts, K, dd = hit
+    q_hat = _rotate_rows(query, P_q)[:, :, 0]  # [B, HQ, D]
+    _, out = loki_decode_step(q_hat, key, value, lengths, starts, counts, d=dd, k_max=K, gqa_select=cfg.gqa_select,
+                              aggregate=cfg.aggregate, scale=scale, select_method="triton", k_prefix=prefix)
+    if any_ is not None:
+        out = out.masked_fill(~any_[:, None, None], 0)
+    return out.to(query.dtype)[:, None]
+
+
 def _dense_prefill(query, key, value, allowed, scale, want_weights=False):
     """Dense attention with a [B, L, S] bool mask; fully masked rows give zeros. Returns [B, HQ, L, D]."""
     HQ = query.shape[1]
@@ -778,6 +820,9 @@ def loki_attention_forward(module, query, key, value, attention_mask, scaling=No
     prefix = getattr(layer, "loki_prefix", None) if L == 1 and keys_rotated else None
     if prefix is not None and prefix.shape[-2] != S:
         prefix = None  # out of step with the keys (e.g. a cache edited outside Loki): read the keys in place
+    if (L == 1 and cfg.method == "loki" and keys_rotated and P_q is not None
+            and _triton_backend(cfg.backend, query)):
+        return _loki_decode_fast(cfg, query, key, value, attention_mask, P_q, scale, prefix), None
     out = teacher_forced_attention(
         query, key, value, method=cfg.method, k=cfg.k, d=cfg.d, P=P, P_q=P_q, keys_rotated=keys_rotated,
         attention_mask=attention_mask, scale=scale, gqa_select=cfg.gqa_select, aggregate=cfg.aggregate,
