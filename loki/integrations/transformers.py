@@ -734,7 +734,10 @@ def _loki_decode_fast(cfg, query, key, value, attention_mask, P_q, scale, prefix
             st, ln, any_ = _row_intervals(_allowed_mask(attention_mask, B, 1, S, query.device))
             starts, lengths, any_ = st[:, 0].to(torch.int32), ln[:, 0].to(torch.int32), any_[:, 0]
         counts = budget(cfg.k, lengths, starts, B, S, query.device)
-        hit = (attention_mask, starts, lengths, any_, counts, selection_bound(cfg.k, S), resolve_d(cfg.d, D))
+        # the selection width rounded up to a multiple of 16 (entries past each count are -1 and never read): a
+        # growing cache then keeps the same Triton specialisation of the index rows' stride
+        K = min(S, -(-selection_bound(cfg.k, S) // 16) * 16)
+        hit = (attention_mask, starts, lengths, any_, counts, K, resolve_d(cfg.d, D))
         memo[mkey] = hit
     _, starts, lengths, any_, counts, K, dd = hit
     q_hat = _rotate_rows(query, P_q)[:, :, 0]  # [B, HQ, D]

@@ -226,11 +226,14 @@ def _decode_step_launches(q_hat, k_hat, v_cache, lengths, starts, counts, d, k_m
     method = resolve_select_method(select_method, q_hat)
     if fuse_select is None:
         fuse_select = method == "triton" and score_select_fusable(B * H, S, q_hat.device)
+    # the scores' rows start at multiples of 16 elements: a cache that grows by one token per step then keeps
+    # the same Triton specialisation of the row stride (no recompilation every time S crosses a multiple of 16)
+    S16 = -(-S // 16) * 16
+    scores = new_output((B, H, S16), torch.float32, q_hat.device)[:, :, :S]
     if fuse_select and method == "triton" and S <= TRITON_SELECT_MAX_S:
         scores, idx = score_select(q_hat, k_src, d, lengths, starts, counts, k_max, gqa_select=gqa_select,
-                                   aggregate=aggregate)
+                                   aggregate=aggregate, scores=scores)
     else:
-        scores = new_output((B, H, S), torch.float32, q_hat.device)
         if gqa_select == "query":
             _launch_approx_scores(q_hat, k_src, d, lengths, starts, scores, None, aggregate)
         else:
