@@ -562,8 +562,7 @@ def _loki_decode(q_hat, k_hat, v, *, d, k, lengths, starts, gqa_select, aggregat
     path reads the approximate scores from the cache's contiguous key prefix when one is kept)."""
     from ..kernels.decode import decode_attention
 
-    if backend == "auto":
-        backend = "triton" if q_hat.is_cuda else "torch"
+    backend = "triton" if _triton_backend(backend, q_hat) else "torch"
     extra = {"k_prefix": k_prefix} if backend == "triton" and k_prefix is not None else {}
     # lengths and starts come from _row_intervals (checked there): no second check, no host sync
     return decode_attention(q_hat, k_hat, v, d=d, k=k, lengths=lengths, starts=starts, backend=backend,
@@ -653,19 +652,7 @@ def teacher_forced_attention(
         k_use = key
     if method == "sparq" and keys_rotated:
         raise ValueError("SparQ works in the keys' own coordinates; pass unrotated keys")
-    if attention_mask is None and L == 1:  # plain decode step without padding: no mask work, no host sync
-        starts = torch.zeros(B, 1, dtype=torch.long, device=query.device)
-        lengths = torch.full((B, 1), S, dtype=torch.long, device=query.device)
-        any_ = None
-    else:
-        ikey = (id(attention_mask), B, L, S, query.device)
-        cached = None if intervals_cache is None else intervals_cache.get(ikey)
-        if cached is not None and cached[0] is attention_mask:
-            starts, lengths, any_ = cached[1]
-        else:
-            starts, lengths, any_ = _row_intervals(_allowed_mask(attention_mask, B, L, S, query.device))  # [B, L]
-            if intervals_cache is not None:
-                intervals_cache[ikey] = (attention_mask, (starts, lengths, any_))
+    starts, lengths, any_ = _mask_intervals(attention_mask, B, L, S, query.device, intervals_cache)  # [B, L]
     if L == 1:  # plain decode step: the cache in place, no row gather, no host sync
         kp = k_prefix[:, :, :S] if k_prefix is not None else None
         o = _decode_rows(method, q_use[:, :, 0], k_use, value, k=k, d=d, lengths=lengths[:, 0], starts=starts[:, 0],
@@ -681,34 +668,41 @@ def teacher_forced_attention(
     flat_b = torch.arange(B, device=query.device).repeat_interleave(L)
     flat_i = torch.arange(L, device=query.device).repeat(B)
     R = B * L
-    if L == 1:  # plain decode step: no gather, the cache is used in place
-        chunk = R
     for r0 in range(0, R, chunk):
         r1 = min(R, r0 + chunk)
         b, i = flat_b[r0:r1], flat_i[r0:r1]
         st, ln = starts[b, i], lengths[b, i]
-        s_max = S if (any_ is None or L == 1) else int(ln.max())  # decode: lengths bound the rows, no sync
-        kp = None
-        if L == 1:
-            kc, vc = k_use[:, :, :s_max], value[:, :, :s_max]
-            kp = None if k_prefix is None else k_prefix[:, :, :s_max]
-        else:
-            kc = k_use[:, :, :s_max].index_select(0, b)
-            vc = value[:, :, :s_max].index_select(0, b)
+        s_max = S if any_ is None else int(ln.max())
+        kc = k_use[:, :, :s_max].index_select(0, b)
+        vc = value[:, :, :s_max].index_select(0, b)
         o = _decode_rows(method, q_rows[b, i], kc, vc, k=k, d=d, lengths=ln, starts=st, gqa_select=gqa_select,
-                         aggregate=aggregate, scale=scale, backend=backend, k_prefix=kp)
+                         aggregate=aggregate, scale=scale, backend=backend)
         out[b, i] = o.to(out.dtype)
     if any_ is not None:
         out = out.masked_fill(~any_[..., None, None], 0)
     return out.transpose(1, 2)
 
 
-def _triton_backend(backend: str, query: torch.Tensor) -> bool:
-    import os
+def _mask_intervals(attention_mask, B: int, L: int, S: int, device, memo: dict | None):
+    """starts, lengths ([B, L]) and the rows that see a token (None: all) of an attention mask, computed (and
+    checked, one host sync) once per mask object within a model forward when ``memo`` is that forward's dict;
+    no mask work at all for a decode step without a mask."""
+    if attention_mask is None and L == 1:
+        return (torch.zeros(B, 1, dtype=torch.long, device=device),
+                torch.full((B, 1), S, dtype=torch.long, device=device), None)
+    key = (id(attention_mask), B, L, S, device)
+    hit = None if memo is None else memo.get(key)
+    if hit is not None and hit[0] is attention_mask:
+        return hit[1]
+    res = _row_intervals(_allowed_mask(attention_mask, B, L, S, device))
+    if memo is not None:
+        memo[key] = (attention_mask, res)  # the mask is kept alive with its entry: its id stays unique
+    return res
 
-    if backend == "triton":
-        return True
-    return backend == "auto" and query.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
+
+def _triton_backend(backend: str, query: torch.Tensor) -> bool:
+    """Whether a decode step with this ``backend`` setting runs the Triton kernels ("auto": on CUDA tensors)."""
+    return backend == "triton" or (backend == "auto" and query.is_cuda)
 
 
 def _loki_decode_fast(cfg, query, key, value, attention_mask, P_q, scale, prefix):
@@ -726,13 +720,9 @@ def _loki_decode_fast(cfg, query, key, value, attention_mask, P_q, scale, prefix
     mkey = ("decode", id(attention_mask), B, S, query.device)
     hit = memo.get(mkey)
     if hit is None or hit[0] is not attention_mask:
-        if attention_mask is None:
-            starts = torch.zeros(B, dtype=torch.int32, device=query.device)
-            lengths = torch.full((B,), S, dtype=torch.int32, device=query.device)
-            any_ = None
-        else:
-            st, ln, any_ = _row_intervals(_allowed_mask(attention_mask, B, 1, S, query.device))
-            starts, lengths, any_ = st[:, 0].to(torch.int32), ln[:, 0].to(torch.int32), any_[:, 0]
+        st, ln, any_ = _mask_intervals(attention_mask, B, 1, S, query.device, memo)
+        starts, lengths = st[:, 0].to(torch.int32), ln[:, 0].to(torch.int32)
+        any_ = None if any_ is None else any_[:, 0]
         counts = budget(cfg.k, lengths, starts, B, S, query.device)
         # the selection width rounded up to a multiple of 16 (entries past each count are -1 and never read): a
         # growing cache then keeps the same Triton specialisation of the index rows' stride
