@@ -80,6 +80,19 @@ def test_decode_step_fused_equals_two_kernels(triton_device, mode):
     clear_decode_plans()
 
 
+@interp
+@pytest.mark.parametrize("change,name", [(dict(K=0), "K"), (dict(K=99), "K"), (dict(d=17), "d"),
+                                         (dict(gqa_select="heads"), "gqa_select"),
+                                         (dict(aggregate="mean"), "aggregate")])
+def test_score_select_bad_arguments_are_named(triton_device, change, name):
+    x = make_decode_inputs(1, 4, 2, 64, 16, dtype=torch.float32, device=triton_device)
+    counts = torch.full((1,), 8, dtype=torch.int32, device=triton_device)
+    kw = dict(d=4, K=8, gqa_select="query", aggregate="sum") | change
+    with pytest.raises(ValueError, match=name):
+        score_select(x.q, x.k_cache, kw["d"], x.lengths, x.starts, counts, kw["K"], gqa_select=kw["gqa_select"],
+                     aggregate=kw["aggregate"])
+
+
 def test_fused_rule():
     """Fused when the rows fill the GPU and rows are not too long (one program per row)."""
     dev = torch.device("cpu")  # 132 multiprocessors assumed off the GPU
