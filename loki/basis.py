@@ -152,7 +152,9 @@ class PCABasis:
 
     Metadata: ``kind`` ("pca" or "score"), ``model_name``,
     ``config_hash`` (:func:`config_fingerprint`), ``config_fields`` (the hashed fields,
-    for readable mismatch messages), ``corpus``, ``num_tokens``, ``seq_len``, ``rotary`` ("pre": keys before the
+    for readable mismatch messages), ``corpus``, ``num_tokens``, ``seq_len`` (tokens per calibration sequence),
+    ``max_positions`` (the basis was fitted on keys at positions ``[0, max_positions)``; ``None`` for files
+    written before it was recorded: then ``seq_len`` bounds them), ``rotary`` ("pre": keys before the
     rotary embedding, "post": keys as the KV cache stores them), ``model_dtype`` (dtype of the model during
     calibration), ``loki_version`` and ``centered`` (whether the covariance was centred before the PCA).
     """
@@ -166,6 +168,7 @@ class PCABasis:
     corpus: str | None = None
     num_tokens: int = 0
     seq_len: int | None = None
+    max_positions: int | None = None
     rotary: str = "post"
     model_dtype: str | None = None
     loki_version: str = __version__
@@ -233,8 +236,14 @@ class PCABasis:
     def __repr__(self) -> str:
         return (
             f"PCABasis(L={self.num_layers}, HKV={self.num_kv_heads}, D={self.head_dim}, rotary={self.rotary!r}, "
-            f"model={self.model_name!r}, corpus={self.corpus!r}, tokens={self.num_tokens}, seq_len={self.seq_len})"
+            f"model={self.model_name!r}, corpus={self.corpus!r}, tokens={self.num_tokens}, seq_len={self.seq_len}, "
+            f"max_positions={self.max_positions})"
         )
+
+    @property
+    def covered_positions(self) -> int | None:
+        """Keys at positions below this were in the calibration (``max_positions``, else ``seq_len``)."""
+        return self.max_positions if self.max_positions is not None else self.seq_len
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -247,6 +256,7 @@ class PCABasis:
         model_name: str | None = None,
         corpus: str | None = None,
         seq_len: int | None = None,
+        max_positions: int | None = None,
         model_dtype: torch.dtype | str | None = None,
         centered: bool = True,
     ) -> PCABasis:
@@ -268,6 +278,7 @@ class PCABasis:
             corpus=corpus,
             num_tokens=stats.num_tokens,
             seq_len=seq_len,
+            max_positions=max_positions,
             rotary=rotary,
             model_dtype=_dtype_name(model_dtype),
             centered=centered,
@@ -407,7 +418,8 @@ class PCABasis:
             "loki.format": _FORMAT,
             _META_KEY: json.dumps(meta, sort_keys=True),
         }
-        for key in ("model_name", "config_hash", "corpus", "rotary", "kind", "num_tokens", "seq_len", "loki_version"):
+        for key in ("model_name", "config_hash", "corpus", "rotary", "kind", "num_tokens", "seq_len", "max_positions",
+                    "loki_version"):
             if meta.get(key) is not None:
                 str_meta[key] = str(meta[key])
         tensors = {

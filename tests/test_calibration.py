@@ -280,3 +280,91 @@ def test_unsupported_architecture_is_refused():
         calibrate(gpt2, _tokens(1), num_tokens=8, seq_len=8, progress=False)
     with pytest.raises(ValueError, match="not supported"):
         key_layout(torch.nn.Linear(2, 2))
+
+
+# ---------------------------------------------------------------------------------------------- positions
+def test_position_offsets_spread_over_the_covered_range():
+    from loki.calibration.collect import position_offset
+
+    assert [position_offset(i, 64, None) for i in range(3)] == [0, 0, 0]
+    assert [position_offset(i, 64, 64) for i in range(3)] == [0, 0, 0]
+    offs = [position_offset(i, 64, 1024) for i in range(200)]
+    assert min(offs) >= 0 and max(offs) <= 1024 - 64
+    counts = torch.histc(torch.tensor(offs, dtype=torch.float), bins=8, min=0, max=960)
+    assert counts.min() >= 20  # every eighth of the range is used about equally
+
+
+def test_shifted_sequences_have_the_keys_of_the_later_positions(llama):
+    """Rotary attention depends on relative positions only: a sequence placed at an offset gives the same
+    pre-rotary keys, and its post-rotary keys are those of a forward at the shifted positions."""
+    from loki.calibration import collect_statistics
+    from loki.calibration.collect import position_offset
+    from loki.calibration.hooks import AttentionRecorder
+
+    ids = _tokens(1, seed=4)
+    P = 200
+    offsets = [position_offset(i, SEQ_LEN, P) for i in range(2)]
+    assert offsets[0] == 0 and offsets[1] > 0
+    plain = collect_statistics(llama, [ids, ids], kinds=("pre", "post"), progress=False)
+    shifted = collect_statistics(llama, [ids, ids], kinds=("pre", "post"), max_positions=P, progress=False)
+    torch.testing.assert_close(shifted["pre"].outer, plain["pre"].outer, rtol=1e-4, atol=1e-5)
+    keys = {}
+
+    def grab(layer, query, key):
+        keys.setdefault(layer, []).append(key.transpose(1, 2)[0])
+
+    with AttentionRecorder(llama, grab), torch.no_grad():
+        for off in offsets:
+            key_layout(llama).base(input_ids=ids, position_ids=torch.arange(off, off + SEQ_LEN)[None],
+                                   use_cache=False)
+    for layer, ks in keys.items():
+        _, total, outer = _reference_stats(torch.cat(ks))
+        torch.testing.assert_close(shifted["post"].outer[layer], outer, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(shifted["post"].outer, plain["post"].outer, rtol=1e-3, atol=1e-3)
+
+
+def test_calibrate_records_the_covered_positions(llama, tmp_path):
+    ctx = llama.config.max_position_embeddings
+    b = calibrate(llama, _tokens(3), num_tokens=3 * SEQ_LEN, seq_len=SEQ_LEN, progress=False)
+    assert b.max_positions == ctx and b.seq_len == SEQ_LEN and b.covered_positions == ctx
+    b = calibrate(llama, _tokens(3), num_tokens=3 * SEQ_LEN, max_positions=SEQ_LEN, progress=False)
+    assert b.max_positions == SEQ_LEN and b.seq_len == SEQ_LEN
+    b.save(tmp_path / "b.safetensors")
+    assert PCABasis.load(tmp_path / "b.safetensors").max_positions == SEQ_LEN
+    with pytest.raises(ValueError, match="seq_len=48 exceeds max_positions=24"):
+        calibrate(llama, _tokens(3), seq_len=48, max_positions=24, progress=False)
+
+
+def test_one_pass_gives_the_bases_of_separate_calibrations(llama):
+    from loki.calibration import fit_bases
+
+    batches = [_tokens(2, seed=s) for s in range(2)]
+    n = 4 * SEQ_LEN
+    together = fit_bases(llama, batches, ("pre", "post", "score"), max_positions=64, progress=False)
+    alone = {"score": calibrate(llama, batches, kind="score", num_tokens=n, max_positions=64, progress=False),
+             **calibrate(llama, batches, rotary="both", num_tokens=n, max_positions=64, progress=False)}
+    for name in ("pre", "post", "score"):
+        torch.testing.assert_close(together[name].components, alone[name].components, rtol=1e-5, atol=1e-5)
+        assert together[name].max_positions == 64
+
+
+def test_enable_loki_warns_once_past_the_covered_positions(llama):
+    import warnings
+
+    from loki.integrations.transformers import disable_loki, enable_loki
+
+    b = calibrate(llama, _tokens(3), num_tokens=3 * SEQ_LEN, max_positions=SEQ_LEN, progress=False)
+    enable_loki(llama, b, k=0.5, d=0.5, semantics="decode")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with torch.no_grad():
+                llama(input_ids=_tokens(1, SEQ_LEN), use_cache=False)
+            assert not [w for w in caught if "calibrated on positions" in str(w.message)]
+            with torch.no_grad():
+                llama(input_ids=_tokens(1, SEQ_LEN + 4), use_cache=False)
+                llama(input_ids=_tokens(1, SEQ_LEN + 4), use_cache=False)
+        msgs = [w for w in caught if "calibrated on positions below 24" in str(w.message)]
+        assert len(msgs) == 1 and "holds 28 tokens" in str(msgs[0].message)
+    finally:
+        disable_loki(llama)

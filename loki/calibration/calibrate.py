@@ -1,11 +1,16 @@
-"""Calibration: stream a model's keys over a corpus into statistics and fit :class:`~loki.basis.PCABasis`.
+"""Calibration: stream a model's keys (and queries) over a corpus into statistics and fit :class:`~loki.basis.PCABasis`.
 
 Shape letters: B = batch, S = sequence length, L = decoder layers, HKV = key/value heads, D = head dim,
 N = real (unpadded) tokens.
 
 Only real tokens (``attention_mask == 1``) are counted.  Calibration stops as soon as ``num_tokens`` tokens have
-been seen; the last batch is truncated (its first real tokens in row-major order are kept).  Pre- and
-post-rotary statistics can come from the same forward pass (``rotary="both"``).
+been seen; the last batch is truncated (its first real tokens in row-major order are kept).  Every basis asked
+for (pre- and post-rotary PCA, score-aware) comes from the same forward passes
+(:func:`~loki.calibration.collect.collect_statistics`).
+
+Positions: a basis is fitted on the positions ``[0, max_positions)`` (default: the model's context length,
+``config.max_position_embeddings``), which it records; calibration sequences are ``seq_len`` tokens long
+(default ``max_positions``), and shorter ones are placed at offsets spread over the covered range.
 """
 
 from __future__ import annotations
@@ -17,12 +22,16 @@ import torch
 from torch import nn
 
 from loki.basis import PCABasis, config_model_name
-from loki.calibration.hooks import batch_keys, key_layout
+from loki.calibration.collect import collect_statistics
+from loki.calibration.hooks import key_layout
+from loki.calibration.score_aware import score_aware_basis
 from loki.calibration.stats import KeyStatistics
 
 ROTARY_MODES = ("pre", "post", "both")
+#: Basis names :func:`fit_bases` returns: PCA of pre- or post-rotary keys, and the score-aware pair.
+BASIS_NAMES = ("pre", "post", "score")
 DEFAULT_NUM_TOKENS = 131_072
-DEFAULT_SEQ_LEN = 1024
+DEFAULT_SEQ_LEN = 1024  # iter_token_batches' default; calibrate() defaults to the covered positions
 DEFAULT_BATCH_SIZE = 4
 
 
@@ -38,45 +47,6 @@ def _check_positive(name: str, value, minimum: int) -> int:
     return value
 
 
-def _as_batch(batch) -> tuple[torch.Tensor, torch.Tensor | None]:
-    if isinstance(batch, Mapping):
-        return torch.as_tensor(batch["input_ids"]), (
-            torch.as_tensor(batch["attention_mask"]) if batch.get("attention_mask") is not None else None
-        )
-    if isinstance(batch, (tuple, list)) and len(batch) == 2 and all(torch.is_tensor(b) for b in batch):
-        return batch[0], batch[1]
-    ids = torch.as_tensor(batch)
-    if ids.ndim == 1:
-        ids = ids[None]
-    return ids, None
-
-
-def budgeted_batches(batches: Iterable, num_tokens: int | None, device) -> Iterator:
-    """``(input_ids [B, S], attention_mask [B, S], take)`` on ``device`` for every batch with real tokens, where
-    ``take`` is how many of its real tokens (row-major) still fit the budget; stops once ``num_tokens`` real
-    tokens were handed out (``None``: no budget)."""
-    seen = 0
-    for batch in batches:
-        if num_tokens is not None and seen >= num_tokens:
-            return
-        input_ids, mask = _as_batch(batch)
-        if mask is None:
-            mask = torch.ones_like(input_ids)
-        n = int(mask.sum())
-        if n == 0:
-            continue
-        take = n if num_tokens is None else min(n, num_tokens - seen)
-        yield input_ids.to(device), mask.to(device), take
-        seen += take
-
-
-def _model_device(model: nn.Module) -> torch.device:
-    try:
-        return next(model.parameters()).device
-    except StopIteration:
-        return torch.device("cpu")
-
-
 def _model_dtype(model: nn.Module) -> torch.dtype:
     try:
         return next(model.parameters()).dtype
@@ -84,60 +54,38 @@ def _model_dtype(model: nn.Module) -> torch.dtype:
         return torch.float32
 
 
-@torch.no_grad()
+def model_context_length(model_or_config) -> int | None:
+    """The positions a model is used at: ``max_position_embeddings`` of its (text) config, if set."""
+    config = getattr(model_or_config, "config", model_or_config)
+    getter = getattr(config, "get_text_config", None)
+    if callable(getter):
+        config = getter(decoder=True)
+    n = getattr(config, "max_position_embeddings", None)
+    return int(n) if n else None
+
+
 def collect_key_statistics(
     model: nn.Module,
     batches: Iterable,
     *,
     rotary: str = "both",
     num_tokens: int | None = None,
+    max_positions: int | None = None,
     progress: bool = True,
-    stats_device: torch.device | str = "cpu",
 ) -> dict[str, KeyStatistics]:
     """Stream keys of ``model`` over ``batches`` into float64 statistics, one forward pass per batch.
 
-    Args:
-        model: a Hugging Face causal LM with rotary embeddings (see :func:`~loki.calibration.hooks.key_layout`).
-        batches: iterable of ``input_ids [B, S]`` tensors, ``(input_ids, attention_mask)`` pairs or mappings with
-            ``input_ids`` and optionally ``attention_mask`` (``[B, S]``, 0 = padding, left or right).
-        rotary: "pre", "post" or "both".
-        num_tokens: token budget (real tokens); ``None`` consumes every batch.
-        progress: show a tqdm bar (unit: tokens).
-        stats_device: where the statistics live.
-
-    Returns:
-        ``{"pre": KeyStatistics, "post": KeyStatistics}`` restricted to the requested kinds.
+    ``batches``: ``input_ids [B, S]`` tensors, ``(input_ids, attention_mask)`` pairs or mappings with
+    ``input_ids`` and optionally ``attention_mask`` (``[B, S]``, 0 = padding, left or right); ``rotary``: "pre",
+    "post" or "both"; ``num_tokens``: budget of real tokens (``None`` consumes every batch);
+    ``max_positions``: see :func:`~loki.calibration.collect.collect_statistics`.
+    Returns ``{"pre": KeyStatistics, "post": KeyStatistics}`` restricted to the requested kinds.
     """
     kinds = _check_rotary(rotary)
     if num_tokens is not None:
         _check_positive("num_tokens", num_tokens, 1)
-    layout = key_layout(model)
-    was_training = model.training
-    model.eval()
-    device = _model_device(model)
-    stats = {
-        k: KeyStatistics(layout.num_layers, layout.num_kv_heads, layout.head_dim, device=stats_device) for k in kinds
-    }
-    from tqdm.auto import tqdm
-
-    bar = tqdm(total=num_tokens, unit="tok", desc="calibrating keys", disable=not progress)
-    seen = 0
-    try:
-        for input_ids, mask, take in budgeted_batches(batches, num_tokens, device):
-            valid = mask.bool()
-            keys = batch_keys(model, input_ids, mask, rotary=rotary, layout=layout)
-            for kind in kinds:
-                for l, k in enumerate(keys[kind]):
-                    stats[kind].update(l, k[valid][:take])
-            del keys
-            seen += take
-            bar.update(take)
-    finally:
-        bar.close()
-        model.train(was_training)
-    if seen == 0:
-        raise ValueError("batches contained no tokens (every attention_mask entry was 0, or no batches)")
-    return stats
+    return collect_statistics(model, batches, kinds=kinds, num_tokens=num_tokens, max_positions=max_positions,
+                              progress=progress, desc="calibrating keys")
 
 
 def _items(data) -> Iterator:
@@ -229,6 +177,47 @@ def iter_token_batches(
         yield make_batch(pending)
 
 
+def fit_bases(
+    model: nn.Module,
+    batches: Iterable,
+    names: Iterable[str] = BASIS_NAMES,
+    *,
+    num_tokens: int | None = None,
+    max_positions: int | None = None,
+    seq_len: int | None = None,
+    corpus_name: str | None = None,
+    model_name: str | None = None,
+    progress: bool = True,
+) -> dict[str, PCABasis]:
+    """The bases ``names`` (a subset of :data:`BASIS_NAMES`) of ``model`` from one streaming pass over
+    ``batches`` (see :func:`collect_key_statistics`); ``seq_len`` and ``corpus_name`` are recorded, and the
+    basis records ``max_positions`` as the positions it covers."""
+    names = tuple(dict.fromkeys(names))
+    bad = [n for n in names if n not in BASIS_NAMES]
+    if bad or not names:
+        raise ValueError(f"names must be a non-empty subset of {BASIS_NAMES}, got {names!r}")
+    kinds = [k for k in ("pre", "post") if k in names]
+    if "score" in names:
+        kinds += [k for k in ("post", "query") if k not in kinds]
+    stats = collect_statistics(model, batches, kinds=kinds, num_tokens=num_tokens, max_positions=max_positions,
+                               progress=progress)
+    seen = next(iter(stats.values())).num_tokens
+    if num_tokens is not None and seen < num_tokens:
+        warnings.warn(f"data ran out after {seen} tokens; num_tokens={num_tokens} requested", RuntimeWarning,
+                      stacklevel=2)
+    config = model.config
+    meta = dict(config=config, corpus=corpus_name, seq_len=seq_len, model_dtype=_model_dtype(model),
+                model_name=model_name if model_name is not None else config_model_name(config))
+    covered = max_positions if max_positions is not None else seq_len
+    out = {}
+    for name in names:
+        if name == "score":
+            out[name] = score_aware_basis(stats["post"], stats["query"], max_positions=covered, **meta)
+        else:
+            out[name] = PCABasis.from_statistics(stats[name], rotary=name, max_positions=covered, **meta)
+    return out
+
+
 def calibrate(
     model: nn.Module,
     data,
@@ -236,7 +225,8 @@ def calibrate(
     tokenizer=None,
     rotary: str = "post",
     num_tokens: int = DEFAULT_NUM_TOKENS,
-    seq_len: int = DEFAULT_SEQ_LEN,
+    seq_len: int | None = None,
+    max_positions: int | None = None,
     batch_size: int = DEFAULT_BATCH_SIZE,
     corpus_name: str | None = None,
     model_name: str | None = None,
@@ -247,7 +237,7 @@ def calibrate(
 
     Args:
         model: a Hugging Face causal LM with rotary embeddings (Llama, Mistral, Qwen2, Qwen3, SmolLM, ...);
-            run in eval mode under ``torch.no_grad()`` (its training flag is restored afterwards).
+            run in eval mode under ``torch.no_grad()`` (its training flag is restored afterwards), on its device.
         data: texts (with ``tokenizer``), a token tensor ``[T]``/``[B, T]``, an iterable of token sequences, or an
             iterable of ready batches (``(input_ids, attention_mask)`` pairs / mappings); see
             :func:`iter_token_batches`.
@@ -255,7 +245,10 @@ def calibrate(
         rotary: "post" (keys as cached, what Loki's decode kernels see), "pre" (before the rotary embedding)
             or "both" (one forward pass, two bases).
         num_tokens: token budget (real tokens); the last batch is truncated.
-        seq_len: tokens per calibration sequence (>= 2).
+        seq_len: tokens per calibration sequence (>= 2); default ``max_positions``.
+        max_positions: the positions the basis is fitted on and records, ``[0, max_positions)``; default the
+            model's context length (``config.max_position_embeddings``), else ``seq_len``.  Sequences shorter
+            than this are placed at offsets spread over the range.
         batch_size: sequences per forward pass.
         corpus_name: recorded in the basis metadata.
         model_name: recorded in the metadata (default: ``model.config.name_or_path`` or the model type).
@@ -274,9 +267,17 @@ def calibrate(
         raise ValueError(f"a score-aware basis is fitted on post-rotary queries and keys: rotary must be 'post', "
                          f"got {rotary!r}")
     _check_positive("num_tokens", num_tokens, 1)
-    _check_positive("seq_len", seq_len, 2)
     _check_positive("batch_size", batch_size, 1)
     key_layout(model)  # unsupported architectures fail before any tokenization
+    if max_positions is None:
+        max_positions = model_context_length(model) or seq_len or DEFAULT_SEQ_LEN
+    _check_positive("max_positions", max_positions, 2)
+    if seq_len is None:
+        seq_len = max_positions
+    _check_positive("seq_len", seq_len, 2)
+    if seq_len > max_positions:
+        raise ValueError(f"seq_len={seq_len} exceeds max_positions={max_positions}: a sequence covers positions "
+                         "[0, seq_len)")
 
     if _is_batch_iterable(data):
         batches = data
@@ -284,36 +285,10 @@ def calibrate(
         batches = iter_token_batches(
             data, tokenizer=tokenizer, seq_len=seq_len, batch_size=batch_size, num_tokens=num_tokens
         )
-    if kind == "score":
-        from loki.calibration.score_aware import collect_score_statistics, score_aware_basis
-
-        keys, queries = collect_score_statistics(model, batches, num_tokens=num_tokens, progress=progress)
-        if keys.num_tokens < num_tokens:
-            warnings.warn(f"data ran out after {keys.num_tokens} tokens; num_tokens={num_tokens} requested",
-                          RuntimeWarning, stacklevel=2)
-        return score_aware_basis(keys, queries, config=model.config, corpus=corpus_name, seq_len=seq_len,
-                                 model_dtype=_model_dtype(model),
-                                 model_name=model_name if model_name is not None else config_model_name(model.config))
-    stats = collect_key_statistics(model, batches, rotary=rotary, num_tokens=num_tokens, progress=progress)
-    seen = next(iter(stats.values())).num_tokens
-    if seen < num_tokens:
-        warnings.warn(
-            f"data ran out after {seen} tokens; num_tokens={num_tokens} requested", RuntimeWarning, stacklevel=2
-        )
-    config = model.config
-    bases = {
-        kind: PCABasis.from_statistics(
-            stats[kind],
-            rotary=kind,
-            config=config,
-            model_name=model_name if model_name is not None else config_model_name(config),
-            corpus=corpus_name,
-            seq_len=seq_len,
-            model_dtype=_model_dtype(model),
-        )
-        for kind in kinds
-    }
-    return bases if rotary == "both" else bases[rotary]
+    names = ["score"] if kind == "score" else kinds
+    bases = fit_bases(model, batches, names, num_tokens=num_tokens, max_positions=max_positions, seq_len=seq_len,
+                      corpus_name=corpus_name, model_name=model_name, progress=progress)
+    return bases if rotary == "both" else bases[names[0]]
 
 
 def _is_batch_iterable(data) -> bool:

@@ -226,9 +226,12 @@ class AttentionRecorder:
         B, HQ, S, _ = query.shape
         G = HQ // key.shape[1]
         k, v = key.repeat_interleave(G, dim=1), value.repeat_interleave(G, dim=1)
-        causal = torch.ones(S, S, dtype=torch.bool, device=query.device).tril()
-        mask = causal[None, None] if self.valid is None else causal[None, None] & self.valid[:, None, None, :]
-        out = torch.nn.functional.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scaling)
+        if self.valid is None:  # no padding: the causal kernel, no S x S mask in memory
+            out = torch.nn.functional.scaled_dot_product_attention(query, k, v, is_causal=True, scale=scaling)
+        else:
+            causal = torch.ones(S, S, dtype=torch.bool, device=query.device).tril()
+            mask = causal[None, None] & self.valid[:, None, None, :]
+            out = torch.nn.functional.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scaling)
         return out.transpose(1, 2).contiguous(), None
 
     def __enter__(self) -> AttentionRecorder:

@@ -28,6 +28,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from loki.basis import PCABasis, config_fields, config_fingerprint, config_model_name
+from loki.calibration.collect import collect_statistics
 from loki.calibration.stats import KeyStatistics
 
 __all__ = ["collect_score_statistics", "score_aware_pair", "score_aware_basis"]
@@ -58,59 +60,22 @@ def score_aware_pair(
     return pq * sign, pk * sign, s
 
 
-@torch.no_grad()
 def collect_score_statistics(
-    model: nn.Module, batches: Iterable, *, num_tokens: int | None = None, progress: bool = True
+    model: nn.Module, batches: Iterable, *, num_tokens: int | None = None, max_positions: int | None = None,
+    progress: bool = True,
 ) -> tuple[KeyStatistics, KeyStatistics]:
     """Stream post-rotary key and query statistics of ``model`` over ``batches`` (as
-    :func:`~loki.calibration.calibrate.collect_key_statistics` takes them): one forward pass per batch through a
-    temporary attention function.  Returns ``(keys, queries)``; query statistics are per KV head, pooled over
-    the group's query heads (``count`` = tokens x G)."""
-    from tqdm.auto import tqdm
-
-    from loki.calibration.calibrate import _model_device, budgeted_batches
-    from loki.calibration.hooks import AttentionRecorder, key_layout, positions_from_mask
-
-    layout = key_layout(model)
-    L, HKV, D = layout.num_layers, layout.num_kv_heads, layout.head_dim
-    keys, queries = KeyStatistics(L, HKV, D), KeyStatistics(L, HKV, D)
-    take = None  # real tokens of the current batch that fit the budget (set by the loop below)
-
-    def accumulate(layer, query, key):
-        HQ = query.shape[1]
-        q = query.transpose(1, 2)[rec.valid][:take]  # [N, HQ, D], real tokens only
-        k = key.transpose(1, 2)[rec.valid][:take]  # [N, HKV, D]
-        keys.update(layer, k)
-        queries.update(layer, q.reshape(-1, HKV, HQ // HKV, D).transpose(1, 2).reshape(-1, HKV, D))
-
-    rec = AttentionRecorder(model, accumulate)
-    was_training = model.training
-    model.eval()
-    device = _model_device(model)
-    seen = 0
-    bar = tqdm(total=num_tokens, unit="tok", desc="calibrating queries and keys", disable=not progress)
-    try:
-        with rec:
-            for ids, mask, take in budgeted_batches(batches, num_tokens, device):
-                rec.valid = mask.bool()
-                layout.base(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask),
-                            use_cache=False)
-                seen += take
-                bar.update(take)
-    finally:
-        bar.close()
-        model.train(was_training)
-    if seen == 0:
-        raise ValueError("batches contained no tokens (every attention_mask entry was 0, or no batches)")
-    return keys, queries
+    :func:`~loki.calibration.collect.collect_statistics` takes them).  Returns ``(keys, queries)``; query
+    statistics are per KV head, pooled over the group's query heads (``count`` = tokens x G)."""
+    stats = collect_statistics(model, batches, kinds=("post", "query"), num_tokens=num_tokens,
+                               max_positions=max_positions, progress=progress, desc="calibrating queries and keys")
+    return stats["post"], stats["query"]
 
 
 def score_aware_basis(keys: KeyStatistics, queries: KeyStatistics, *, eps: float = 1e-4, config=None,
                       model_name: str | None = None, corpus: str | None = None, seq_len: int | None = None,
-                      model_dtype=None):
+                      model_dtype=None, max_positions: int | None = None):
     """A :class:`~loki.basis.PCABasis` of kind "score" from post-rotary key and query statistics."""
-    from loki.basis import PCABasis, config_fields, config_fingerprint, config_model_name
-
     pq, pk, s = score_aware_pair(queries.second_moment(), keys.covariance(centered=True), eps=eps)
     return PCABasis(
         components=pk.to(torch.float32).contiguous(),
@@ -125,6 +90,7 @@ def score_aware_basis(keys: KeyStatistics, queries: KeyStatistics, *, eps: float
         corpus=corpus,
         num_tokens=keys.num_tokens,
         seq_len=seq_len,
+        max_positions=max_positions,
         model_dtype=None if model_dtype is None else str(model_dtype).replace("torch.", ""),
         centered=True,
         extra={"eps": eps},

