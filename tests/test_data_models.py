@@ -118,7 +118,7 @@ def test_packaged_wikitext_is_the_test_split_and_reads_nothing_outside_the_packa
     assert hashlib.sha256(path.read_bytes()).hexdigest() == WIKITEXT_SHA256
     assert "CC BY-SA 3.0" in (path.parent / "README.md").read_text()
     src = data.load_wikitext()
-    assert src.origin == "package:wikitext-2-raw/test" and data.load_corpus("wikitext").text == src.text
+    assert src.origin == "package:wikitext-2-raw/test" and data.load_corpus("wikitext", part="all").text == src.text
     assert src.text.count("\n") == 2891 and src.text.startswith(" = Robert Boulter = \n")
 
 
@@ -187,3 +187,14 @@ def test_token_windows():
         data.token_windows(tok, "abc", 4, 1)
     with pytest.raises(ValueError, match="seq_len"):
         data.token_windows(tok, text, 1)
+
+
+def test_corpus_parts_are_disjoint_halves():
+    first, second = data.split_halves("a\nbb\nccc\ndddd\n")
+    assert first + second == "a\nbb\nccc\ndddd\n" and first.endswith("\n") and first and second
+    whole = data.load_corpus("wikitext", part="all").text
+    calib, ev = data.load_corpus("wikitext", part="calib"), data.load_corpus("wikitext", part="eval")
+    assert ev.text + calib.text == whole and whole.startswith(ev.text[:1000])
+    assert "calib half" in calib.origin
+    with pytest.raises(ValueError, match="part must be"):
+        data.load_corpus("wikitext", part="train")

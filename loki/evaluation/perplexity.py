@@ -23,7 +23,7 @@ from __future__ import annotations
 import inspect
 import math
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -80,9 +80,10 @@ class PerplexityResult:
     density: float
     seconds: float
     window_nll: list[float]
+    token_nll: torch.Tensor | None = field(default=None, repr=False)  # [N, T - 1] fp64, CPU; not in to_dict
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {k: v for k, v in asdict(replace(self, token_nll=None)).items() if k != "token_nll"}
 
 
 def effective_density(k: int | float, T: int, protocol: str = "decode") -> float:
@@ -180,6 +181,7 @@ def perplexity(model, windows: torch.Tensor, spec: MethodSpec, bases: dict | Non
         name=spec.name, method=spec.method, protocol=protocol, k=spec.k, d=spec.d, basis=spec.basis,
         gqa_select=spec.gqa_select, ppl=math.exp(mean), nll=mean, tokens=int(nll.numel()), density=density,
         seconds=time.perf_counter() - t0, window_nll=[float(x) for x in nll.double().mean(1)],
+        token_nll=nll.double(),
     )
 
 

@@ -90,8 +90,9 @@ SUPPORTED_ARCHITECTURES = {
     "qwen2": "Qwen2Attention",
     "qwen3": "Qwen3Attention",
 }
-# Score entries of one block of rows in the teacher-forced path (loki.reference.teacher_forced).
-_ROW_CHUNK_ELEMENTS = 1 << 24
+# Score entries of one block of rows in the teacher-forced path (None: loki.reference.teacher_forced's default
+# for the device).
+_ROW_CHUNK_ELEMENTS = None
 
 
 class LokiError(RuntimeError):
@@ -115,7 +116,7 @@ class LokiConfig:
     backend: str = "auto"
     semantics: str = "generate"
     h2o_recent_fraction: float = 0.5
-    chunk_elements: int = _ROW_CHUNK_ELEMENTS
+    chunk_elements: int | None = _ROW_CHUNK_ELEMENTS
     prefix_dims: int | None = None  # d of the contiguous key-prefix buffer kept for the Triton path (None: none)
     components: torch.Tensor | None = None  # [L, HKV, D, D] fp32 (the basis), None for basis-free methods
     query_components: torch.Tensor | None = None  # [L, HKV, D, D] fp32 query transform of a score basis
@@ -615,7 +616,7 @@ def teacher_forced_attention(
     gqa_select: str = "query",
     aggregate: str = "sum",
     backend: str = "auto",
-    chunk_elements: int = _ROW_CHUNK_ELEMENTS,
+    chunk_elements: int | None = _ROW_CHUNK_ELEMENTS,
     k_prefix: torch.Tensor | None = None,
     intervals_cache: dict | None = None,
 ) -> torch.Tensor:

@@ -142,7 +142,7 @@ def teacher_forced_rows(
     scale: float | None = None,
     gqa_select: str = "query",
     aggregate: str = "sum",
-    block_elements: int = 1 << 24,
+    block_elements: int | None = None,
 ) -> torch.Tensor:
     """Attention of every query row as a decode step of ``method`` over the tokens the row sees.
 
@@ -151,8 +151,8 @@ def teacher_forced_rows(
     own coordinates); v: [B, HKV, S, D]; starts, lengths: [B, L] int, row ``(b, i)`` sees
     ``starts[b, i] <= s < lengths[b, i]``.  ``k_budget``/``d`` are counts or fractions as in the decode
     references (``d`` is SparQ's ``r``), the budget resolved from each row's own visible count.  Computed in
-    fp32 in blocks of rows of at most ``block_elements`` score entries.  Returns [B, HQ, L, D] in q's dtype;
-    a row that sees no token gives zeros.
+    fp32 in blocks of rows of at most ``block_elements`` score entries (default 2^24 on the CPU, 2^27 on a
+    GPU).  Returns [B, HQ, L, D] in q's dtype; a row that sees no token gives zeros.
     """
     if method not in ROW_METHODS:
         raise ValueError(f"method must be one of {ROW_METHODS}, got {method!r}")
@@ -168,6 +168,8 @@ def teacher_forced_rows(
         k_budget = min(int(k_budget), S)  # a count above the cache keeps every token
     counts = resolve_k(k_budget, n_visible.reshape(-1), S).view(B, L)  # 0 for a row that sees nothing
     ends = lengths.amax(dim=0).tolist()  # per row: the last key any sequence's row i sees (one host sync)
+    if block_elements is None:
+        block_elements = 1 << 27 if q.is_cuda else 1 << 24
     pos = torch.arange(S, device=q.device)
     out = torch.empty(B, HQ, L, D, dtype=q.dtype, device=q.device)
     # blocks of rows: at most block_elements scores, and at least 8 blocks on long windows so that the key

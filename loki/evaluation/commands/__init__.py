@@ -7,7 +7,8 @@ import argparse
 import math
 import sys
 
-__all__ = ["add_model_arguments", "fail", "fraction_or_count", "load_model_from_args", "set_threads"]
+__all__ = ["add_device_arguments", "add_model_arguments", "fail", "fraction_or_count", "load_model_from_args",
+           "model_device", "set_threads"]
 
 
 def set_threads(threads: int | None) -> int:
@@ -46,9 +47,26 @@ def fraction_or_count(text: str) -> int | float:
     return v
 
 
+def add_device_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--device`` and ``--dtype``, shared by every command that runs a model."""
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                        help="where the model runs: auto = a CUDA GPU when present, else the CPU (default: auto)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                        help="model weights and activations (default: float32; the sparse methods compute "
+                        "scores and softmax in float32 either way)")
+
+
+def model_device(args):
+    """The torch device of ``args.device``; a ValueError (for :func:`fail`) when CUDA is asked for and absent."""
+    from loki.evaluation.models import resolve_device
+
+    return resolve_device(getattr(args, "device", "auto"))
+
+
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
                         help="a local transformers model folder (default: the embedded SmolLM2-135M-Instruct)")
+    add_device_arguments(parser)
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: 1 on machines with <= 2 cores, else torch's choice)")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
@@ -58,6 +76,7 @@ def load_model_from_args(args):
     from loki.evaluation.models import load_default_model, load_model
 
     set_threads(getattr(args, "threads", None))
+    kw = dict(device=model_device(args), dtype=getattr(args, "dtype", "float32"))
     if args.model:
-        return load_model(args.model)
-    return load_default_model(progress=lambda m: print(m, file=sys.stderr))
+        return load_model(args.model, **kw)
+    return load_default_model(progress=lambda m: print(m, file=sys.stderr), **kw)
