@@ -52,22 +52,20 @@ SPARQ_CONFIGS = list(_SPARQ) or [UNAVAILABLE]
 #: limits ci/gate.py applies to them): "tests", the tiny budgets of the CPU accuracy tests (one 256-token
 #: window, 2048 calibration tokens), so the CPU run stays at a couple of minutes.
 ACCURACY_PROFILE = "tests"
-#: Method names of the gates-only accuracy suite (``loki.evaluation.check.run_suite(methods="gates")``, GQA
-#: "query"): the budget is the profile's k_f / d_f; "(d=0.5)" rows are the Loki-vs-H2O gate's; "d=D" rows the
-#: exactness settings.  A name a commit's suite does not produce is skipped.
+#: Method names of the ``tests`` profile (``loki.evaluation.suite``, GQA "query"; "d=D" rows are the exactness
+#: settings).  A name a commit's suite does not produce is skipped.
 ACCURACY_METHODS = [
     "full",
     "exact_topk[query]",
     "loki-pre[query]",
     "loki-post[query]",
+    "loki-score[query]",
     "h2o",
-    "loki-pre(d=0.5)[query]",
-    "loki-post(d=0.5)[query]",
     "loki-post(d=D,k=all)",
     "loki-post(d=D)[query]",
 ]
-#: PCA bases of the top-k agreement (pre- / post-rotary keys).
-ACCURACY_BASES = ["pre", "post"]
+#: Bases of the top-k agreement (PCA of pre- / post-rotary keys, the score-aware pair).
+ACCURACY_BASES = ["pre", "post", "score"]
 
 
 def config_by_id(config_id: str):

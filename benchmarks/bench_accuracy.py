@@ -1,15 +1,14 @@
 """Accuracy of Loki on the embedded small real model (SmolLM2-135M-Instruct, GQA 9:3, D = 64), CPU or GPU.
 
-The numbers are those of the accuracy job (``loki check``, :func:`loki.evaluation.check.run_suite`) with the
-settings of the ``tests`` profile of ``ci/accuracy_thresholds.json`` (``benchmarks._shapes.ACCURACY_PROFILE``:
-k_f = d_f = 0.25, calibration corpus and tokens, evaluation windows), so ``ci/gate.py`` can hold them to that
-profile's limits; without that profile the suite's default settings are used.  Only what the gates need is
-run (GQA "query" selection; no SparQ, PCAAttn, paper protocol, Rank or generalisation table): a couple of
-minutes on two CPU cores.
+The numbers are those of the accuracy job (``loki check``, :func:`loki.evaluation.suite.run_suite`) with the
+``tests`` profile (``benchmarks._shapes.ACCURACY_PROFILE``: k_f = d_f = 0.25, 4 x 512 WikiText-2 tokens, bases
+covering the 512 positions used), so ``ci/gate.py`` can hold them to that profile's limits in
+``loki/evaluation/accuracy_thresholds.json``.  A few minutes on two CPU cores, seconds on a GPU.
 
 - ``Perplexity.track_ppl_delta``: relative perplexity increase over full attention, ``ppl / ppl_full - 1``,
   with decode-time semantics (every query row attends like a decode step over the tokens it sees).  Higher
   is worse.  ``track_ppl``: the perplexity itself (``method = full`` included).
+  ``track_eval_tokens_per_second``: how fast the evaluation engine scores tokens under each method.
 - ``TopkAgreement.track_jaccard``: mean Jaccard index of Loki's selection and the exact top-k over layers,
   heads and informative rows, per basis (pre- / post-rotary).  ``track_attention_mass``: exact attention
   mass captured by Loki's selection (``..._exact``: by the exact top-k, the best possible).  Lower is worse.
@@ -37,41 +36,32 @@ def _unit(unit):
 
 
 def measure_accuracy(profile: str = ACCURACY_PROFILE) -> dict:
-    """Run the gates-only accuracy suite with ``profile``'s settings; ``{"ppl": {method: ppl}, "agreement":
-    {basis: {...}}, "settings": ...}`` or ``{"skip": reason}``."""
+    """Run the suite of ``profile`` (no retrieval, plots or downstream tasks); ``{"ppl": {method: ppl},
+    "ppl_delta": {...}, "tokens_per_second": {method: evaluation tokens per second}, "agreement": {basis: {...}},
+    "settings": ...}`` or ``{"skip": reason}``."""
     try:
-        from loki.evaluation.check import SuiteOptions, load_thresholds, run_suite
         from loki.evaluation.models import EmbeddedModelError, load_default_model
+        from loki.evaluation.suite import profile_options, run_suite
     except ImportError as exc:
         return {"skip": f"this commit lacks the evaluation code: {exc}"}
-    import torch
-
     try:
-        thresholds = load_thresholds()
-    except FileNotFoundError:
-        thresholds = {}
-    settings = thresholds.get("profiles", {}).get(profile, {}).get("settings", {})
-    try:
-        model, tokenizer = load_default_model()
+        model, tokenizer = load_default_model(device="auto")
     except (EmbeddedModelError, FileNotFoundError, ImportError) as exc:
         return {"skip": f"the embedded model is not available: {exc}"}
-    if torch.cuda.is_available():
-        model.to("cuda")
-    known = set(SuiteOptions().profile_settings())
-    opts = SuiteOptions(**{k: v for k, v in settings.items() if k in known})
-    opts.methods, opts.gqa_modes = "gates", ("query",)
-    opts.h2o_gate_d = thresholds.get("loki_vs_h2o", {}).get("d", opts.h2o_gate_d)
-    opts.paper_protocol = opts.rank = opts.generalization = False
-    opts.progress, opts.log = False, None
+    opts = profile_options(profile, progress=False, log=None, rank=False, retrieval=None, downstream=False)
     res = run_suite(model, tokenizer, opts)
     rows = {r["name"]: r for r in res["perplexity"]}
-    full = rows["full"]["ppl"]
+    exact = {r["name"]: r for r in res.get("exactness", [])}
+    full_x = exact.get("full", {}).get("ppl")
+    ppl_delta = {name: r["increase"] for name, r in rows.items()}
+    ppl_delta.update({name: r["ppl"] / full_x - 1.0 for name, r in exact.items() if "d=D" in name and full_x})
     return {
         "settings": res["settings"],
-        "profile": profile if settings else None,
+        "profile": profile,
         "device": str(model.device),
-        "ppl": {name: r["ppl"] for name, r in rows.items()},
-        "ppl_delta": {name: r["ppl"] / full - 1.0 for name, r in rows.items()},
+        "ppl": {name: r["ppl"] for name, r in {**rows, **{n: r for n, r in exact.items() if "d=D" in n}}.items()},
+        "ppl_delta": ppl_delta,
+        "tokens_per_second": {name: r["tokens"] / r["seconds"] for name, r in rows.items()},
         "agreement": {
             basis: {k: a[f"{k}_mean"] for k in ("jaccard", "mass", "mass_exact")}
             for basis, a in res.get("agreement", {}).items()
@@ -80,7 +70,7 @@ def measure_accuracy(profile: str = ACCURACY_PROFILE) -> dict:
 
 
 class _AccuracySuite:
-    version = "1"  # bump when what a number means changes (ASV hides results of other versions)
+    version = "2"  # bump when what a number means changes (ASV hides results of other versions)
     timeout = 1200
 
     def setup_cache(self):
@@ -116,6 +106,14 @@ class Perplexity(_AccuracySuite):
     @_unit("ppl")
     def track_ppl(self, cache, method):
         return cache["ppl"][method]
+
+    @_unit("tokens/s")
+    def track_eval_tokens_per_second(self, cache, method):
+        """Evaluation speed: scored tokens per second of the decode-time-semantics perplexity (teacher-forced
+        methods run every query row as a decode step by masks; H2O runs token by token)."""
+        if method not in cache["tokens_per_second"]:
+            raise SkipNotImplemented(f"{method}: no timed perplexity run (an exactness setting)")
+        return cache["tokens_per_second"][method]
 
 
 class TopkAgreement(_AccuracySuite):

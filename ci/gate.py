@@ -9,9 +9,9 @@ the benchmark metadata ASV writes beside them (``<results>/benchmarks.json``: un
 Checks (all listed in one table, then a summary; exit status 1 when any fails):
 
 - ``threshold``: a value outside its limit.  Speed-up limits are in ``ci/thresholds.json`` (``checks``);
-  accuracy limits live in ``ci/accuracy_thresholds.json`` (owned by the evaluation code) and are referenced
-  from ``ci/thresholds.json`` by a pointer (``limit_from``), never copied.  A gated benchmark without a value
-  (failed, skipped or absent) fails too, unless ``--allow-missing``.
+  accuracy limits live in ``loki/evaluation/accuracy_thresholds.json`` (owned by the evaluation code, shipped
+  with the package) and are referenced from ``ci/thresholds.json`` by a pointer (``limit_from``), never
+  copied.  A gated benchmark without a value (failed, skipped or absent) fails too, unless ``--allow-missing``.
 - ``regression``: a value worse than the previous commit's result on the same machine by more than the
   regression factor, in the benchmark's own direction (ms and MiB: higher is worse; x, GB/s, Jaccard:
   lower is worse; perplexity delta: higher is worse).  Directions come from the unit, overridden by name
@@ -54,7 +54,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_THRESHOLDS = HERE / "thresholds.json"
-DEFAULT_ACCURACY_THRESHOLDS = HERE / "accuracy_thresholds.json"
+DEFAULT_ACCURACY_THRESHOLDS = HERE.parent / "loki" / "evaluation" / "accuracy_thresholds.json"
 SKIP_FILES = {"machine.json", "benchmarks.json"}
 
 __all__ = ["GateError", "ResultsFile", "Check", "KnownMiss", "load_known_misses", "load_results", "run_gate", "main"]

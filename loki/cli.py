@@ -47,6 +47,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    if isinstance(getattr(args, "device", None), str):
+        from loki.evaluation.models import resolve_device
+
+        try:
+            resolve_device(args.device)
+        except ValueError as exc:
+            print(f"error: --device: {exc}", file=sys.stderr)
+            return 2
     module = importlib.import_module(COMMANDS[args.command][0])
     return int(module.run(args) or 0)
 

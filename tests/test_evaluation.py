@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
 from loki.basis import PCABasis
-from loki.evaluation import check, perplexity, rank, report
+from loki.evaluation import gates, perplexity, rank, report
 from loki.evaluation.agreement import capture_qk, selection_agreement, topk_agreement
 from loki.evaluation.perplexity import MethodSpec, effective_density, method_logits
 from loki.testing.models import tiny_model
@@ -155,9 +156,16 @@ def test_rank_summary_and_plots(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ gates, report
-def _row(name, method, ppl, k=0.25, d=0.25, gqa="query", basis=None):
+def _row(name, method, ppl, k=0.25, d=0.25, gqa="query", basis=None, T=512, full=20.0, width=0.02):
+    inc = ppl / full - 1
     return {"name": name, "method": method, "ppl": ppl, "k": k, "d": d, "gqa_select": gqa, "basis": basis,
-            "density": 0.25, "seconds": 1.0, "protocol": "decode"}
+            "density": 0.25, "seconds": 1.0, "protocol": "decode", "seq_len": T, "windows": 4,
+            "increase": inc, "increase_lo": inc - width, "increase_hi": inc + width}
+
+
+def _cmp(a, b, inc, width=0.02, T=512, k=0.25):
+    return {"a": a, "b": b, "seq_len": T, "k": k, "protocol": "decode", "increase": inc, "lo": inc - width,
+            "hi": inc + width}
 
 
 def _results(**over):
@@ -166,113 +174,166 @@ def _results(**over):
         "exact_topk[query]": _row("exact_topk[query]", "exact_topk", 21.0),
         "loki-pre[query]": _row("loki-pre[query]", "loki", 25.0, basis="pre"),
         "loki-post[query]": _row("loki-post[query]", "loki", 24.0, basis="post"),
-        "loki-post(d=0.5)[query]": _row("loki-post(d=0.5)[query]", "loki", 22.0, d=0.5, basis="post"),
+        "loki-score[query]": _row("loki-score[query]", "loki", 22.0, basis="score"),
         "h2o": _row("h2o", "h2o", 23.0),
-        "loki-post(d=D,k=all)": _row("loki-post(d=D,k=all)", "loki", 20.0, k=1.0, d=1.0, basis="post"),
-        "loki-post(d=D)[query]": _row("loki-post(d=D)[query]", "loki", 21.0, d=1.0, basis="post"),
     }
-    for k, v in over.items():
-        rows[k.replace("__", "-").replace("_q", "[query]")]["ppl"] = v
-    return {"settings": {"k": 0.25, "d": 0.25, "torch": "x", "eval_origin": "test"},
-            "perplexity": list(rows.values()),
+    for name, ppl in over.items():
+        r = rows[name]
+        rows[name] = _row(name, r["method"], ppl, k=r["k"], d=r["d"], basis=r["basis"])
+    comps = [_cmp("exact_topk[query]", "full", 0.05), _cmp("loki-pre[query]", "exact_topk[query]", 0.19),
+             _cmp("loki-post[query]", "exact_topk[query]", 0.14), _cmp("loki-score[query]", "exact_topk[query]", 0.05),
+             _cmp("loki-score[query]", "h2o", -0.04), _cmp("loki-score[query]", "loki-post[query]", -0.08),
+             _cmp("loki-score[query]", "loki-pre[query]", -0.12)]
+    exactness = [_row("full", "full", 20.0, k=1.0, d=1.0, T=256), _row("exact_topk[query]", "exact_topk", 21.0, T=256),
+                 _row("loki-post(d=D,k=all)", "loki", 20.0, k=1.0, d=1.0, basis="post", T=256),
+                 _row("loki-post(d=D)[query]", "loki", 21.0, d=1.0, basis="post", T=256)]
+    settings = dict(check_profile_settings(), torch="x", eval_origin="test", default_basis="score")
+    return {"settings": settings, "perplexity": list(rows.values()), "comparisons": comps, "exactness": exactness,
             "agreement": {"post": {"jaccard_mean": 0.6, "mass_mean": 0.8, "mass_exact_mean": 0.9}}}
 
 
-THRESH = {"exactness_rel_tol": 1e-4, "ordering_rel_tol": 1e-6, "loki_vs_h2o": {"d": 0.5}}
+def check_profile_settings():
+    from loki.evaluation.suite import profile_options
+
+    return profile_options("tests").profile_settings()
 
 
-def test_gates_pass_and_fail():
-    gates = check.evaluate_gates(_results(), THRESH)
-    names = [g["name"] for g in gates]
-    assert all(g["passed"] for g in gates), gates
+THRESH = {"exactness_rel_tol": 1e-4, "ordering_rel_tol": 1e-6, "fidelity": {"ppl_rel_max": 0.15}}
+
+
+def _failed(results, thr=THRESH, profile="tests"):
+    return {g["name"] for g in gates.evaluate_gates(results, thr, profile) if not g["passed"]}
+
+
+def test_gates_pass_and_fail_on_intervals():
+    res = _results()
+    names = [g["name"] for g in gates.evaluate_gates(res, THRESH, "tests")]
+    assert not _failed(res), gates.evaluate_gates(res, THRESH, "tests")
     assert any("exactness" in n for n in names) and any("H2O" in n for n in names)
+    assert any(n.startswith("fidelity: loki-score[query] within 15%") for n in names)
     bad = _results()
-    for r in bad["perplexity"]:
-        if r["name"] == "loki-post(d=0.5)[query]":
-            r["ppl"] = 30.0
-        if r["name"] == "loki-post(d=D,k=all)":
-            r["ppl"] = 20.1
-        if r["name"] == "loki-pre[query]":
-            r["ppl"] = 20.5  # better than exact top-k: ordering broken
-    failed = {g["name"] for g in check.evaluate_gates(bad, THRESH) if not g["passed"]}
-    assert any("H2O" in n for n in failed)
-    assert "exactness: Loki d=D, k=all == full" in failed
+    bad["exactness"][2]["ppl"] = 20.1  # d = D, k = all no longer reproduces full attention
+    bad["comparisons"][1] = _cmp("loki-pre[query]", "exact_topk[query]", -0.05)  # Loki better than the oracle
+    bad["comparisons"][4] = _cmp("loki-score[query]", "h2o", 0.05)  # significantly worse than H2O
+    failed = _failed(bad)
+    assert "exactness: Loki d=D, k=all == full (loki-post(d=D,k=all))" in failed
     assert "ordering: exact_topk[query] <= loki-pre[query]" in failed
+    assert any("not worse than H2O" in n for n in failed)
+    # an interval that reaches across the bound is not evidence: no failure
+    unsure = _results()
+    unsure["comparisons"][4] = _cmp("loki-score[query]", "h2o", 0.01)
+    unsure["perplexity"][4].update(increase=0.16, increase_lo=0.14, increase_hi=0.18)
+    assert not _failed(unsure)
+    unsure["perplexity"][4].update(increase=0.18, increase_lo=0.16, increase_hi=0.20)
+    assert _failed(unsure) == {"fidelity: loki-score[query] within 15% of full at T=512"}
 
 
-def test_update_thresholds_and_regression_gates(tmp_path):
+def test_update_thresholds_from_three_texts_and_regression_gates(tmp_path):
     path = tmp_path / "thr.json"
     path.write_text(json.dumps(THRESH))
-    res = _results()
-    res["settings"].update(check.SuiteOptions().profile_settings())
-    data = check.update_thresholds(res, path, "check")
-    prof = data["profiles"]["check"]
-    assert prof["ppl_delta_max"]["loki-post[query]"]["measured"] == pytest.approx(0.2)
-    assert prof["ppl_delta_max"]["loki-post[query]"]["max"] == pytest.approx(0.2 * 1.1 + 0.02)
-    assert prof["jaccard_min"]["post"] == {"measured": 0.6, "min": 0.58}
-    assert "loki-post(d=D,k=all)" not in prof["ppl_delta_max"]
-    thr = check.load_thresholds(path)
-    assert all(g["passed"] for g in check.evaluate_gates(res, thr, "check"))
-    worse = json.loads(json.dumps(res))
-    for r in worse["perplexity"]:
-        if r["name"] == "loki-post[query]":
-            r["ppl"] = 26.0
-    failed = [g["name"] for g in check.evaluate_gates(worse, thr, "check") if not g["passed"]]
-    assert failed == ["regression: loki-post[query] ppl increase"]
-    other = json.loads(json.dumps(res))
-    other["settings"]["eval_windows"] = 7
-    skipped = [g for g in check.evaluate_gates(other, thr, "check") if "skipped" in g.get("bound_text", "")]
+    runs = {t: _results(**{"loki-post[query]": p}) for t, p in (("wikitext", 24.0), ("wikipedia", 25.0),
+                                                                 ("book", 23.0))}
+    for t, r in runs.items():
+        r["agreement"]["post"]["jaccard_mean"] = {"wikitext": 0.6, "wikipedia": 0.55, "book": 0.7}[t]
+    data = gates.update_thresholds(runs, path, "tests")
+    prof = data["profiles"]["tests"]
+    post = prof["ppl_delta_max"]["loki-post[query]"]
+    assert post["measured"] == {"wikitext": pytest.approx(0.2), "wikipedia": pytest.approx(0.25),
+                                "book": pytest.approx(0.15)}
+    assert post["max"] == pytest.approx(0.25 * 1.1 + 0.02)  # the worst text plus the margin
+    assert prof["jaccard_min"]["post"]["min"] == pytest.approx(0.53)
+    assert set(prof["measured_on"]) == {"wikitext", "wikipedia", "book"}
+    thr = gates.load_thresholds(path)
+    for r in runs.values():  # the limits hold on each text
+        assert not _failed(r, thr), r
+    worse = _results(**{"loki-post[query]": 26.5})  # +32.5%, interval [+30.5%, +34.5%] above 29.5%
+    assert _failed(worse, thr) == {"regression: loki-post[query] ppl increase"}
+    edge = _results()
+    edge["perplexity"][3].update(increase=0.30, increase_lo=0.28, increase_hi=0.32)  # reaches below the limit
+    assert not _failed(edge, thr)
+    other = _results()
+    other["settings"]["windows"] = [[256, 7]]
+    skipped = [g for g in gates.evaluate_gates(other, thr, "tests") if "skipped" in g.get("bound_text", "")]
     assert len(skipped) == 1 and skipped[0]["passed"]
+
+
+def test_long_thresholds_and_retrieval_gates(tmp_path):
+    path = tmp_path / "thr.json"
+    res = _results()
+    res["perplexity"].append(_row("loki-score[query]", "loki", 21.0, k=0.125, T=8192, full=20.0))
+    res["retrieval"] = {"cells": {"passkey@8192:loki-score[query]": {"method": "loki", "accuracy": 0.9, "lo": 0.8,
+                                                                    "hi": 0.96},
+                                  "passkey@8192:full": {"method": "full", "accuracy": 1.0, "lo": 0.9, "hi": 1.0}}}
+    data = gates.update_thresholds({"wikitext": res}, path, "long", long_length=8192)
+    prof = data["profiles"]["long"]
+    assert set(prof["ppl_delta_max"]) == {"loki-score[query]@T8192,k0.125"}
+    assert prof["retrieval_min"] == {"passkey@8192:loki-score[query]": {"measured": {"wikitext": 0.9}, "min": 0.8}}
+    thr = gates.load_thresholds(path)
+    assert not _failed(res, thr, "long")
+    res["retrieval"]["cells"]["passkey@8192:loki-score[query]"].update(accuracy=0.5, lo=0.4, hi=0.6)
+    assert _failed(res, thr, "long") == {"regression: retrieval passkey@8192:loki-score[query]"}
 
 
 def test_downstream_thresholds_recorded_and_gated(tmp_path):
     path = tmp_path / "thr.json"
     path.write_text(json.dumps(THRESH))
     res = _results()
-    res["settings"].update(check.SuiteOptions().profile_settings())
     res["downstream"] = {"tasks": ["loki_copa"], "limit": 30, "num_fewshot": 0,
                          "accuracy": {"full": {"loki_copa": 0.6, "mean": 0.6},
                                       "loki-score[query]": {"loki_copa": 0.55, "mean": 0.55}}}
-    data = check.update_thresholds(res, path, "check")
+    data = gates.update_thresholds({"wikitext": res}, path, "tests")
     assert data["downstream"]["delta_max"]["loki-score[query]"] == {"measured": 0.05, "max": 0.1}
-    thr = check.load_thresholds(path)
-    ok = [g for g in check.evaluate_gates(res, thr, "check") if g["name"].startswith("downstream")]
+    thr = gates.load_thresholds(path)
+    ok = [g for g in gates.evaluate_gates(res, thr, "tests") if g["name"].startswith("downstream")]
     assert len(ok) == 1 and ok[0]["passed"]
     worse = json.loads(json.dumps(res))
     worse["downstream"]["accuracy"]["loki-score[query]"]["mean"] = 0.45
-    bad = [g for g in check.evaluate_gates(worse, thr, "check") if g["name"].startswith("downstream")]
+    bad = [g for g in gates.evaluate_gates(worse, thr, "tests") if g["name"].startswith("downstream")]
     assert len(bad) == 1 and not bad[0]["passed"] and bad[0]["value"] == pytest.approx(0.15)
     other = json.loads(json.dumps(res))
     other["downstream"]["limit"] = 10
-    skipped = [g for g in check.evaluate_gates(other, thr, "check") if g["name"].startswith("downstream")]
+    skipped = [g for g in gates.evaluate_gates(other, thr, "tests") if g["name"].startswith("downstream")]
     assert skipped[0]["passed"] and "skipped" in skipped[0]["bound_text"]
 
 
 def test_markdown_report(tmp_path):
     res = _results()
-    res["gates"] = check.evaluate_gates(res, THRESH)
+    res["gates"] = gates.evaluate_gates(res, THRESH, "tests")
     res["paper_protocol"] = [_row("loki-post[query]", "loki", 21.5)]
     res["generalization"] = {"setting": "s", "texts": ["a", "b"], "full": {"a": 10.0, "b": 20.0},
-                             "table": {"wikipedia": {"a": 11.0, "b": 24.0}, "book": {"a": 12.0, "b": 22.0}}}
+                             "table": {"wikipedia": {"a": 11.0, "b": 24.0}, "book": {"a": 12.0, "b": 22.0}},
+                             "intervals": {"wikipedia": {"a": {"increase": 0.1, "lo": 0.05, "hi": 0.15}}}}
     files = report.write_report(res, tmp_path)
     md = files["markdown"].read_text()
-    assert "## Gates: PASS" in md and "| loki-post[query] | loki | post |" in md and "+20.00%" in md
-    assert "## Generalisation" in md and "24.000 (+20.0%)" in md
+    assert "## Gates: PASS" in md
+    assert "| loki-post[query] | 4 x 512 | 0.25 | 0.25 | 24.000 | +20.00% [+18.00, +22.00]" in md
+    assert "## Generalisation" in md and "11.000 (+10.0% [+5.0, +15.0])" in md and "24.000 (+20.0%)" in md
     assert json.loads(files["json"].read_text())["perplexity"][0]["name"] == "full"
+    res["perplexity"] += [_row("loki-post[query]", "loki", 21.0, T=4096)]
+    assert report.write_length_plot(res, tmp_path) == {"ppl_vs_length": "ppl_vs_length.png"}
+    assert (tmp_path / "ppl_vs_length.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_basis_cache_path_keys(tiny, tmp_path):
+    from loki.evaluation.bases import CalibrationRecipe, basis_cache_path
+
     model = tiny[0]
-    a = check.basis_cache_path(model, "packaged:wikipedia/calib", 4096, 512, "post", tmp_path)
-    assert a.parent == tmp_path / "bases" and a.name.endswith("-4096t-512s-post.safetensors")
-    assert a != check.basis_cache_path(model, "packaged:book/calib", 4096, 512, "post", tmp_path)
-    assert a != check.basis_cache_path(model, "packaged:wikipedia/calib", 2048, 512, "post", tmp_path)
+    r = CalibrationRecipe(num_tokens=4096, seq_len=512, max_positions=1024)
+    a = basis_cache_path(model, "packaged:wikipedia/calib", r, "post", tmp_path)
+    assert a.parent == tmp_path / "bases" and a.name.endswith("-4096t-512s-1024p-post.safetensors")
+    assert a != basis_cache_path(model, "packaged:book/calib", r, "post", tmp_path)
+    assert a != basis_cache_path(model, "packaged:wikipedia/calib", replace(r, num_tokens=2048), "post", tmp_path)
+    assert a != basis_cache_path(model, "packaged:wikipedia/calib", replace(r, max_positions=2048), "post", tmp_path)
+    assert a != basis_cache_path(model, "packaged:wikipedia/calib", r, "score", tmp_path)
     other = tiny_model("llama", num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=128)
-    assert a != check.basis_cache_path(other, "packaged:wikipedia/calib", 4096, 512, "post", tmp_path)
+    assert a != basis_cache_path(other, "packaged:wikipedia/calib", r, "post", tmp_path)
 
 
-def test_get_bases_caches(tiny, monkeypatch, tmp_path):
+def test_get_bases_one_pass_and_cache(tiny, monkeypatch, tmp_path):
+    from loki.calibration import collect
+    from loki.evaluation import bases as bases_mod
     from loki.evaluation import data
+    from loki.evaluation.bases import CalibrationRecipe
 
     model = tiny[0]
 
@@ -283,12 +344,22 @@ def test_get_bases_caches(tiny, monkeypatch, tmp_path):
     monkeypatch.setenv("LOKI_CACHE", str(tmp_path))
     monkeypatch.setattr(data, "load_corpus", lambda name, part="calib", path=None:
                         data.TextSource(name, "some calibration text " * 400, f"test:{name}"))
-    b1 = check.get_bases(model, Tok(), "wikipedia", 256, 64, progress=False)
-    assert set(b1) == {"pre", "post"} and b1["post"].num_tokens == 256
-    assert len(list((tmp_path / "bases").glob("*.safetensors"))) == 2
-    monkeypatch.setattr("loki.calibration.calibrate", lambda *a, **k: pytest.fail("recalibrated"))
-    b2 = check.get_bases(model, Tok(), "wikipedia", 256, 64, progress=False)
+    passes = []
+    real = collect.collect_statistics
+    import sys
+
+    monkeypatch.setattr(sys.modules["loki.calibration.calibrate"], "collect_statistics",
+                        lambda *a, **k: passes.append(k["kinds"]) or real(*a, **k))
+    recipe = CalibrationRecipe(num_tokens=256, seq_len=64, max_positions=128)
+    b1 = bases_mod.get_bases(model, Tok(), ("pre", "post", "score"), recipe, progress=False)
+    assert set(b1) == {"pre", "post", "score"} and b1["post"].num_tokens == 256 and b1["score"].kind == "score"
+    assert b1["post"].max_positions == 128 and len(passes) == 1  # one streaming pass for the three bases
+    assert len(list((tmp_path / "bases").glob("*.safetensors"))) == 3
+    b2 = bases_mod.get_bases(model, Tok(), ("pre", "score"), recipe, progress=False)
+    assert len(passes) == 1  # from the cache
     torch.testing.assert_close(b2["pre"].components, b1["pre"].components)
+    with pytest.raises(ValueError, match="names must be"):
+        bases_mod.get_bases(model, Tok(), ("other",), recipe)
 
 
 # ------------------------------------------------------------------------------------------ CLI
@@ -299,7 +370,8 @@ def test_cli_help_explains(capsys):
         main(["check", "--help"])
     assert e.value.code == 0
     out = capsys.readouterr().out
-    assert "embedded default model" in out and "--update-thresholds" in out and "exits 1 when a gate" in out
+    assert "embedded SmolLM2" in out and "--update-thresholds" in out and "exits 1 when a gate" in out
+    assert "--long" in out and "--device" in out and "--dtype" in out
     for cmd in ("calibrate", "analyze", "ppl", "generate"):
         with pytest.raises(SystemExit) as e:
             main([cmd, "--help"])
@@ -323,7 +395,21 @@ def test_cli_bad_arguments(capsys, tmp_path):
     assert "--tokens must be >= 1" in capsys.readouterr().err
     assert main(["calibrate", "-o", str(tmp_path / "missing" / "b.safetensors")]) == 2
     assert "does not exist" in capsys.readouterr().err
-    assert main(["check", "--k", "0"]) == 2
+    with pytest.raises(SystemExit) as e:
+        main(["check", "--k", "0"])
+    assert e.value.code == 2 and "fraction in (0, 1]" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["check", "--windows", "1024by8"])
+    assert e.value.code == 2 and "TOKENSxCOUNT" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        for cmd in (["ppl"], ["check"], ["calibrate", "-o", str(tmp_path / "b.safetensors")]):
+            assert main([*cmd, "--device", "cuda"]) == 2
+            assert "no CUDA device is available" in capsys.readouterr().err
+    assert main(["check", "--thresholds", str(tmp_path / "none.json")]) == 2
+    assert "--thresholds" in capsys.readouterr().err
+    (tmp_path / "file").write_text("x")
+    assert main(["check", "--out", str(tmp_path / "file")]) == 2
+    assert "exists and is not a folder" in capsys.readouterr().err
     assert main(["analyze", "--basis", str(tmp_path / "nope.safetensors")]) == 2
     assert "no PCA basis file" in capsys.readouterr().err
     assert main(["ppl", "--windows", "0"]) == 2

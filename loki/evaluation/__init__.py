@@ -1,7 +1,8 @@
 """Evaluation of sparse attention on real models: the embedded default model (``models``), offline text
 loaders (``data``), perplexity with decode-time semantics (``perplexity``), top-k agreement (``agreement``),
-Rank@v analysis and plots (``rank``), reports (``report``), the main job ``loki check`` (``check``) and the
-CLI subcommands (``commands``).
+Rank@v analysis and plots (``rank``), the bases of the evaluation (``bases``), confidence intervals
+(``intervals``), the accuracy suite (``suite``) and its gates (``gates``), reports (``report``), the main job
+``loki check`` (``check``) and the CLI subcommands (``commands``).
 
 Submodules are imported lazily: ``import loki.evaluation`` loads neither transformers nor matplotlib.
 """
@@ -30,10 +31,17 @@ _EXPORTS = {
     "rank_summary": "rank",
     "write_rank_plots": "rank",
     "write_report": "report",
-    "SuiteOptions": "check",
-    "run_suite": "check",
-    "evaluate_gates": "check",
-    "get_bases": "check",
+    "SuiteOptions": "suite",
+    "PROFILES": "suite",
+    "profile_options": "suite",
+    "run_suite": "suite",
+    "evaluate_gates": "gates",
+    "load_thresholds": "gates",
+    "CalibrationRecipe": "bases",
+    "DEFAULT_RECIPE": "bases",
+    "get_bases": "bases",
+    "paired_increase": "intervals",
+    "resolve_device": "models",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -22,26 +22,18 @@ import math
 
 import torch
 
+from loki._checks import resolve_d, resolve_k
 from loki.basis import PCABasis
-from loki.reference import (
-    aggregate_group_scores,
-    approx_scores,
-    budget,
-    exact_scores,
-    expand_to_query_heads,
-    rotate_keys,
-    rotate_query,
-    select_topk,
-)
+from loki.calibration.hooks import AttentionRecorder
+from loki.reference.teacher_forced import grouped_scores, masked_softmax, per_query_head, topk_mask
 
 __all__ = ["capture_qk", "selection_agreement", "topk_agreement"]
+
 
 @torch.no_grad()
 def capture_qk(model, input_ids: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """Post-rotary queries ``[B, HQ, T, D]`` and keys ``[B, HKV, T, D]`` of every layer for ``input_ids [B, T]``
     (one causal forward pass)."""
-    from loki.calibration.hooks import AttentionRecorder
-
     store: dict = {}
 
     def keep(layer, query, key):
@@ -52,10 +44,18 @@ def capture_qk(model, input_ids: torch.Tensor) -> dict[int, tuple[torch.Tensor, 
     return store
 
 
-def _mask_from_idx(idx: torch.Tensor, S: int) -> torch.Tensor:
-    m = torch.zeros(*idx.shape[:2], S + 1, dtype=torch.bool, device=idx.device)
-    m.scatter_(-1, torch.where(idx < 0, S, idx), True)
-    return m[..., :S]
+def _group_select(s: torch.Tensor, HKV: int, gqa_select: str, aggregate: str) -> torch.Tensor:
+    """Selection scores [HQ, R, S] -> [H, R, S] (per KV head, combined over the group, for "kv")."""
+    if gqa_select == "query":
+        return s
+    if gqa_select != "kv":
+        raise ValueError(f"gqa_select must be 'query' or 'kv', got {gqa_select!r}")
+    g = s.view(HKV, s.shape[0] // HKV, *s.shape[1:])
+    if aggregate == "sum":
+        return g.sum(1)
+    if aggregate == "max":
+        return g.amax(1)
+    raise ValueError(f"aggregate must be 'sum' or 'max', got {aggregate!r}")
 
 
 @torch.no_grad()
@@ -69,39 +69,50 @@ def selection_agreement(
     gqa_select: str = "query",
     aggregate: str = "sum",
     P_q: torch.Tensor | None = None,
+    block_rows: int = 1024,
 ) -> dict[str, torch.Tensor]:
     """Agreement of Loki and exact top-k over the rows of one layer of one sequence.
 
     q: [HQ, T, D]; k: [HKV, T, D] (post-rotary); P: [HKV, D, D] (the key transform); P_q: the query transform
-    of a score basis (default P).  Returns per-head means over informative rows:
+    of a score basis (default P).  Rows are processed in blocks of ``block_rows`` (selections as masks, ties to
+    the lowest index, as the teacher-forced methods).  Returns per-head means over informative rows:
     ``jaccard`` [H], ``mass`` [HQ] (exact attention mass on Loki's selection), ``mass_exact`` [HQ] (on the exact
     top-k), and ``rows`` (the number of informative rows).
     """
     HQ, T, D = q.shape
     HKV = k.shape[0]
-    qr = q.transpose(0, 1).float()  # [T, HQ, D]: one decode step per row
-    kc = k.float()[None].expand(T, HKV, T, D)
-    lengths = torch.arange(1, T + 1, dtype=torch.int32)
-    s = exact_scores(qr, kc, lengths)  # [T, HQ, T]
-    probs = torch.softmax(s / math.sqrt(D), dim=-1)
-    counts = budget(k_f, lengths, None, T, T)
-    sel_scores = aggregate_group_scores(s, HKV, aggregate) if gqa_select == "kv" else s
-    exact_idx = select_topk(sel_scores, counts)
-    q_hat = rotate_query(qr, (P if P_q is None else P_q).float())
-    k_hat = rotate_keys(k.float()[None], P.float()).expand(T, HKV, T, D)
-    approx = approx_scores(q_hat, k_hat, d, lengths, gqa_select=gqa_select, aggregate=aggregate)
-    loki_idx = select_topk(approx, counts)
-    m_exact, m_loki = _mask_from_idx(exact_idx, T), _mask_from_idx(loki_idx, T)
-    inter = (m_exact & m_loki).sum(-1).double()
-    union = (m_exact | m_loki).sum(-1).double()
-    rows = counts < lengths.long()  # [T] informative rows
-    n = int(rows.sum())
-    if n == 0:
+    G = HQ // HKV
+    dd = resolve_d(d, D)
+    P_q = P if P_q is None else P_q
+    qf, kf = q.float()[None], k.float()[None]  # [1, HQ, T, D], [1, HKV, T, D]
+    q_hat = (qf.view(1, HKV, G, T, D) @ P_q.float().to(q.device)[None, :, None]).view(1, HQ, T, D)
+    k_hat = kf @ P.float().to(k.device)[None]
+    n = torch.arange(1, T + 1, device=q.device)
+    counts = resolve_k(k_f, n, T)  # [T]
+    informative = counts < n
+    if not bool(informative.any()):
         raise ValueError("no informative rows: every row selects all of its tokens (raise T or lower k_f)")
-    jac = (inter / union)[rows].mean(0)
-    mass = (probs * expand_to_query_heads(m_loki, HQ)).sum(-1)[rows].double().mean(0)
-    mass_exact = (probs * expand_to_query_heads(m_exact, HQ)).sum(-1)[rows].double().mean(0)
-    return {"jaccard": jac, "mass": mass, "mass_exact": mass_exact, "rows": n}
+    H = HKV if gqa_select == "kv" else HQ
+    jac = torch.zeros(H, dtype=torch.float64, device=q.device)
+    mass = torch.zeros(HQ, dtype=torch.float64, device=q.device)
+    mass_exact = torch.zeros(HQ, dtype=torch.float64, device=q.device)
+    pos = torch.arange(T, device=q.device)
+    for r0 in range(0, T, block_rows):
+        r1 = min(T, r0 + block_rows)
+        vis = (pos[None, :r1] <= pos[r0:r1, None])[None]  # [1, R, S]: causal
+        rows = informative[r0:r1]
+        c = counts[r0:r1][None]
+        s = grouped_scores(qf[:, :, r0:r1], kf[:, :, :r1])[0]  # [HQ, R, S]
+        probs = masked_softmax(s / math.sqrt(D), vis)
+        exact = topk_mask(_group_select(s, HKV, gqa_select, aggregate).masked_fill(~vis, float("-inf")), c)
+        approx = grouped_scores(q_hat[:, :, r0:r1, :dd], k_hat[:, :, :r1, :dd])[0]
+        loki = topk_mask(_group_select(approx, HKV, gqa_select, aggregate).masked_fill(~vis, float("-inf")), c)
+        inter, union = (exact & loki).sum(-1).double(), (exact | loki).sum(-1).double()
+        jac += (inter / union)[:, rows].sum(-1)
+        mass += (probs * per_query_head(loki[None], HQ)[0]).sum(-1)[:, rows].double().sum(-1)
+        mass_exact += (probs * per_query_head(exact[None], HQ)[0]).sum(-1)[:, rows].double().sum(-1)
+    m = int(informative.sum())
+    return {"jaccard": (jac / m).cpu(), "mass": (mass / m).cpu(), "mass_exact": (mass_exact / m).cpu(), "rows": m}
 
 
 @torch.no_grad()

@@ -3,7 +3,7 @@
 Every method runs through :class:`loki.integrations.lm_eval.LokiLM` on the already loaded model with
 decode-time semantics (each query row of a prompt selects ``ceil(k_f (i+1))`` of the tokens it sees), so the
 log-likelihoods measure the method; "full" is the model's own dense attention.  Used by ``loki check`` for the
-downstream-accuracy gates of ``ci/accuracy_thresholds.json`` ("downstream").
+downstream-accuracy gates (``loki/evaluation/accuracy_thresholds.json``, "downstream").
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ DEFAULT_TASKS = ("loki_copa", "loki_arc_easy")
 
 def downstream_accuracy(model, tokenizer, specs, bases: dict, *, tasks=DEFAULT_TASKS, limit: int = 30,
                         num_fewshot: int = 0, progress: bool = True) -> dict:
-    """``{"tasks", "limit", "num_fewshot", "accuracy": {spec name: {task: acc, "mean": acc}}}`` for
-    :class:`~loki.evaluation.perplexity.MethodSpec` s ("full", "loki", "exact_topk", ...)."""
+    """``{"tasks", "limit", "num_fewshot", "accuracy": {spec name: {task: acc, "mean": acc}}, "stderr": {spec
+    name: {task: lm-eval's standard error of acc}}}`` for :class:`~loki.evaluation.perplexity.MethodSpec` s
+    ("full", "loki", "exact_topk", ...)."""
     from lm_eval import simple_evaluate
     from tqdm.auto import tqdm
 
@@ -25,6 +26,7 @@ def downstream_accuracy(model, tokenizer, specs, bases: dict, *, tasks=DEFAULT_T
 
     tm = task_manager()
     acc: dict[str, dict[str, float]] = {}
+    stderr: dict[str, dict[str, float]] = {}
     for spec in tqdm(specs, desc="downstream tasks", unit="method", disable=not progress):
         if spec.method == "full":
             kw = dict(method="dense", k=1.0, d=1.0, semantics="generate")
@@ -41,4 +43,5 @@ def downstream_accuracy(model, tokenizer, specs, bases: dict, *, tasks=DEFAULT_T
         per = {t: float(res["results"][t]["acc,none"]) for t in tasks}
         per["mean"] = sum(per.values()) / len(tasks)
         acc[spec.name] = per
-    return {"tasks": list(tasks), "limit": limit, "num_fewshot": num_fewshot, "accuracy": acc}
+        stderr[spec.name] = {t: float(res["results"][t].get("acc_stderr,none", float("nan"))) for t in tasks}
+    return {"tasks": list(tasks), "limit": limit, "num_fewshot": num_fewshot, "accuracy": acc, "stderr": stderr}

@@ -52,20 +52,22 @@ def default_options() -> list[Option]:
     return o
 
 
-def run_study(model, tokenizer, *, calib_tokens: int = 4096, calib_seq_len: int = 512, windows: int = 2,
-              seq_len: int = 256, options: list[Option] | None = None, progress: bool = True, log=None) -> dict:
+def run_study(model, tokenizer, *, calib_tokens: int = 8192, calib_seq_len: int = 1024, windows: int = 8,
+              seq_len: int = 1024, options: list[Option] | None = None, progress: bool = True, log=None) -> dict:
+    """The study on ``windows`` x ``seq_len`` WikiText-2 tokens (evaluation half) with bases calibrated on
+    ``calib_tokens`` packaged Wikipedia tokens in sequences of ``calib_seq_len`` covering the evaluated
+    positions."""
     from tqdm.auto import tqdm
 
     from loki.evaluation.agreement import topk_agreement
-    from loki.evaluation.check import get_bases
-    from loki.evaluation.data import load_wikitext, token_windows
+    from loki.evaluation.bases import CalibrationRecipe, get_bases
+    from loki.evaluation.data import load_corpus, token_windows
     from loki.evaluation.perplexity import MethodSpec, perplexity
 
     log = log or (lambda m: None)
-    bases = get_bases(model, tokenizer, "wikipedia", calib_tokens, calib_seq_len, progress=progress, log=log)
-    bases.update(get_bases(model, tokenizer, "wikipedia", calib_tokens, calib_seq_len, rotary="score",
-                           progress=progress, log=log))
-    wt = load_wikitext()
+    recipe = CalibrationRecipe(num_tokens=calib_tokens, seq_len=min(calib_seq_len, seq_len), max_positions=seq_len)
+    bases = get_bases(model, tokenizer, ("pre", "post", "score"), recipe, progress=progress, log=log)
+    wt = load_corpus("wikitext", part="eval")
     ev = token_windows(tokenizer, wt, seq_len, windows)
     full = perplexity(model, ev, MethodSpec("full", "full")).ppl
     rows = []
@@ -111,9 +113,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "attention mass against exact top-k. Writes OUT/fidelity.md and OUT/fidelity.json."
     )
     parser.add_argument("--out", default="loki-report", help="output folder (default: %(default)s)")
-    parser.add_argument("--calib-tokens", type=int, default=4096, help="calibration tokens (default: %(default)s)")
-    parser.add_argument("--windows", type=int, default=2, help="WikiText-2 windows (default: %(default)s)")
-    parser.add_argument("--seq-len", type=int, default=256, help="tokens per window (default: %(default)s)")
+    parser.add_argument("--calib-tokens", type=int, default=8192, help="calibration tokens (default: %(default)s)")
+    parser.add_argument("--windows", type=int, default=8, help="WikiText-2 windows (default: %(default)s)")
+    parser.add_argument("--seq-len", type=int, default=1024, help="tokens per window (default: %(default)s)")
+    from loki.evaluation.commands import add_device_arguments
+
+    add_device_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -123,7 +128,10 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, name) < (2 if name == "seq_len" else 1):
             print(f"loki fidelity: --{name.replace('_', '-')} must be positive", file=sys.stderr)
             return 2
-    model, tok = load_default_model()
+    from loki.evaluation.commands import set_threads
+
+    set_threads(getattr(args, "threads", None))
+    model, tok = load_default_model(device=args.device, dtype=args.dtype)
     study = run_study(model, tok, calib_tokens=args.calib_tokens, windows=args.windows, seq_len=args.seq_len,
                       log=lambda m: print(f"[loki fidelity] {m}", file=sys.stderr))
     out = Path(args.out)

@@ -1,8 +1,10 @@
 """The report of an accuracy run: a markdown summary, the full results as JSON and the plots, in one folder.
 
-``results`` is a JSON-able dict built by :mod:`loki.evaluation.check` with the keys ``settings``,
-``perplexity`` (list of :class:`~loki.evaluation.perplexity.PerplexityResult` dicts), ``paper_protocol``,
-``agreement``, ``rank``, ``generalization``, ``gates`` and ``plots`` (any may be missing).
+``results`` is the JSON-able dict of :func:`loki.evaluation.suite.run_suite` with the keys ``settings``,
+``perplexity`` (rows of :class:`~loki.evaluation.perplexity.PerplexityResult` with ``seq_len``, ``windows`` and
+the increase over full attention with its 95% interval), ``paper_protocol``, ``comparisons``, ``exactness``,
+``agreement``, ``rank``, ``retrieval``, ``generalization``, ``downstream``, ``gates`` and ``plots`` (any may be
+missing).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import json
 import os
 from pathlib import Path
 
-__all__ = ["markdown_report", "perplexity_table", "write_report"]
+__all__ = ["markdown_report", "perplexity_table", "write_length_plot", "write_report"]
 
 
 def _fmt(x, nd=3):
@@ -22,36 +24,84 @@ def _fmt(x, nd=3):
     return str(x)
 
 
-def perplexity_table(rows: list[dict], full_ppl: float | None = None) -> str:
-    """A markdown table of perplexity results (method, k, d, GQA mode, perplexity, delta vs full, density)."""
-    if full_ppl is None:
-        full = [r for r in rows if r["method"] == "full"]
-        full_ppl = full[0]["ppl"] if full else None
+def _increase(r: dict) -> str:
+    if "increase" not in r:
+        return "-"
+    if r.get("method") == "full":
+        return "0"
+    return f"{100 * r['increase']:+.2f}% [{100 * r['increase_lo']:+.2f}, {100 * r['increase_hi']:+.2f}]"
+
+
+def perplexity_table(rows: list[dict]) -> str:
+    """A markdown table of perplexity rows: setting, window, k_f, d, perplexity, increase over full attention
+    with its paired 95% interval, density and time."""
     lines = [
-        "| setting | method | basis | GQA | k | d (r) | perplexity | vs full | density | time (s) |",
-        "|---|---|---|---|---|---|---:|---:|---:|---:|",
+        "| setting | window | k_f | d (r) | perplexity | vs full [95% interval] | density | time (s) |",
+        "|---|---|---:|---:|---:|---|---:|---:|",
     ]
     for r in rows:
-        delta = f"{100 * (r['ppl'] / full_ppl - 1):+.2f}%" if full_ppl else "-"
-        lines.append(
-            f"| {r['name']} | {r['method']} | {r.get('basis') or '-'} | {r.get('gqa_select', '-')} | {r['k']} | "
-            f"{r['d']} | {r['ppl']:.4f} | {delta} | {r['density']:.3f} | {r['seconds']:.1f} |"
-        )
+        k = "-" if r["method"] == "full" else f"{r['k']:g}"
+        d = "-" if r["method"] in ("full", "exact_topk", "h2o") else f"{r['d']:g}"
+        lines.append(f"| {r['name']} | {r.get('windows', '?')} x {r.get('seq_len', '?')} | {k} | {d} | {r['ppl']:.3f} "
+                     f"| {_increase(r)} | {r['density']:.3f} | {r['seconds']:.1f} |")
     return "\n".join(lines)
+
+
+def write_length_plot(results: dict, out_dir) -> dict[str, str]:
+    """``ppl_vs_length.png``: the perplexity increase over full attention (with its 95% interval) against the
+    window length, one panel per k_f, one line per setting.  Returns ``{"ppl_vs_length": file name}``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in results.get("perplexity", []) if r["method"] != "full" and "increase" in r]
+    ks = sorted({r["k"] for r in rows}, reverse=True)
+    if not rows:
+        return {}
+    fig, axes = plt.subplots(1, len(ks), figsize=(5 * len(ks), 4), squeeze=False)
+    for ax, k in zip(axes[0], ks):
+        names = sorted({r["name"] for r in rows if r["k"] == k})
+        for name in names:
+            pts = sorted((r["seq_len"], r["increase"], r["increase_lo"], r["increase_hi"]) for r in rows
+                         if r["k"] == k and r["name"] == name)
+            if len(pts) < 2:
+                continue
+            x = [p[0] for p in pts]
+            y = [100 * p[1] for p in pts]
+            err = [[100 * (p[1] - p[2]) for p in pts], [100 * (p[3] - p[1]) for p in pts]]
+            ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("symlog", linthresh=10)
+        ax.set_xlabel("window (tokens)")
+        ax.set_ylabel("perplexity increase over full attention (%)")
+        ax.set_title(f"k_f = {k:g}")
+        ax.grid(True, alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_dir / "ppl_vs_length.png", dpi=110)
+    plt.close(fig)
+    return {"ppl_vs_length": "ppl_vs_length.png"}
 
 
 def markdown_report(results: dict) -> str:
     s = results.get("settings", {})
     out = ["# Loki accuracy report", ""]
     if s:
+        cal = s.get("calibration", {})
         out += [
-            f"- model: {s.get('model')} ({s.get('model_path')})",
-            f"- evaluation text: {s.get('eval_origin')}; {s.get('eval_windows')} windows x {s.get('eval_seq_len')} "
-            f"tokens (offset {s.get('eval_offset')})",
-            f"- calibration: {s.get('calib_corpus')} ({s.get('calib_origin')}), {s.get('calib_tokens')} tokens, "
-            f"sequences of {s.get('calib_seq_len')}",
-            f"- budgets: k_f = {s.get('k')}, d_f = {s.get('d')}; protocol `decode` = every query row i selects "
-            "ceil(k_f (i+1)) of the i+1 tokens it sees",
+            f"- model: {s.get('model')} ({s.get('model_path')}), {s.get('dtype')} on {s.get('card')}",
+            f"- profile `{s.get('profile')}`; evaluation text: {s.get('eval_origin')}; windows (tokens x count): "
+            + ", ".join(f"{t} x {n}" for t, n in s.get("windows", [])),
+            f"- calibration: {s.get('calib_origin')}, {cal.get('num_tokens')} tokens in sequences of "
+            f"{cal.get('seq_len')}, positions [0, {cal.get('max_positions')}); default basis: {s.get('default_basis')}",
+            f"- budgets: k_f = {', '.join(f'{k:g}' for k in s.get('k_values', [s.get('k')]))} (primary {s.get('k')}), "
+            f"d_f = {s.get('d')}; protocol `decode`: every query row i selects ceil(k_f (i+1)) of the i+1 tokens "
+            "it sees",
+            "- intervals: 95%, paired block bootstrap over 128-token blocks of per-token NLL differences "
+            "(`loki.evaluation.intervals`)",
             f"- wall time: {_fmt(results.get('seconds'), 1)} s, torch threads: {s.get('threads')}",
             "",
         ]
@@ -64,22 +114,33 @@ def markdown_report(results: dict) -> str:
             out.append(f"| {g['name']} | {_fmt(g.get('value'), 6)} | {g.get('bound_text', _fmt(g.get('bound'), 6))} "
                        f"| {'pass' if g['passed'] else '**FAIL**'} |")
         out.append("")
-    if results.get("perplexity"):
-        out += ["## Perplexity (decode-time semantics)", "", perplexity_table(results["perplexity"]), ""]
+    rows = results.get("perplexity", [])
+    for T in sorted({r["seq_len"] for r in rows}, reverse=True):
+        out += [f"## Perplexity, {T}-token windows (decode-time semantics)", "",
+                perplexity_table([r for r in rows if r["seq_len"] == T]), ""]
     if results.get("paper_protocol"):
-        full = [r for r in results.get("perplexity", []) if r["method"] == "full"]
         out += ["## Perplexity, the paper's protocol (k a fraction of the whole window)", "",
                 "Row i keeps min(ceil(k_f T), i+1) tokens, so the density (fraction of causal entries attended) is "
-                "far above k_f.", "",
-                perplexity_table(results["paper_protocol"], full[0]["ppl"] if full else None), ""]
+                "far above k_f.", "", perplexity_table(results["paper_protocol"]), ""]
+    if results.get("exactness"):
+        out += ["## Exactness (d = D)", "", perplexity_table(results["exactness"]), ""]
     if results.get("agreement"):
         out += ["## Top-k agreement with exact top-k", "",
                 "Jaccard of Loki's selection with the exact top-k, and the exact attention mass on the selection "
-                "(the exact top-k's own mass is the ceiling), averaged over layers, heads and informative rows.", "",
-                "| basis | Jaccard | mass captured | exact top-k mass |", "|---|---:|---:|---:|"]
-        for name, a in results["agreement"].items():
-            out.append(f"| {name} | {a['jaccard_mean']:.4f} | {a['mass_mean']:.4f} | {a['mass_exact_mean']:.4f} |")
+                "(the exact top-k's own mass is the ceiling), averaged over layers, heads and informative rows of "
+                "one window, at the primary k_f.", "",
+                "| window | basis | Jaccard | mass captured | exact top-k mass |", "|---|---|---:|---:|---:|"]
+        by_len = results.get("agreement_by_length") or {str(s.get("windows", [[0]])[0][0]): results["agreement"]}
+        for T, per in by_len.items():
+            for name, a in per.items():
+                out.append(f"| {T} | {name} | {a['jaccard_mean']:.4f} | {a['mass_mean']:.4f} | "
+                           f"{a['mass_exact_mean']:.4f} |")
         out.append("")
+    if results.get("retrieval"):
+        from loki.evaluation import retrieval
+
+        out += ["## Synthetic retrieval (exact match, 95% intervals)", "",
+                retrieval.markdown_table(results["retrieval"]), ""]
     if results.get("rank"):
         out += ["## Rank@90 of the keys", "", "| basis | mean Rank@90 | of D | per layer |", "|---|---:|---:|---|"]
         for name, r in results["rank"].items():
@@ -90,10 +151,13 @@ def markdown_report(results: dict) -> str:
     if results.get("downstream"):
         ds = results["downstream"]
         tasks = ds["tasks"]
-        out += [f"## Downstream accuracy (lm-eval, {ds['num_fewshot']}-shot, first {ds['limit']} documents per task)",
+        out += [f"## Downstream accuracy (lm-eval, {ds['num_fewshot']}-shot, first {ds['limit']} documents per task; "
+                "± lm-eval's standard error)",
                 "", "| method | " + " | ".join(tasks) + " | mean |", "|---|" + "---:|" * (len(tasks) + 1)]
         for name, acc in ds["accuracy"].items():
-            out.append(f"| {name} | " + " | ".join(f"{acc[t]:.3f}" for t in tasks) + f" | {acc['mean']:.3f} |")
+            se = ds.get("stderr", {}).get(name, {})
+            cells = [f"{acc[t]:.3f}" + (f" ± {se[t]:.3f}" if t in se else "") for t in tasks]
+            out.append(f"| {name} | " + " | ".join(cells) + f" | {acc['mean']:.3f} |")
         out.append("")
     if results.get("generalization"):
         g = results["generalization"]
@@ -103,7 +167,10 @@ def markdown_report(results: dict) -> str:
                 "| basis calibrated on | " + " | ".join(texts) + " |", "|---|" + "---:|" * len(texts),
                 "| (full attention) | " + " | ".join(f"{g['full'][t]:.3f}" for t in texts) + " |"]
         for cal, row in g["table"].items():
-            cells = [f"{row[t]:.3f} ({100 * (row[t] / g['full'][t] - 1):+.1f}%)" for t in texts]
+            iv = g.get("intervals", {}).get(cal, {})
+            cells = [f"{row[t]:.3f} ({100 * (row[t] / g['full'][t] - 1):+.1f}%"
+                     + (f" [{100 * iv[t]['lo']:+.1f}, {100 * iv[t]['hi']:+.1f}]" if t in iv else "") + ")"
+                     for t in texts]
             out.append(f"| {cal} | " + " | ".join(cells) + " |")
         out.append("")
     plots = results.get("plots")

@@ -25,7 +25,8 @@ import torch
 from .._checks import resolve_d, resolve_k
 from .common import default_scale
 
-__all__ = ["ROW_METHODS", "teacher_forced_rows", "topk_mask"]
+__all__ = ["ROW_METHODS", "attend", "grouped_scores", "masked_softmax", "per_query_head", "teacher_forced_rows",
+           "topk_mask"]
 
 #: Methods computed here (H2O keeps state across steps and runs as an actual decode loop).
 ROW_METHODS = ("loki", "exact_topk", "pcaattn", "dense", "sparq")
@@ -61,7 +62,7 @@ def topk_mask(scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     return mask
 
 
-def _grouped(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+def grouped_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """Scores of every query head against its KV head: q [B, HQ, R, e] x k [B, HKV, S, e] -> [B, HQ, R, S]."""
     B, HQ, R, e = q.shape
     HKV, S = k.shape[1], k.shape[2]
@@ -70,14 +71,14 @@ def _grouped(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return s.view(B, HQ, R, S)
 
 
-def _attend(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def attend(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Weights [B, HQ, R, S] times values [B, HKV, S, D] -> [B, HQ, R, D]."""
     B, HQ, R, S = p.shape
     HKV, D = v.shape[1], v.shape[-1]
     return torch.matmul(p.reshape(B, HKV, (HQ // HKV) * R, S), v).view(B, HQ, R, D)
 
 
-def _per_query_head(mask: torch.Tensor, HQ: int) -> torch.Tensor:
+def per_query_head(mask: torch.Tensor, HQ: int) -> torch.Tensor:
     """[B, HKV, R, S] -> [B, HQ, R, S] (each KV head's entry repeated over its query heads)."""
     B, HKV = mask.shape[:2]
     if HKV == HQ:
@@ -85,7 +86,7 @@ def _per_query_head(mask: torch.Tensor, HQ: int) -> torch.Tensor:
     return mask[:, :, None].expand(B, HKV, HQ // HKV, *mask.shape[2:]).reshape(B, HQ, *mask.shape[2:])
 
 
-def _masked_softmax(s: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+def masked_softmax(s: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     """softmax over the allowed entries of each row, zeros for a row with none."""
     p = torch.softmax(s.masked_fill(~allowed, _NEG_INF), dim=-1)
     return p.nan_to_num_(0.0)
@@ -97,9 +98,9 @@ def _block(method, q, k, v, visible, n_visible, counts, *, dd, scale, gqa_select
     B, HQ, R, D = q.shape
     HKV = k.shape[1]
     if method == "dense":
-        return _attend(_masked_softmax(_grouped(q, k) * scale, visible), v)
+        return attend(masked_softmax(grouped_scores(q, k) * scale, visible), v)
     if method == "pcaattn":
-        return _attend(_masked_softmax(_grouped(q[..., :dd], k[..., :dd]) * scale, visible), v)
+        return attend(masked_softmax(grouped_scores(q[..., :dd], k[..., :dd]) * scale, visible), v)
     counts = counts[:, None]  # [B, 1, R]: one budget for every head of a row
     if method == "sparq":
         # SparQ (per query head): the r largest |q| components, a tempered softmax of the partial scores
@@ -107,17 +108,17 @@ def _block(method, q, k, v, visible, n_visible, counts, *, dd, scale, gqa_select
         q_r = torch.zeros_like(q).scatter_(-1, i1, q.gather(-1, i1))
         l1_ratio = q_r.abs().sum(-1) / q.abs().sum(-1).clamp_min(torch.finfo(q.dtype).tiny)
         temp = torch.sqrt(D * l1_ratio).clamp_min(torch.finfo(q.dtype).tiny)  # [B, HQ, R]
-        s_hat = _masked_softmax(_grouped(q_r, k) / temp[..., None], visible)
+        s_hat = masked_softmax(grouped_scores(q_r, k) / temp[..., None], visible)
         sel = topk_mask(s_hat.masked_fill(~visible, _NEG_INF), counts)
         alpha = (s_hat * sel).sum(-1, keepdim=True)  # [B, HQ, R, 1]
-        y = _attend(_masked_softmax(_grouped(q, k) * scale, sel), v)
-        v_mean = _attend((visible / n_visible[:, None, :, None].clamp_min(1)).expand(B, HQ, R, -1), v)
+        y = attend(masked_softmax(grouped_scores(q, k) * scale, sel), v)
+        v_mean = attend((visible / n_visible[:, None, :, None].clamp_min(1)).expand(B, HQ, R, -1), v)
         return alpha * y + (1 - alpha) * v_mean
     if method == "loki":  # approximate scores from the first d dims; the rest completes the exact scores
-        approx = _grouped(q[..., :dd], k[..., :dd])
-        exact = approx + _grouped(q[..., dd:], k[..., dd:]) if dd < D else approx
+        approx = grouped_scores(q[..., :dd], k[..., :dd])
+        exact = approx + grouped_scores(q[..., dd:], k[..., dd:]) if dd < D else approx
     elif method == "exact_topk":
-        exact = approx = _grouped(q, k)
+        exact = approx = grouped_scores(q, k)
     else:
         raise ValueError(f"method must be one of {ROW_METHODS}, got {method!r}")
     if gqa_select == "kv":
@@ -126,7 +127,7 @@ def _block(method, q, k, v, visible, n_visible, counts, *, dd, scale, gqa_select
     elif gqa_select != "query":
         raise ValueError(f"gqa_select must be 'query' or 'kv', got {gqa_select!r}")
     sel = topk_mask(approx.masked_fill(~visible, _NEG_INF), counts)
-    return _attend(_masked_softmax(exact * scale, _per_query_head(sel, HQ)), v)
+    return attend(masked_softmax(exact * scale, per_query_head(sel, HQ)), v)
 
 
 def teacher_forced_rows(

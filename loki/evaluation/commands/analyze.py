@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from . import add_model_arguments, fail, load_model_from_args
@@ -21,8 +22,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     parser.add_argument("--corpus", default="wikipedia", choices=("wikipedia", "book", "wikitext"),
                         help="calibration corpus when no --basis is given (default: %(default)s)")
-    parser.add_argument("--tokens", type=int, default=4096, help="calibration tokens (default: %(default)s)")
-    parser.add_argument("--seq-len", type=int, default=512, help="calibration sequence length (default: %(default)s)")
+    parser.add_argument("--tokens", type=int, default=8192, help="calibration tokens (default: %(default)s)")
+    parser.add_argument("--seq-len", type=int, default=1024,
+                        help="calibration sequence length; sequences are spread over the model's context "
+                        "(default: %(default)s)")
     parser.add_argument("--v", type=float, action="append", default=None,
                         help="variance percentage(s) for Rank@v (default: 90 and 95)")
     parser.add_argument("--out", default="loki-analysis", help="output folder (default: %(default)s)")
@@ -46,13 +49,13 @@ def run(args: argparse.Namespace) -> int:
         key = name or (b.rotary if b.rotary not in bases else Path(path).stem)
         bases[key] = b
     if not bases:
-        from loki.evaluation.check import get_bases
+        from loki.evaluation.bases import DEFAULT_RECIPE, get_bases
 
         if args.tokens < 1 or args.seq_len < 2:
             return fail("--tokens must be >= 1 and --seq-len >= 2")
         model, tokenizer = load_model_from_args(args)
-        bases = get_bases(model, tokenizer, args.corpus, args.tokens, args.seq_len,
-                          progress=not args.no_progress, log=print)
+        recipe = replace(DEFAULT_RECIPE, corpus=args.corpus, num_tokens=args.tokens, seq_len=args.seq_len)
+        bases = get_bases(model, tokenizer, ("pre", "post"), recipe, progress=not args.no_progress, log=print)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     summary = rank_summary(bases, vs)

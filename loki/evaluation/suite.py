@@ -1,0 +1,322 @@
+"""The accuracy suite of ``loki check``: profiles, the methods at matched budgets, and one run.
+
+Profiles (:data:`PROFILES`; the first window length of a profile is its primary one, the first k_f its primary
+budget, where the gates look):
+
+- ``tests`` (CI, the CPU): 4 x 512 WikiText-2 tokens, bases fitted on 4,096 tokens covering the 512 positions
+  used, the gates' methods only.
+- ``check`` (``loki check``, the CPU default): 8 x 1024 tokens, bases covering the 1024 positions used, the
+  gates' methods plus the GQA "kv" selection, H2O and SparQ, top-k agreement, Rank@90 plots, the retrieval
+  suite's small version.
+- ``long`` (``loki check --long``, meant for a GPU): windows of 1024, 4096 and 8192 tokens, k_f in {0.25,
+  0.125, 0.0625}, every method in both GQA modes, the paper's protocol beside, bases of the default recipe
+  (the model's whole context), agreement at every length, the retrieval suite at 1k-8k, generalisation across
+  calibration and evaluation texts.
+
+Every perplexity increase carries a paired 95% interval (:mod:`loki.evaluation.intervals`), and the pairs the
+gates compare (Loki against exact top-k, H2O and the PCA bases) are stored in ``results["comparisons"]``.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from loki.basis import config_fingerprint, config_head_dim
+from loki.evaluation.bases import DEFAULT_RECIPE, CalibrationRecipe, get_bases
+from loki.evaluation.intervals import paired_increase
+from loki.evaluation.perplexity import MethodSpec, perplexity
+
+__all__ = ["PROFILES", "SuiteOptions", "profile_options", "run_suite", "suite_methods"]
+
+
+def _log(msg: str) -> None:
+    print(f"[loki check] {msg}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class SuiteOptions:
+    """Budgets and switches of one accuracy run (see :data:`PROFILES`)."""
+
+    profile: str = "check"
+    k: float = 0.25  # the primary k_f (gates); k_values adds others
+    d: float = 0.25
+    k_values: tuple[float, ...] = ()
+    recipe: CalibrationRecipe = field(default_factory=lambda: CalibrationRecipe(num_tokens=8192, seq_len=1024,
+                                                                                 max_positions=1024))
+    bases: tuple[str, ...] = ("pre", "post", "score")
+    default_basis: str = "score"  # the default Loki configuration's basis
+    eval_corpus: str = "wikitext"
+    windows: tuple[tuple[int, int], ...] = ((1024, 8),)  # (tokens, count); the first is the primary length
+    methods: str = "check"  # method set of suite_methods: "tests", "check" or "long"
+    paper_protocol: bool = False
+    agreement: bool = True
+    rank: bool = True
+    generalization: bool = False
+    downstream: bool = False
+    downstream_tasks: tuple[str, ...] = ("loki_copa", "loki_arc_easy")
+    downstream_limit: int = 30
+    retrieval: dict | None = None  # keyword arguments of loki.evaluation.retrieval.evaluate_retrieval
+    h2o_max_len: int = 1024  # H2O runs token by token: only windows up to this length
+    exactness_window: tuple[int, int] = (256, 1)
+    use_cache: bool = True
+    progress: bool = True
+    batch_size: int = 4
+    log: object = field(default=_log, repr=False)
+
+    @property
+    def all_k(self) -> tuple[float, ...]:
+        return tuple(dict.fromkeys((self.k, *self.k_values)))
+
+    def profile_settings(self) -> dict:
+        """The settings a profile's regression thresholds are tied to."""
+        return {"k": self.k, "d": self.d, "k_values": list(self.all_k), "calibration": dict(vars(self.recipe)),
+                "windows": [list(w) for w in self.windows], "bases": list(self.bases), "methods": self.methods}
+
+
+PROFILES: dict[str, SuiteOptions] = {
+    "tests": SuiteOptions(
+        profile="tests", recipe=CalibrationRecipe(num_tokens=4096, seq_len=512, max_positions=512),
+        windows=((512, 4),), methods="tests", rank=True, agreement=True),
+    "check": SuiteOptions(profile="check"),
+    "long": SuiteOptions(
+        profile="long", k_values=(0.125, 0.0625), recipe=DEFAULT_RECIPE,
+        windows=((8192, 2), (4096, 4), (1024, 8)), methods="long", paper_protocol=True, generalization=True,
+        retrieval={"tasks": None, "context_lens": (1024, 2048, 4096, 8192), "samples": 32}, batch_size=2),
+}
+
+
+def profile_options(name: str, **overrides) -> SuiteOptions:
+    """The options of profile ``name`` with ``overrides`` applied (a fresh copy)."""
+    if name not in PROFILES:
+        raise ValueError(f"profile must be one of {tuple(PROFILES)}, got {name!r}")
+    return replace(PROFILES[name], **overrides)
+
+
+def suite_methods(opts: SuiteOptions, head_dim: int, T: int, k: float) -> list[MethodSpec]:
+    """The settings evaluated at window length ``T`` and budget ``k`` (full attention excluded)."""
+    r = max(1, math.ceil(opts.d * head_dim - 1e-9))
+    long = opts.methods == "long"
+    specs = [MethodSpec("exact_topk[query]", "exact_topk", k=k)]
+    if long:
+        specs.append(MethodSpec("exact_topk[kv]", "exact_topk", k=k, gqa_select="kv"))
+    for b in opts.bases:
+        specs.append(MethodSpec(f"loki-{b}[query]", "loki", k=k, d=opts.d, basis=b))
+        if long or (opts.methods == "check" and b == opts.default_basis):
+            specs.append(MethodSpec(f"loki-{b}[kv]", "loki", k=k, d=opts.d, basis=b, gqa_select="kv"))
+    if T <= opts.h2o_max_len:
+        specs.append(MethodSpec("h2o", "h2o", k=k))
+    if opts.methods in ("check", "long"):
+        specs.append(MethodSpec(f"sparq(r={r})", "sparq", k=k, d=r))
+    if long and k == opts.k and "post" in opts.bases:
+        specs.append(MethodSpec("pcaattn-post", "pcaattn", d=opts.d, basis="post"))
+    return specs
+
+
+def _row(r, T: int, N: int, full=None) -> dict:
+    row = r.to_dict()
+    row.update(seq_len=T, windows=N)
+    if full is not None:
+        inc = paired_increase(r.token_nll, full.token_nll)
+        row.update(increase=inc["increase"], increase_lo=inc["lo"], increase_hi=inc["hi"])
+    return row
+
+
+def _comparisons(measured: dict, T: int, k: float, protocol: str, opts: SuiteOptions) -> list[dict]:
+    """Paired intervals between the settings the gates compare (same tokens): every Loki row against exact
+    top-k in its GQA mode and against H2O, and the default basis against the PCA bases."""
+    out = []
+
+    def add(a, b):
+        if a in measured and b in measured:
+            inc = paired_increase(measured[a].token_nll, measured[b].token_nll)
+            out.append(dict(a=a, b=b, seq_len=T, k=k, protocol=protocol, increase=inc["increase"], lo=inc["lo"],
+                            hi=inc["hi"]))
+
+    add("exact_topk[query]", "full")
+    for name in measured:
+        if name.startswith("loki-"):
+            g = name[name.rindex("[") + 1 : -1]
+            add(name, f"exact_topk[{g}]" if f"exact_topk[{g}]" in measured else "exact_topk[query]")
+            if g == "query":
+                add(name, "h2o")
+    for g in ("query", "kv"):
+        for b in opts.bases:
+            if b != opts.default_basis:
+                add(f"loki-{opts.default_basis}[{g}]", f"loki-{b}[{g}]")
+    return out
+
+
+def run_suite(model, tokenizer, opts: SuiteOptions | None = None, out_dir=None) -> dict:
+    """Run the accuracy suite; returns the JSON-able results dict (see :mod:`loki.evaluation.report`).
+    ``out_dir`` receives the plots (none without it)."""
+    from tqdm.auto import tqdm
+
+    from loki.evaluation.data import load_corpus, token_windows
+
+    opts = opts or SuiteOptions()
+    log = opts.log or (lambda m: None)
+    t_start = time.perf_counter()
+    D = config_head_dim(model.config)
+    bases = get_bases(model, tokenizer, opts.bases, opts.recipe, use_cache=opts.use_cache, progress=opts.progress,
+                      log=log)
+    ev = load_corpus(opts.eval_corpus, part="eval")
+    recipe = opts.recipe.resolved(model)
+    results: dict = {
+        "settings": {
+            **opts.profile_settings(), "profile": opts.profile, "calibration": dict(vars(recipe)),
+            "default_basis": opts.default_basis, "model": getattr(model.config, "name_or_path", None),
+            "model_path": str(getattr(model, "name_or_path", "")), "config_sha256": config_fingerprint(model.config),
+            "eval_corpus": opts.eval_corpus, "eval_origin": ev.origin,
+            "calib_origin": next(iter(bases.values())).corpus, "head_dim": D, "device": str(model.device),
+            "dtype": str(model.dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "card": torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else "cpu",
+        },
+        "perplexity": [], "paper_protocol": [], "comparisons": [],
+    }
+    jobs = [(T, N, k) for T, N in opts.windows for k in opts.all_k]
+    n_runs = sum(1 + len(suite_methods(opts, D, T, k)) for T, _, k in jobs)
+    bar = tqdm(total=n_runs, desc="perplexity", unit="run", disable=not opts.progress)
+    windows_by_len = {}
+    for T, N in opts.windows:
+        w = windows_by_len[T] = token_windows(tokenizer, ev, T, N)
+        log(f"evaluation text: {ev.origin}, {N} x {T} tokens")
+        bar.set_postfix_str(f"T={T} full")
+        full = perplexity(model, w, MethodSpec("full", "full"), batch_size=opts.batch_size)
+        bar.update()
+        results["perplexity"].append(_row(full, T, N) | {"increase": 0.0, "increase_lo": 0.0, "increase_hi": 0.0})
+        for k in opts.all_k:
+            measured = {"full": full}
+            for spec in suite_methods(opts, D, T, k):
+                bar.set_postfix_str(f"T={T} k={k:g} {spec.name}")
+                # H2O decodes token by token: all windows at once
+                bs = N if spec.method == "h2o" else opts.batch_size
+                r = perplexity(model, w, spec, bases, batch_size=bs)
+                measured[spec.name] = r
+                results["perplexity"].append(_row(r, T, N, full))
+                bar.update()
+            results["comparisons"] += _comparisons(measured, T, k, "decode", opts)
+            if opts.paper_protocol:
+                for spec in [MethodSpec("exact_topk[query]", "exact_topk", k=k)] + [
+                        MethodSpec(f"loki-{b}[query]", "loki", k=k, d=opts.d, basis=b) for b in opts.bases]:
+                    r = perplexity(model, w, spec, bases, protocol="paper", batch_size=opts.batch_size)
+                    results["paper_protocol"].append(_row(r, T, N, full))
+    bar.close()
+    results["exactness"] = _exactness(model, tokenizer, ev, bases, opts)
+
+    if opts.agreement:
+        from loki.evaluation.agreement import topk_agreement
+
+        log("top-k agreement (Jaccard, attention mass) per layer and head")
+        by_len = {}
+        for T, _ in opts.windows:
+            by_len[str(T)] = topk_agreement(model, windows_by_len[T][:1], bases, k_f=opts.k, d=opts.d,
+                                            progress=opts.progress)
+        results["agreement"] = by_len[str(opts.windows[0][0])]
+        if len(by_len) > 1:
+            results["agreement_by_length"] = {T: {b: {key: a[key] for key in ("jaccard_mean", "mass_mean",
+                                                                                "mass_exact_mean")}
+                                                  for b, a in per.items()} for T, per in by_len.items()}
+    plots: dict[str, str] = {}
+    if opts.rank:
+        from loki.evaluation.rank import rank_summary, write_rank_plots
+
+        pca = {k: b for k, b in bases.items() if b.kind == "pca"}  # Rank@v is about the keys' PCA
+        if pca:
+            results["rank"] = rank_summary(pca, (90.0, 95.0))
+            if out_dir is not None:
+                plots.update(write_rank_plots(pca, out_dir, 90.0))
+    if opts.downstream:
+        from loki.evaluation.downstream import downstream_accuracy
+
+        log(f"downstream accuracy: {', '.join(opts.downstream_tasks)} ({opts.downstream_limit} documents each)")
+        ds_specs = [MethodSpec("full", "full"), MethodSpec("exact_topk[query]", "exact_topk", k=opts.k)] + [
+            MethodSpec(f"loki-{b}[query]", "loki", k=opts.k, d=opts.d, basis=b) for b in ("post", opts.default_basis)
+            if b in bases]
+        results["downstream"] = downstream_accuracy(model, tokenizer, ds_specs, bases, tasks=opts.downstream_tasks,
+                                                    limit=opts.downstream_limit, progress=opts.progress)
+    if opts.generalization:
+        results["generalization"] = _generalization(model, tokenizer, bases, opts)
+    if opts.retrieval:
+        results["retrieval"] = _retrieval(model, tokenizer, bases, opts, out_dir, plots)
+    if out_dir is not None and len(opts.windows) * len(opts.all_k) > 1:
+        from loki.evaluation.report import write_length_plot
+
+        plots.update(write_length_plot(results, out_dir))
+    if plots:
+        results["plots"] = plots
+    results["seconds"] = time.perf_counter() - t_start
+    return results
+
+
+def _exactness(model, tokenizer, ev, bases, opts) -> list[dict]:
+    """Loki with d = D reproduces exact top-k, and with k = all full attention (a short window suffices)."""
+    from loki.evaluation.data import token_windows
+
+    T, N = opts.exactness_window
+    w = token_windows(tokenizer, ev, T, N)
+    rot = "post" if "post" in bases else next(iter(bases))
+    specs = [MethodSpec("full", "full"), MethodSpec("exact_topk[query]", "exact_topk", k=opts.k),
+             MethodSpec(f"loki-{rot}(d=D,k=all)", "loki", k=1.0, d=1.0, basis=rot),
+             MethodSpec(f"loki-{rot}(d=D)[query]", "loki", k=opts.k, d=1.0, basis=rot)]
+    return [_row(perplexity(model, w, s, bases), T, N) for s in specs]
+
+
+def _generalization(model, tokenizer, bases, opts) -> dict:
+    """The default Loki setting with bases calibrated on Wikipedia-style vs book-style text (same recipe
+    otherwise), evaluated on WikiText-2 and the held-out halves of both packaged corpora."""
+    from loki.evaluation.data import load_corpus, token_windows
+
+    T, N = opts.windows[-1]
+    name = opts.default_basis
+    cal = {opts.recipe.corpus: bases[name]}
+    for corpus in ("wikipedia", "book"):
+        if corpus not in cal:
+            cal[corpus] = get_bases(model, tokenizer, (name,), replace(opts.recipe, corpus=corpus),
+                                    use_cache=opts.use_cache, progress=opts.progress, log=opts.log)[name]
+    spec = MethodSpec(f"loki-{name}[query]", "loki", k=opts.k, d=opts.d, basis="b")
+    full, table, intervals = {}, {c: {} for c in cal}, {c: {} for c in cal}
+    texts = ("wikitext", "wikipedia", "book")
+    for t in texts:
+        w = token_windows(tokenizer, load_corpus(t, part="eval"), T, N)
+        f = perplexity(model, w, MethodSpec("full", "full"), batch_size=opts.batch_size)
+        full[t] = f.ppl
+        for c, b in cal.items():
+            r = perplexity(model, w, spec, {"b": b}, batch_size=opts.batch_size)
+            table[c][t] = r.ppl
+            intervals[c][t] = paired_increase(r.token_nll, f.token_nll)
+    return {"setting": f"loki-{name}[query] k={opts.k} d={opts.d}", "texts": list(texts), "full": full,
+            "table": table, "intervals": intervals, "windows": [T, N]}
+
+
+def _retrieval(model, tokenizer, bases, opts, out_dir, plots) -> dict:
+    """The synthetic retrieval suite for every method at the primary k_f (and the smaller ones of the profile)."""
+    from loki.evaluation import retrieval
+
+    specs = [MethodSpec("full", "full")]
+    for k in opts.all_k:
+        for s in suite_methods(opts, config_head_dim(model.config), 0, k):
+            if s.method != "pcaattn":
+                specs.append(s if k == opts.k else replace(s, name=f"{s.name} k={k:g}"))
+    kw = dict(opts.retrieval)
+    if kw.get("tasks") is None:
+        kw.pop("tasks")
+    res = retrieval.evaluate_retrieval(model, tokenizer, _unique(specs), bases, progress=opts.progress, **kw)
+    if out_dir is not None:
+        plots.update(retrieval.write_retrieval_plot(res, out_dir))
+    return res
+
+
+def _unique(specs: list[MethodSpec]) -> list[MethodSpec]:
+    seen, out = set(), []
+    for s in specs:
+        key = (s.name, s.k)
+        if key not in seen:
+            seen.add(key)
+            out.append(s)
+    return out
