@@ -87,7 +87,7 @@ def decode_attention(
     ``backend``: "torch" runs ``loki_attention_reference``; "triton" the kernels (CUDA tensors, or CPU
     tensors under ``TRITON_INTERPRET=1``); "auto" picks triton for CUDA tensors, torch otherwise.
     ``select_method``: "auto" (the default: "triton" on CUDA tensors, "torch" otherwise), "torch"
-    (``torch.topk``) or "triton" (exact threshold select).  ``k_prefix`` (optional, triton backend):
+    (``torch.topk`` on tie-broken keys) or "triton" (exact threshold select).  ``k_prefix`` (optional, triton backend):
     [B, HKV, S, dp] with dp >= d, the first dp rotated key dims stored contiguously (a cache-layout option,
     ``loki.kernels.make_key_prefix``), from which the approximate scores read exactly d/D of the key bytes.
     The triton path issues no host sync of its own beyond the input validation (the selection width K is

@@ -27,7 +27,7 @@ import triton.language as tl
 
 from loki._checks import check_decode_inputs, resolve_d, valid_token_mask
 from loki.reference.methods import sparq_attention as sparq_attention_reference
-from loki.reference.selection import budget
+from loki.reference.selection import budget, topk_indices
 
 from .approx_scores import check_triton_device, interpreting, new_output
 from .select import select_topk
@@ -182,7 +182,7 @@ def sparq_attention(
     v_cache = v_cache if v_cache.stride(-1) == 1 else v_cache.contiguous()
     # Step 1 (tiny, in PyTorch as in SparQ): the r largest |q| components and the temperature.
     qf = q.float()
-    i1 = torch.topk(qf.abs(), rr, dim=-1).indices.to(torch.int32).contiguous()  # [B, HQ, r]
+    i1 = topk_indices(qf.abs(), rr).to(torch.int32).contiguous()  # [B, HQ, r], ties as the reference
     q_r = torch.gather(qf, -1, i1.long()).contiguous()
     l1_ratio = q_r.abs().sum(-1) / qf.abs().sum(-1).clamp_min(torch.finfo(torch.float32).tiny)
     inv_temp = 1.0 / torch.sqrt(D * l1_ratio).clamp_min(torch.finfo(torch.float32).tiny)

@@ -23,7 +23,7 @@ import torch
 from .._checks import check_decode_inputs, resolve_d, valid_token_mask
 from .common import default_scale, expand_to_query_heads
 from .dense import dense_attention, exact_scores
-from .selection import aggregate_group_scores, approx_scores, budget, select_topk
+from .selection import aggregate_group_scores, approx_scores, budget, select_topk, topk_indices
 from .sparse import sparse_attention
 
 __all__ = [
@@ -145,7 +145,7 @@ def sparq_attention(
     B, HQ, HKV, S, D, lengths, starts = check_decode_inputs(q, k_cache, v_cache, lengths, starts)
     rr = resolve_d(r, D, name="r")
     qf = q.to(compute_dtype)
-    i1 = torch.topk(qf.abs(), rr, dim=-1).indices  # [B, HQ, r]
+    i1 = topk_indices(qf.abs(), rr)  # [B, HQ, r], ties to the lowest component
     q_r = torch.gather(qf, -1, i1)
     # K[:, i1] per query head: gather columns of the head's KV rows.
     kq = expand_to_query_heads(k_cache, HQ).to(compute_dtype)  # [B, HQ, S, D]
@@ -209,7 +209,7 @@ def h2o_attention(
     mask = in_recent[:, None, :].expand(B, H, S).clone()
     hmax = int(heavy.max())
     if hmax > 0:
-        top = torch.topk(cand, hmax, dim=-1).indices  # [B, H, hmax]
+        top = topk_indices(cand, hmax)  # [B, H, hmax], ties to the earliest token
         keep = torch.arange(hmax, device=q.device)[None, None, :] < heavy[:, None, None]
         mask.scatter_(-1, top, keep | mask.gather(-1, top))
     return dense_attention(q, k_cache, v_cache, lengths, starts, scale=scale, mask=mask,
