@@ -7,14 +7,20 @@ Shape letters: B batch, HQ query heads, HKV key/value heads, S cache length, D h
 from __future__ import annotations
 
 import math
+import os
 from numbers import Integral, Real
 
 import torch
 
 __all__ = [
+    "check_count",
     "check_decode_inputs",
+    "check_no_grad",
+    "check_triton_device",
     "resolve_d",
     "resolve_k",
+    "resolve_scale",
+    "triton_interpreting",
     "valid_token_mask",
 ]
 
@@ -41,7 +47,10 @@ def check_decode_inputs(
     ``starts[b] <= s < lengths[b]``.
 
     ``check_values=False`` skips the checks that read ``lengths``/``starts`` values (each is a host sync on an
-    accelerator); shapes, dtypes and devices are always checked.
+    accelerator); shapes, dtypes and devices are always checked.  The caller then guarantees what those checks
+    would have verified: ``1 <= lengths[b] <= S``, ``0 <= starts[b] < lengths[b]`` for every b.  Nothing else
+    checks it: the Triton kernels trust these values to bound their reads, so positions outside the cache read
+    out of bounds and give undefined results (or a memory fault on a GPU).
     """
     for name, t, rank in (("q", q, 3), ("k_cache", k_cache, 4), ("v_cache", v_cache, 4)):
         if not isinstance(t, torch.Tensor):
@@ -146,3 +155,63 @@ def resolve_k(k: int | float, n_valid: torch.Tensor, S: int, *, name: str = "k")
         kk = torch.ceil(n.double() * f - 1e-9).long()
         return torch.clamp(kk, min=1).minimum(n)
     raise TypeError(f"{name} must be an int count or a float fraction, got {type(k).__name__}")
+
+
+def resolve_scale(scale: float | None, D: int, *, name: str = "scale") -> float:
+    """The attention scale as a float: ``1/sqrt(D)`` when ``scale`` is None, else ``scale`` itself, which must be
+    a finite real number > 0 (NaN, inf, zero and negative scales are refused)."""
+    if scale is None:
+        return 1.0 / math.sqrt(D)
+    if isinstance(scale, bool) or not isinstance(scale, Real):
+        raise TypeError(f"{name} must be a real number > 0 or None, got {type(scale).__name__}")
+    f = float(scale)
+    if not math.isfinite(f) or f <= 0.0:
+        raise ValueError(f"{name}={scale} must be a finite number > 0 (default 1/sqrt(D))")
+    return f
+
+
+def check_count(value, name: str, *, minimum: int = 1, allow_none: bool = True) -> int | None:
+    """An integer option such as ``num_splits``: an int >= ``minimum`` (or None when ``allow_none``)."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, Integral):
+        raise TypeError(f"{name} must be an int >= {minimum}{' or None' if allow_none else ''}, got {value!r}")
+    if int(value) < minimum:
+        raise ValueError(f"{name}={value} is out of range: it must be at least {minimum}")
+    return int(value)
+
+
+def check_no_grad(what: str, **tensors) -> None:
+    """Refuse inputs that require grad where autograd is enabled: the Triton kernels have no backward, so their
+    output would silently carry no gradient.  ``tensors``: name -> tensor (None entries are skipped)."""
+    if not torch.is_grad_enabled():
+        return
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            raise RuntimeError(
+                f"{name} requires grad, but {what} has no backward (its output would carry no gradient); run it "
+                "under torch.no_grad() or on detached tensors, or use backend='torch' (differentiable)"
+            )
+
+
+def triton_interpreting() -> bool:
+    """True when Triton runs in the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def check_triton_device(device: torch.device | torch.Tensor, what: str = "the Triton kernels") -> None:
+    """Triton runs on CUDA tensors, or on CPU tensors only under ``TRITON_INTERPRET=1``; raise RuntimeError
+    saying what to do otherwise.  ``device``: a device or a tensor on it."""
+    if isinstance(device, torch.Tensor):
+        device = device.device
+    device = torch.device(device)
+    if device.type == "cuda":
+        if triton_interpreting():
+            raise RuntimeError(f"{what} got CUDA tensors but TRITON_INTERPRET=1 is set; unset it to run on GPU")
+        return
+    if device.type == "cpu" and triton_interpreting():
+        return
+    raise RuntimeError(
+        f"{what} need CUDA tensors (got {device}); on CPU set TRITON_INTERPRET=1 before importing triton, "
+        "or use backend='torch'"
+    )

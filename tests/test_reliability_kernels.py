@@ -1,14 +1,19 @@
 """The Triton kernels against the references on tied scores (one tie rule everywhere: the lowest token position
-first)."""
+first), and on the inputs a careless caller gives them: an empty batch, garbage outside the valid tokens, bad
+scales and split counts, inputs that require grad."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import loki.reference as R
 from loki._checks import valid_token_mask
-from loki.kernels import decode_attention, score_select, select_topk
+from loki.kernels import decode_attention, score_select, select_topk, sparq_attention, sparse_attention
+from loki.kernels.approx_scores import approx_scores
+from loki.testing.inputs import make_decode_inputs
 
 interp = pytest.mark.interpreter
 
@@ -125,3 +130,140 @@ def test_decode_attention_on_duplicated_keys_equals_the_torch_backend(triton_dev
     dev = triton_device
     out = decode_attention(q.to(dev), k.to(dev), v.to(dev), d=4, k=0.1, backend="triton", select_method="triton")
     torch.testing.assert_close(out.cpu(), ref, atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------ empty batch
+@interp
+@pytest.mark.parametrize("select_method", ["triton", "torch"])
+def test_empty_batch_behaves_the_same_on_both_backends(triton_device, select_method):
+    x = make_decode_inputs(0, 4, 2, 16, 16)
+    outs = {}
+    for backend in ("torch", "triton"):
+        dev = triton_device if backend == "triton" else "cpu"
+        outs[backend] = decode_attention(x.q.to(dev), x.k_cache.to(dev), x.v_cache.to(dev), d=4, k=4,
+                                         backend=backend, select_method=select_method)
+    assert outs["torch"].shape == outs["triton"].shape == (0, 4, 16)
+    assert outs["torch"].dtype == outs["triton"].dtype
+    q, k, v = (t.to(triton_device) for t in (x.q, x.k_cache, x.v_cache))
+    assert sparq_attention(q, k, v, r=4, k=4).shape == (0, 4, 16)
+    assert select_topk(torch.zeros(0, 2, 8), torch.zeros(0, dtype=torch.long)).shape == (0, 2, 0)
+
+
+# ------------------------------------------------------------------------------------------------ garbage rows
+@interp
+@pytest.mark.parametrize("garbage", [float("nan"), float("inf")])
+def test_garbage_outside_the_valid_tokens_never_reaches_the_kernels_output(triton_device, garbage):
+    x = make_decode_inputs(2, 4, 2, 40, 16)
+    lengths = torch.tensor([30, 40], dtype=torch.int32)
+    starts = torch.tensor([4, 0], dtype=torch.int32)
+    kc, vc = x.k_cache.clone(), x.v_cache.clone()
+    for t in (kc, vc):
+        t[0, :, :4] = garbage
+        t[0, :, 30:] = garbage
+    dev = triton_device
+    args = [t.to(dev) for t in (x.q, kc, vc)]
+    pos = dict(lengths=lengths.to(dev), starts=starts.to(dev))
+    for select_method in ("triton", "torch"):
+        out = decode_attention(*args, d=8, k=0.5, backend="triton", select_method=select_method, **pos)
+        ref = R.loki_attention(x.q, x.k_cache, x.v_cache, d=8, k=0.5, lengths=lengths, starts=starts)
+        torch.testing.assert_close(out.cpu(), ref, atol=1e-4, rtol=1e-4)
+    out = sparq_attention(*args, r=8, k=0.5, **pos)
+    ref = R.sparq_attention(x.q, x.k_cache, x.v_cache, r=8, k=0.5, lengths=lengths, starts=starts)
+    torch.testing.assert_close(out.cpu(), ref, atol=1e-4, rtol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------------ bad options
+@interp
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), 0.0, -0.5])
+def test_bad_scale_is_refused_by_the_kernels(triton_device, scale):
+    x = make_decode_inputs(1, 2, 2, 16, 16, device=triton_device)
+    with pytest.raises(ValueError, match="scale=.* must be a finite number > 0"):
+        decode_attention(x.q, x.k_cache, x.v_cache, d=4, k=4, backend="triton", scale=scale)
+    with pytest.raises(ValueError, match="scale=.* must be a finite number > 0"):
+        decode_attention(x.q, x.k_cache, x.v_cache, d=4, k=4, backend="torch", scale=scale)
+    with pytest.raises(ValueError, match="scale=.* must be a finite number > 0"):
+        sparq_attention(x.q, x.k_cache, x.v_cache, r=4, k=4, scale=scale)
+    idx = torch.zeros(1, 2, 1, dtype=torch.int32, device=triton_device)
+    with pytest.raises(ValueError, match="scale=.* must be a finite number > 0"):
+        sparse_attention(x.q, x.k_cache, x.v_cache, idx, torch.ones(1, dtype=torch.int32, device=triton_device),
+                         scale=scale)
+
+
+@interp
+@given(num_splits=st.one_of(st.integers(max_value=0), st.floats(0.5, 4.5), st.just("2")))
+def test_bad_num_splits_is_refused_naming_it(num_splits):
+    x = make_decode_inputs(1, 2, 2, 16, 16)
+    idx = torch.zeros(1, 2, 1, dtype=torch.int32)
+    with pytest.raises((ValueError, TypeError), match="num_splits"):
+        decode_attention(x.q, x.k_cache, x.v_cache, d=4, k=4, backend="triton", num_splits=num_splits)
+    with pytest.raises((ValueError, TypeError), match="num_splits"):
+        sparse_attention(x.q, x.k_cache, x.v_cache, idx, torch.ones(1, dtype=torch.int32), num_splits=num_splits)
+
+
+@interp
+def test_bad_tile_sizes_and_empty_selection_are_named():
+    x = make_decode_inputs(1, 2, 2, 16, 16)
+    idx = torch.zeros(1, 2, 1, dtype=torch.int32)
+    one = torch.ones(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="block_k"):
+        sparse_attention(x.q, x.k_cache, x.v_cache, idx, one, block_k=24)
+    with pytest.raises(ValueError, match="block_k"):
+        sparse_attention(x.q, x.k_cache, x.v_cache, idx, one, block_k=0)
+    with pytest.raises(ValueError, match="block_s"):
+        sparq_attention(x.q, x.k_cache, x.v_cache, r=4, k=4, block_s=100)
+    with pytest.raises(ValueError, match=r"K >= 1"):
+        sparse_attention(x.q, x.k_cache, x.v_cache, idx[..., :0], one)
+
+
+@interp
+def test_split_counts_give_the_same_result(triton_device):
+    x = make_decode_inputs(2, 4, 2, 64, 16, device=triton_device)
+    base = decode_attention(x.q, x.k_cache, x.v_cache, d=8, k=32, backend="triton", num_splits=1)
+    for n in (2, 3, 64):
+        out = decode_attention(x.q, x.k_cache, x.v_cache, d=8, k=32, backend="triton", num_splits=n)
+        torch.testing.assert_close(out, base, atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------ autograd
+@interp
+def test_triton_kernels_refuse_inputs_that_require_grad(triton_device):
+    x = make_decode_inputs(1, 2, 2, 16, 16, device=triton_device)
+    q = x.q.clone().requires_grad_()
+    with pytest.raises(RuntimeError, match=r"q_hat requires grad.*no backward.*backend='torch'"):
+        decode_attention(q, x.k_cache, x.v_cache, d=4, k=4, backend="triton")
+    v = x.v_cache.clone().requires_grad_()
+    with pytest.raises(RuntimeError, match=r"v_cache requires grad"):
+        decode_attention(x.q, x.k_cache, v, d=4, k=4, backend="triton")
+    with pytest.raises(RuntimeError, match=r"q requires grad"):
+        sparq_attention(q, x.k_cache, x.v_cache, r=4, k=4)
+    with pytest.raises(RuntimeError, match=r"q_hat requires grad"):
+        approx_scores(q, x.k_cache, 4)
+    with pytest.raises(RuntimeError, match=r"q_hat requires grad"):
+        sparse_attention(q, x.k_cache, x.v_cache, torch.zeros(1, 2, 1, dtype=torch.int32, device=triton_device),
+                         torch.ones(1, dtype=torch.int32, device=triton_device))
+    with torch.no_grad():  # no gradient wanted: fine
+        out = decode_attention(q, x.k_cache, x.v_cache, d=4, k=4, backend="triton")
+    ref = decode_attention(q, x.k_cache, x.v_cache, d=4, k=4, backend="torch")
+    assert ref.requires_grad
+    torch.testing.assert_close(out, ref.detach(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+def test_gpu_auto_backend_takes_the_differentiable_path_for_grad():
+    x = make_decode_inputs(1, 4, 2, 256, 64, device="cuda")
+    q = x.q.clone().requires_grad_()
+    out = decode_attention(q, x.k_cache, x.v_cache, d=16, k=32)
+    out.sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+    with torch.no_grad():
+        fast = decode_attention(q, x.k_cache, x.v_cache, d=16, k=32)
+    torch.testing.assert_close(fast, out.detach(), atol=1e-4, rtol=1e-4)
+
+
+def test_check_values_false_states_its_preconditions():
+    doc = " ".join(decode_attention.__doc__.split())
+    assert "check_values=False" in doc and "0 <= starts[b] < lengths[b] <= S" in doc
+    assert "reads outside the cache" in doc
+    from loki._checks import check_decode_inputs
+
+    assert "0 <= starts[b] < lengths[b]" in " ".join(check_decode_inputs.__doc__.split())

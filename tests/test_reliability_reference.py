@@ -1,4 +1,5 @@
-"""The PyTorch references on tied scores: one tie rule, the lowest token position first."""
+"""The PyTorch references on the inputs a careless caller gives them: tied scores (one tie rule, lowest token
+position first), garbage (NaN, inf) in cache rows outside the valid tokens, an empty batch, and bad scales."""
 
 from __future__ import annotations
 
@@ -77,3 +78,98 @@ def test_h2o_heavy_hitter_ties_go_to_the_earliest_tokens():
     _, w = R.h2o_attention(x.q, x.k_cache, x.v_cache, acc, k=8, return_weights=True)
     kept = (w[0] > 0).nonzero()[:, 1].view(2, -1)
     assert kept.tolist() == [[0, 1, 2, 3, 12, 13, 14, 15]] * 2  # 4 heavy hitters (earliest), 4 recent
+
+
+# ------------------------------------------------------------------------------------------------ garbage rows
+def _run(method, q, kc, vc, lengths, starts):
+    kw = dict(lengths=lengths, starts=starts)
+    if method == "dense":
+        return R.dense_attention(q, kc, vc, lengths, starts)
+    if method == "loki":
+        return R.loki_attention(q, kc, vc, d=8, k=0.5, **kw)
+    if method == "exact_topk":
+        return R.exact_topk_attention(q, kc, vc, k=0.5, **kw)
+    if method == "pcaattn":
+        return R.pcaattn_attention(q, kc, vc, d=8, **kw)
+    if method == "sparq":
+        return R.sparq_attention(q, kc, vc, r=8, k=0.5, **kw)
+    acc = torch.rand(q.shape[0], q.shape[1], kc.shape[2], generator=torch.Generator().manual_seed(0))
+    return R.h2o_attention(q, kc, vc, acc, k=0.5, **kw)
+
+
+@pytest.mark.parametrize("garbage", [float("nan"), float("inf")])
+@pytest.mark.parametrize("method", ["dense", "loki", "exact_topk", "pcaattn", "sparq", "h2o"])
+def test_garbage_outside_the_valid_tokens_never_reaches_the_output(method, garbage):
+    x = make_decode_inputs(3, 4, 2, 24, 16)
+    lengths, starts = torch.tensor([24, 15, 9]), torch.tensor([0, 3, 6])
+    clean = _run(method, x.q, x.k_cache, x.v_cache, lengths, starts)
+    kc, vc = x.k_cache.clone(), x.v_cache.clone()
+    outside = ~(torch.arange(24)[None] >= starts[:, None]) | ~(torch.arange(24)[None] < lengths[:, None])
+    kc[outside[:, None, :, None].expand_as(kc)] = garbage
+    vc[outside[:, None, :, None].expand_as(vc)] = garbage
+    out = _run(method, x.q, kc, vc, lengths, starts)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, clean, atol=1e-6, rtol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------ empty batch
+@pytest.mark.parametrize("method", ["dense", "loki", "exact_topk", "pcaattn", "sparq", "h2o"])
+def test_empty_batch_gives_an_empty_output(method):
+    x = make_decode_inputs(0, 4, 2, 16, 16)
+    out = _run(method, x.q, x.k_cache, x.v_cache, None, None)
+    assert out.shape == (0, 4, 16) and out.dtype == x.q.dtype
+
+
+def test_empty_batch_selection():
+    assert R.select_topk(torch.zeros(0, 3, 8), torch.zeros(0, dtype=torch.long)).shape == (0, 3, 0)
+    _, (idx, counts) = R.loki_attention(*(torch.zeros(0, 2, 8), torch.zeros(0, 2, 5, 8), torch.zeros(0, 2, 5, 8)),
+                                        d=2, k=2, return_indices=True)
+    assert idx.shape[:2] == (0, 2) and counts.shape == (0,)
+
+
+# ------------------------------------------------------------------------------------------------ scale
+BAD_SCALES = [float("nan"), float("inf"), -float("inf"), 0.0, -0.0, -1.0, -1e-30]
+
+
+@pytest.mark.parametrize("scale", BAD_SCALES)
+@pytest.mark.parametrize("method", ["dense", "loki", "exact_topk", "pcaattn", "sparq", "h2o", "sparse"])
+def test_bad_scale_is_refused_naming_it(method, scale):
+    x = make_decode_inputs(1, 2, 2, 8, 16)
+    with pytest.raises(ValueError, match=r"scale=.* must be a finite number > 0"):
+        if method == "dense":
+            R.dense_attention(x.q, x.k_cache, x.v_cache, scale=scale)
+        elif method == "loki":
+            R.loki_attention(x.q, x.k_cache, x.v_cache, d=4, k=2, scale=scale)
+        elif method == "exact_topk":
+            R.exact_topk_attention(x.q, x.k_cache, x.v_cache, k=2, scale=scale)
+        elif method == "pcaattn":
+            R.pcaattn_attention(x.q, x.k_cache, x.v_cache, d=4, scale=scale)
+        elif method == "sparq":
+            R.sparq_attention(x.q, x.k_cache, x.v_cache, r=4, k=2, scale=scale)
+        elif method == "h2o":
+            R.h2o_attention(x.q, x.k_cache, x.v_cache, torch.zeros(1, 2, 8), k=2, scale=scale)
+        else:
+            R.sparse_attention(x.q, x.k_cache, x.v_cache, torch.zeros(1, 2, 1, dtype=torch.long),
+                               torch.ones(1, dtype=torch.long), scale=scale)
+
+
+@given(scale=st.one_of(st.floats(max_value=0.0), st.just(float("nan")), st.just(float("inf"))))
+def test_no_non_positive_or_non_finite_scale_is_accepted(scale):
+    x = make_decode_inputs(1, 2, 2, 8, 16)
+    with pytest.raises(ValueError, match="scale"):
+        R.dense_attention(x.q, x.k_cache, x.v_cache, scale=scale)
+
+
+@given(scale=st.floats(1e-3, 1e3))
+def test_a_positive_scale_is_used_as_given(scale):
+    x = make_decode_inputs(1, 2, 2, 8, 16)
+    out = R.dense_attention(x.q, x.k_cache, x.v_cache, scale=scale, compute_dtype=torch.float64)
+    s = torch.einsum("bhd,bhsd->bhs", x.q.double(), x.k_cache.double()) * scale
+    ref = torch.einsum("bhs,bhsd->bhd", torch.softmax(s, -1), x.v_cache.double())
+    torch.testing.assert_close(out.double(), ref, atol=1e-6, rtol=1e-6)
+
+
+def test_scale_of_the_wrong_type_is_named():
+    x = make_decode_inputs(1, 2, 2, 8, 16)
+    with pytest.raises(TypeError, match="scale must be a real number"):
+        R.dense_attention(x.q, x.k_cache, x.v_cache, scale="0.1")

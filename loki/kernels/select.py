@@ -257,6 +257,9 @@ def select_topk(
     B, H, S = scores.shape
     if counts.shape != (B,):
         raise ValueError(f"counts must have shape [B]=[{B}], got {list(counts.shape)}")
+    if B == 0:  # an empty batch: nothing to select (the torch reference gives [0, H, 0] as well)
+        K = 0 if k_max is None else int(k_max)
+        return torch.empty(0, H, K, dtype=torch.int32 if method == "triton" else torch.long, device=scores.device)
     K = int(counts.max()) if k_max is None else int(k_max)
     if not 1 <= K <= S:
         raise ValueError(f"k_max={K} must lie in [1, S={S}]")

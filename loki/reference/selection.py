@@ -111,13 +111,15 @@ def select_topk(scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     scores: [B, H, S] (-inf marks tokens that may not be chosen); counts: [B] int, 1 <= counts[b] <= the
     number of finite scores in each row of batch b -> idx: [B, H, K] int64 with K = max(counts), sorted
     by decreasing score, ties by increasing token position (:func:`topk_indices`); entries at positions
-    >= counts[b] are -1 (padding).
+    >= counts[b] are -1 (padding).  An empty batch (B = 0) gives idx [0, H, 0].
     """
     if scores.dim() != 3:
         raise ValueError(f"scores must have shape [B, H, S], got {list(scores.shape)}")
     B, H, S = scores.shape
     if counts.shape != (B,):
         raise ValueError(f"counts must have shape [B]=[{B}], got {list(counts.shape)}")
+    if B == 0:
+        return torch.empty(0, H, 0, dtype=torch.long, device=scores.device)
     kmax = int(counts.max())
     if kmax < 1 or kmax > S or int(counts.min()) < 1:
         raise ValueError(f"counts must lie in [1, S={S}], got {counts.tolist()}")

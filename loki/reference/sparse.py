@@ -41,6 +41,7 @@ def sparse_attention(
     s = torch.einsum("bhd,bhkd->bhk", q_hat.to(compute_dtype), kg) * default_scale(D, scale)
     keep = torch.arange(K, device=idx.device)[None, None, :] < counts.to(idx.device)[:, None, None]
     s = s.masked_fill(~keep, float("-inf"))
+    vg = vg.masked_fill(~keep[..., None], 0)  # padding entries read row 0, which may be invalid (NaN)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse[..., None])
     out = torch.einsum("bhk,bhkd->bhd", p, vg).to(q_hat.dtype)
