@@ -438,7 +438,8 @@ class PCABasis:
         The basis is :meth:`validate` d first (an invalid basis raises :class:`BasisError` and nothing is written,
         so a good file at ``path`` is never replaced by one that cannot be loaded), and the file is written under
         a temporary name in the same folder, then renamed over ``path``: an interrupted save leaves the previous
-        file intact.  Raises ``IsADirectoryError`` when ``path`` is a folder.
+        file intact.  Raises ``IsADirectoryError`` when ``path`` is a folder and ``FileNotFoundError`` when its
+        folder does not exist.
         """
         from safetensors.torch import save_file
 
@@ -463,6 +464,8 @@ class PCABasis:
         if self.query_components is not None:
             tensors["query_components"] = self.query_components.detach().to("cpu", torch.float32).contiguous()
         folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
+            raise FileNotFoundError(f"cannot save the PCA basis to {path}: folder {folder} does not exist")
         fd, tmp = tempfile.mkstemp(prefix=".basis-", suffix=".safetensors.tmp", dir=folder)
         os.close(fd)
         try:
@@ -493,6 +496,8 @@ class PCABasis:
         path = os.fspath(path)
         if not os.path.exists(path):
             raise FileNotFoundError(f"no PCA basis file at {path}")
+        if os.path.isdir(path):
+            raise BasisError(f"{path} is a directory, not a PCA basis file")
         try:
             with safe_open(path, framework="pt", device=str(device)) as f:
                 str_meta = f.metadata() or {}

@@ -149,3 +149,10 @@ def test_any_metadata_value_loads_or_raises_a_basis_error(tmp_path_factory, valu
         PCABasis.load(path)
     except BasisError:
         pass
+
+
+def test_saving_into_a_missing_folder_and_loading_a_directory_are_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"folder .*missing does not exist"):
+        PCABasis.random(L, HKV, D).save(tmp_path / "missing" / "b.safetensors")
+    with pytest.raises(BasisError, match="is a directory"):
+        PCABasis.load(tmp_path)

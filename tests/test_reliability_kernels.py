@@ -267,3 +267,33 @@ def test_check_values_false_states_its_preconditions():
     from loki._checks import check_decode_inputs
 
     assert "0 <= starts[b] < lengths[b]" in " ".join(check_decode_inputs.__doc__.split())
+
+
+@interp
+@pytest.mark.parametrize("method", ["triton", "torch"])
+def test_select_counts_above_k_max_are_clamped_not_written_past_the_row(triton_device, method):
+    """k_max below a count (a broken promise of the caller) must not write outside the output."""
+    dev = triton_device if method == "triton" else "cpu"
+    B, H, S, K = 2, 3, 64, 4
+    scores = torch.randn(B, H, S, generator=torch.Generator().manual_seed(0)).to(dev)
+    counts = torch.tensor([10, 2]).to(dev)
+    dtype = torch.int32 if method == "triton" else torch.long
+    buf = torch.full((B * H * K + 64,), 7777, dtype=dtype, device=dev)
+    out = buf[: B * H * K].view(B, H, K)
+    select_topk(scores, counts, k_max=K, method=method, out=out)
+    assert (buf[B * H * K:] == 7777).all()
+    ref = R.select_topk(scores.cpu(), torch.tensor([4, 2]))
+    _same_sets(out.cpu(), ref, torch.tensor([4, 2]))
+
+
+@interp
+def test_fused_score_select_clamps_counts_above_k(triton_device):
+    q, k, _ = _integer_inputs(1, 2, 2, 32, 16)
+    dev = triton_device
+    lengths = torch.tensor([32], dtype=torch.int32, device=dev)
+    starts = torch.zeros(1, dtype=torch.int32, device=dev)
+    buf = torch.full((2 * 4 + 32,), 7777, dtype=torch.int32, device=dev)
+    idx = buf[:8].view(1, 2, 4)
+    scores, _ = score_select(q.to(dev), k.to(dev), 8, lengths, starts, torch.tensor([12], device=dev), 4, idx=idx)
+    assert (buf[8:] == 7777).all()
+    _same_sets(idx.cpu(), R.select_topk(scores.cpu(), torch.tensor([4])), torch.tensor([4]))

@@ -158,7 +158,7 @@ def _threshold_select_kernel(
     if PDL:  # programmatic dependent launch (launch.py): wait for the scores
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-    kk = tl.load(counts_ptr + b).to(tl.int32)
+    kk = tl.minimum(tl.load(counts_ptr + b).to(tl.int32), K)  # never more than the K slots of the row
     _select_row(scores_ptr + b * stride_sb + h * stride_sh, S, kk, idx_ptr + b * stride_ib + h * stride_ih, K,
                 BLOCK, CHUNK, RADIX_BITS, EARLY_EXIT)
 
@@ -240,7 +240,8 @@ def select_topk(
 
     scores: [B, H, S] fp32 (-inf marks tokens that may not be chosen); counts: [B] int on the scores'
     device, 1 <= counts[b] <= the number of finite scores of each row of batch b; ``k_max`` an int bound
-    K >= max(counts) (pass it to avoid a host sync; default ``int(counts.max())``).
+    K >= max(counts) (pass it to avoid a host sync; default ``int(counts.max())``; both methods clamp a larger
+    count to K on the device, so the Triton select never writes past a row's K slots).
     Returns idx: [B, H, K], int64 for ``method="torch"``, int32 for ``"triton"``; entries at positions
     >= counts[b] are -1.  ``method="auto"`` is "triton" on CUDA tensors and "torch" otherwise.  Both methods
     break ties by the lowest token position (``loki.reference.selection.topk_indices``), so they select the
