@@ -14,6 +14,7 @@ import torch
 
 __all__ = [
     "check_count",
+    "check_counts",
     "check_decode_inputs",
     "check_no_grad",
     "check_triton_device",
@@ -61,6 +62,8 @@ def check_decode_inputs(
         if t.dtype not in _FLOAT_DTYPES:
             raise TypeError(f"{name} must be a floating tensor (fp16, bf16, fp32, fp64), got {t.dtype}")
     B, HQ, D = q.shape
+    if D < 1:
+        raise ValueError(f"q must have a head dim D >= 1, got shape {_shape(q)}")
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"v_cache shape {_shape(v_cache)} must equal k_cache shape {_shape(k_cache)}")
     Bk, HKV, S, Dk = k_cache.shape
@@ -68,6 +71,8 @@ def check_decode_inputs(
         raise ValueError(f"k_cache batch size {Bk} does not match q batch size {B}")
     if Dk != D:
         raise ValueError(f"k_cache head dim {Dk} does not match q head dim {D}")
+    if HKV < 1 or HQ < 1:
+        raise ValueError(f"q and k_cache need at least one head (HQ={HQ}, HKV={HKV})")
     if HQ % HKV != 0:
         raise ValueError(f"query heads HQ={HQ} (q) must be a multiple of key/value heads HKV={HKV} (k_cache)")
     if S < 1:
@@ -104,6 +109,19 @@ def _check_positions(name, t, B, S, device, default, check_values=True):
     if check_values and bool(((t < lo) | (t > hi)).any()):
         raise ValueError(f"{name} values must lie in [{lo}, {hi}] for a cache of S={S} tokens, got {t.tolist()}")
     return t.to(torch.int32)
+
+
+def check_counts(counts, B: int, device: torch.device | None = None, *, name: str = "counts") -> torch.Tensor:
+    """Per-sequence selection counts: an integer tensor of shape [B] (on ``device`` when given)."""
+    if not isinstance(counts, torch.Tensor):
+        raise TypeError(f"{name} must be an integer torch.Tensor of shape [B]=[{B}], got {type(counts).__name__}")
+    if counts.dtype.is_floating_point or counts.dtype.is_complex or counts.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor, got {counts.dtype}")
+    if counts.shape != (B,):
+        raise ValueError(f"{name} must have shape [B]=[{B}], got {list(counts.shape)}")
+    if device is not None and counts.device != torch.device(device):
+        raise ValueError(f"{name} is on {counts.device} but the scores are on {device}")
+    return counts
 
 
 def valid_token_mask(lengths: torch.Tensor, starts: torch.Tensor, S: int) -> torch.Tensor:

@@ -204,3 +204,11 @@ def test_right_padding_error_says_to_pad_on_the_left():
     with pytest.raises(LokiError, match=r"padding_side='left'") as e:
         model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0)
     assert "left or right" not in str(e.value)
+
+
+def test_enable_loki_argument_types_are_named():
+    model = tiny_model("llama")
+    with pytest.raises(TypeError, match="basis must be a PCABasis or the path of a basis file, got int"):
+        enable_loki(model, 42)
+    with pytest.raises(TypeError, match="h2o_recent_fraction must be a number"):
+        enable_loki(model, None, method="h2o", h2o_recent_fraction="half")

@@ -297,3 +297,12 @@ def test_fused_score_select_clamps_counts_above_k(triton_device):
     scores, _ = score_select(q.to(dev), k.to(dev), 8, lengths, starts, torch.tensor([12], device=dev), 4, idx=idx)
     assert (buf[8:] == 7777).all()
     _same_sets(idx.cpu(), R.select_topk(scores.cpu(), torch.tensor([4])), torch.tensor([4]))
+
+
+@interp
+def test_triton_select_counts_of_the_wrong_kind_are_named(triton_device):
+    scores = torch.zeros(2, 2, 8, device=triton_device)
+    with pytest.raises(TypeError, match="counts must be an integer tensor"):
+        select_topk(scores, torch.tensor([1.0, 2.0], device=triton_device), method="triton")
+    with pytest.raises(TypeError, match="counts must be an integer torch.Tensor"):
+        select_topk(scores, [1, 2], method="triton")

@@ -173,3 +173,32 @@ def test_scale_of_the_wrong_type_is_named():
     x = make_decode_inputs(1, 2, 2, 8, 16)
     with pytest.raises(TypeError, match="scale must be a real number"):
         R.dense_attention(x.q, x.k_cache, x.v_cache, scale="0.1")
+
+
+# ------------------------------------------------------------------------------------------------ degenerate shapes
+def test_empty_head_dim_or_heads_are_named():
+    x = make_decode_inputs(2, 4, 2, 8, 16)
+    with pytest.raises(ValueError, match=r"head dim D >= 1"):
+        R.dense_attention(x.q[..., :0], x.k_cache[..., :0], x.v_cache[..., :0])
+    with pytest.raises(ValueError, match=r"at least one head \(HQ=0, HKV=0\)"):
+        R.dense_attention(x.q[:, :0], x.k_cache[:, :0], x.v_cache[:, :0])
+    with pytest.raises(ValueError, match=r"at least one head \(HQ=0, HKV=2\)"):
+        R.loki_attention(x.q[:, :0], x.k_cache, x.v_cache, d=4, k=2)
+
+
+@pytest.mark.parametrize("counts,error,match", [
+    ([1, 2], TypeError, r"counts must be an integer torch.Tensor of shape \[B\]=\[2\], got list"),
+    (torch.tensor([1.0, 2.0]), TypeError, r"counts must be an integer tensor, got torch.float32"),
+    (torch.tensor([1, 2, 3]), ValueError, r"counts must have shape \[B\]=\[2\]"),
+])
+def test_selection_counts_of_the_wrong_kind_are_named(counts, error, match):
+    with pytest.raises(error, match=match):
+        R.select_topk(torch.zeros(2, 2, 8), counts)
+
+
+def test_sparse_attention_counts_outside_the_selection_are_named():
+    x = make_decode_inputs(2, 4, 2, 8, 16)
+    idx = torch.zeros(2, 4, 2, dtype=torch.long)
+    for bad in ([0, 1], [1, 3]):
+        with pytest.raises(ValueError, match=r"counts must lie in \[1, K=2\]"):
+            R.sparse_attention(x.q, x.k_cache, x.v_cache, idx, torch.tensor(bad))

@@ -46,6 +46,7 @@ D head dim, R query rows flattened over batch and query positions.
 from __future__ import annotations
 
 import math
+import os
 import weakref
 from dataclasses import dataclass, field
 from numbers import Integral, Real
@@ -496,6 +497,8 @@ def enable_loki(
         raise ValueError(f"semantics must be one of {SEMANTICS}, got {semantics!r}")
     if method == "h2o" and semantics == "decode":
         raise ValueError("method='h2o' keeps state across decode steps and supports semantics='generate' only")
+    if isinstance(h2o_recent_fraction, bool) or not isinstance(h2o_recent_fraction, Real):
+        raise TypeError(f"h2o_recent_fraction must be a number in [0, 1], got {h2o_recent_fraction!r}")
     if not 0.0 <= float(h2o_recent_fraction) <= 1.0:
         raise ValueError(f"h2o_recent_fraction={h2o_recent_fraction} must lie in [0, 1]")
     _check_count_or_fraction("k", k)
@@ -516,6 +519,8 @@ def enable_loki(
     if method in BASIS_METHODS:
         if basis is None:
             raise ValueError(f"method={method!r} needs a PCA basis (basis=PCABasis or a path to one)")
+        if not isinstance(basis, (PCABasis, str, os.PathLike)):
+            raise TypeError(f"basis must be a PCABasis or the path of a basis file, got {type(basis).__name__}")
         if not isinstance(basis, PCABasis):
             basis = PCABasis.load(basis, config=model.config, model_name=model_name)
         else:

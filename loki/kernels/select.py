@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from loki._checks import check_counts
 from loki.reference.selection import select_topk as select_topk_reference
 from loki.reference.selection import topk_indices
 
@@ -256,8 +257,7 @@ def select_topk(
     if scores.dim() != 3:
         raise ValueError(f"scores must have shape [B, H, S], got {list(scores.shape)}")
     B, H, S = scores.shape
-    if counts.shape != (B,):
-        raise ValueError(f"counts must have shape [B]=[{B}], got {list(counts.shape)}")
+    check_counts(counts, B, scores.device if method == "triton" else None)
     if B == 0:  # an empty batch: nothing to select (the torch reference gives [0, H, 0] as well)
         K = 0 if k_max is None else int(k_max)
         return torch.empty(0, H, K, dtype=torch.int32 if method == "triton" else torch.long, device=scores.device)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check_decode_inputs, resolve_d, resolve_k, valid_token_mask
+from .._checks import check_counts, check_decode_inputs, resolve_d, resolve_k, valid_token_mask
 
 __all__ = ["GQA_SELECT_MODES", "GQA_AGGREGATES", "approx_scores", "aggregate_group_scores", "select_topk", "budget",
            "topk_indices"]
@@ -116,8 +116,7 @@ def select_topk(scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     if scores.dim() != 3:
         raise ValueError(f"scores must have shape [B, H, S], got {list(scores.shape)}")
     B, H, S = scores.shape
-    if counts.shape != (B,):
-        raise ValueError(f"counts must have shape [B]=[{B}], got {list(counts.shape)}")
+    check_counts(counts, B)
     if B == 0:
         return torch.empty(0, H, 0, dtype=torch.long, device=scores.device)
     kmax = int(counts.max())
