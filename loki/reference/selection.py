@@ -94,13 +94,12 @@ def topk_indices(scores: torch.Tensor, K: int, *, sorted: bool = True) -> torch.
     if scores.dtype == torch.float64:
         x = torch.where(scores == 0, 0.0, scores)
         return torch.sort(x, dim=-1, descending=True, stable=True).indices[..., :K]
-    x = scores.float()
-    x = torch.where(x == 0, 0.0, x)  # -0.0 ties with +0.0
-    x = torch.where(torch.isnan(x), float("nan"), x)  # one NaN bit pattern (positive: above +inf)
-    bits = x.view(torch.int32).long()
-    key = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # signed int order == float order
-    pos = torch.arange(S, device=scores.device, dtype=torch.long)
-    packed = (key << 32) | (0xFFFFFFFF - pos)  # equal scores: the lower position has the larger key
+    x = scores.float() + 0.0  # -0.0 + 0.0 = +0.0: -0.0 ties with +0.0 (and x is a new tensor)
+    x = torch.where(torch.isnan(x), float("nan"), x)  # one NaN bit pattern (positive: above +inf); no host sync
+    bits = x.view(torch.int32)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negatives: flip the magnitude bits; signed int order == float order
+    rev = 0xFFFFFFFF - torch.arange(S, device=scores.device, dtype=torch.long)  # a lower position: a larger key
+    packed = (key.long() << 32) | rev
     top = torch.topk(packed, K, dim=-1, sorted=sorted).values
     return 0xFFFFFFFF - (top & 0xFFFFFFFF)
 
