@@ -7,14 +7,21 @@ Shape letters: B batch, HQ query heads, HKV key/value heads, S cache length, D h
 from __future__ import annotations
 
 import math
+import os
 from numbers import Integral, Real
 
 import torch
 
 __all__ = [
+    "check_count",
+    "check_counts",
     "check_decode_inputs",
+    "check_no_grad",
+    "check_triton_device",
     "resolve_d",
     "resolve_k",
+    "resolve_scale",
+    "triton_interpreting",
     "valid_token_mask",
 ]
 
@@ -41,7 +48,10 @@ def check_decode_inputs(
     ``starts[b] <= s < lengths[b]``.
 
     ``check_values=False`` skips the checks that read ``lengths``/``starts`` values (each is a host sync on an
-    accelerator); shapes, dtypes and devices are always checked.
+    accelerator); shapes, dtypes and devices are always checked.  The caller then guarantees what those checks
+    would have verified: ``1 <= lengths[b] <= S``, ``0 <= starts[b] < lengths[b]`` for every b.  Nothing else
+    checks it: the Triton kernels trust these values to bound their reads, so positions outside the cache read
+    out of bounds and give undefined results (or a memory fault on a GPU).
     """
     for name, t, rank in (("q", q, 3), ("k_cache", k_cache, 4), ("v_cache", v_cache, 4)):
         if not isinstance(t, torch.Tensor):
@@ -52,6 +62,8 @@ def check_decode_inputs(
         if t.dtype not in _FLOAT_DTYPES:
             raise TypeError(f"{name} must be a floating tensor (fp16, bf16, fp32, fp64), got {t.dtype}")
     B, HQ, D = q.shape
+    if D < 1:
+        raise ValueError(f"q must have a head dim D >= 1, got shape {_shape(q)}")
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"v_cache shape {_shape(v_cache)} must equal k_cache shape {_shape(k_cache)}")
     Bk, HKV, S, Dk = k_cache.shape
@@ -59,6 +71,8 @@ def check_decode_inputs(
         raise ValueError(f"k_cache batch size {Bk} does not match q batch size {B}")
     if Dk != D:
         raise ValueError(f"k_cache head dim {Dk} does not match q head dim {D}")
+    if HKV < 1 or HQ < 1:
+        raise ValueError(f"q and k_cache need at least one head (HQ={HQ}, HKV={HKV})")
     if HQ % HKV != 0:
         raise ValueError(f"query heads HQ={HQ} (q) must be a multiple of key/value heads HKV={HKV} (k_cache)")
     if S < 1:
@@ -95,6 +109,19 @@ def _check_positions(name, t, B, S, device, default, check_values=True):
     if check_values and bool(((t < lo) | (t > hi)).any()):
         raise ValueError(f"{name} values must lie in [{lo}, {hi}] for a cache of S={S} tokens, got {t.tolist()}")
     return t.to(torch.int32)
+
+
+def check_counts(counts, B: int, device: torch.device | None = None, *, name: str = "counts") -> torch.Tensor:
+    """Per-sequence selection counts: an integer tensor of shape [B] (on ``device`` when given)."""
+    if not isinstance(counts, torch.Tensor):
+        raise TypeError(f"{name} must be an integer torch.Tensor of shape [B]=[{B}], got {type(counts).__name__}")
+    if counts.dtype.is_floating_point or counts.dtype.is_complex or counts.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor, got {counts.dtype}")
+    if counts.shape != (B,):
+        raise ValueError(f"{name} must have shape [B]=[{B}], got {list(counts.shape)}")
+    if device is not None and counts.device != torch.device(device):
+        raise ValueError(f"{name} is on {counts.device} but the scores are on {device}")
+    return counts
 
 
 def valid_token_mask(lengths: torch.Tensor, starts: torch.Tensor, S: int) -> torch.Tensor:
@@ -146,3 +173,63 @@ def resolve_k(k: int | float, n_valid: torch.Tensor, S: int, *, name: str = "k")
         kk = torch.ceil(n.double() * f - 1e-9).long()
         return torch.clamp(kk, min=1).minimum(n)
     raise TypeError(f"{name} must be an int count or a float fraction, got {type(k).__name__}")
+
+
+def resolve_scale(scale: float | None, D: int, *, name: str = "scale") -> float:
+    """The attention scale as a float: ``1/sqrt(D)`` when ``scale`` is None, else ``scale`` itself, which must be
+    a finite real number > 0 (NaN, inf, zero and negative scales are refused)."""
+    if scale is None:
+        return 1.0 / math.sqrt(D)
+    if isinstance(scale, bool) or not isinstance(scale, Real):
+        raise TypeError(f"{name} must be a real number > 0 or None, got {type(scale).__name__}")
+    f = float(scale)
+    if not math.isfinite(f) or f <= 0.0:
+        raise ValueError(f"{name}={scale} must be a finite number > 0 (default 1/sqrt(D))")
+    return f
+
+
+def check_count(value, name: str, *, minimum: int = 1, allow_none: bool = True) -> int | None:
+    """An integer option such as ``num_splits``: an int >= ``minimum`` (or None when ``allow_none``)."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, Integral):
+        raise TypeError(f"{name} must be an int >= {minimum}{' or None' if allow_none else ''}, got {value!r}")
+    if int(value) < minimum:
+        raise ValueError(f"{name}={value} is out of range: it must be at least {minimum}")
+    return int(value)
+
+
+def check_no_grad(what: str, **tensors) -> None:
+    """Refuse inputs that require grad where autograd is enabled: the Triton kernels have no backward, so their
+    output would silently carry no gradient.  ``tensors``: name -> tensor (None entries are skipped)."""
+    if not torch.is_grad_enabled():
+        return
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            raise RuntimeError(
+                f"{name} requires grad, but {what} has no backward (its output would carry no gradient); run it "
+                "under torch.no_grad() or on detached tensors, or use backend='torch' (differentiable)"
+            )
+
+
+def triton_interpreting() -> bool:
+    """True when Triton runs in the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def check_triton_device(device: torch.device | torch.Tensor, what: str = "the Triton kernels") -> None:
+    """Triton runs on CUDA tensors, or on CPU tensors only under ``TRITON_INTERPRET=1``; raise RuntimeError
+    saying what to do otherwise.  ``device``: a device or a tensor on it."""
+    if isinstance(device, torch.Tensor):
+        device = device.device
+    device = torch.device(device)
+    if device.type == "cuda":
+        if triton_interpreting():
+            raise RuntimeError(f"{what} got CUDA tensors but TRITON_INTERPRET=1 is set; unset it to run on GPU")
+        return
+    if device.type == "cpu" and triton_interpreting():
+        return
+    raise RuntimeError(
+        f"{what} need CUDA tensors (got {device}); on CPU set TRITON_INTERPRET=1 before importing triton, "
+        "or use backend='torch'"
+    )

@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
 import warnings
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
@@ -41,6 +42,22 @@ ROTARY_CHOICES = ("pre", "post")
 KIND_CHOICES = ("pca", "score")
 _META_KEY = "loki.basis"
 _FORMAT = "loki.pca_basis.v1"
+_OPT_STR = ((str, type(None)), "a string or null")
+#: The metadata fields of a basis and the JSON types a file may give them.
+_METADATA_TYPES = {
+    "model_name": _OPT_STR,
+    "config_hash": _OPT_STR,
+    "config_fields": ((dict, type(None)), "a JSON object or null"),
+    "corpus": _OPT_STR,
+    "num_tokens": ((int,), "an integer"),
+    "seq_len": ((int, type(None)), "an integer or null"),
+    "rotary": ((str,), "a string"),
+    "model_dtype": _OPT_STR,
+    "loki_version": ((str,), "a string"),
+    "centered": ((bool,), "true or false"),
+    "kind": ((str,), "a string"),
+    "extra": ((dict,), "a JSON object"),
+}
 
 
 class BasisError(ValueError):
@@ -321,6 +338,7 @@ class PCABasis:
             BasisError: naming the problem; a basis calibrated for another model (config fingerprint mismatch)
                 names both models and the fields that differ.
         """
+        self._check_field_types()
         comp, eig, means = self.components, self.eigenvalues, self.means
         if comp.ndim != 4 or comp.shape[-1] != comp.shape[-2]:
             raise BasisError(f"basis components must have shape [L, HKV, D, D], got {_shape(comp.shape)}")
@@ -388,6 +406,23 @@ class PCABasis:
             )
         return self
 
+    def _check_field_types(self) -> None:
+        """Every field has the type the file format promises (metadata read from a file may not)."""
+        for name in ("components", "eigenvalues", "means", "query_components"):
+            t = getattr(self, name)
+            if t is None and name == "query_components":
+                continue
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+                raise BasisError(f"basis {name} must be a floating torch.Tensor, got {type(t).__name__}")
+        for name, (types, what) in _METADATA_TYPES.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) and bool not in types or not isinstance(value, types):
+                raise BasisError(f"basis metadata {name!r} must be {what}, got {type(value).__name__} {value!r}")
+        if self.num_tokens < 0:
+            raise BasisError(f"basis metadata 'num_tokens' must be >= 0, got {self.num_tokens}")
+        if self.seq_len is not None and self.seq_len < 1:
+            raise BasisError(f"basis metadata 'seq_len' must be >= 1 or null, got {self.seq_len}")
+
     def _mismatch_message(self, config, theirs: str) -> str:
         ours_fields = self.config_fields or {}
         their_fields = config_fields(config)
@@ -409,9 +444,20 @@ class PCABasis:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write the basis to a safetensors file at ``path`` (tensors contiguous on CPU, metadata as JSON)."""
+        """Write the basis to a safetensors file at ``path`` (tensors contiguous on CPU, metadata as JSON).
+
+        The basis is :meth:`validate` d first (an invalid basis raises :class:`BasisError` and nothing is written,
+        so a good file at ``path`` is never replaced by one that cannot be loaded), and the file is written under
+        a temporary name in the same folder, then renamed over ``path``: an interrupted save leaves the previous
+        file intact.  Raises ``IsADirectoryError`` when ``path`` is a folder and ``FileNotFoundError`` when its
+        folder does not exist.
+        """
         from safetensors.torch import save_file
 
+        self.validate()
+        path = os.fspath(path)
+        if os.path.isdir(path):
+            raise IsADirectoryError(f"cannot save the PCA basis to {path}: it is a directory, not a file path")
         meta = self.metadata()
         str_meta = {
             "format": "pt",
@@ -429,7 +475,17 @@ class PCABasis:
         }
         if self.query_components is not None:
             tensors["query_components"] = self.query_components.detach().to("cpu", torch.float32).contiguous()
-        save_file(tensors, os.fspath(path), metadata=str_meta)
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
+            raise FileNotFoundError(f"cannot save the PCA basis to {path}: folder {folder} does not exist")
+        fd, tmp = tempfile.mkstemp(prefix=".basis-", suffix=".safetensors.tmp", dir=folder)
+        os.close(fd)
+        try:
+            save_file(tensors, tmp, metadata=str_meta)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
 
     @classmethod
     def load(
@@ -452,6 +508,8 @@ class PCABasis:
         path = os.fspath(path)
         if not os.path.exists(path):
             raise FileNotFoundError(f"no PCA basis file at {path}")
+        if os.path.isdir(path):
+            raise BasisError(f"{path} is a directory, not a PCA basis file")
         try:
             with safe_open(path, framework="pt", device=str(device)) as f:
                 str_meta = f.metadata() or {}
@@ -471,7 +529,13 @@ class PCABasis:
             meta = json.loads(str_meta[_META_KEY])
         except json.JSONDecodeError as exc:
             raise BasisError(f"basis file {path} has unreadable '{_META_KEY}' metadata: {exc}") from exc
-        known = {f.name for f in fields(cls)}
+        if not isinstance(meta, dict):
+            raise BasisError(f"basis file {path}: '{_META_KEY}' metadata must be a JSON object, got "
+                             f"{type(meta).__name__}")
+        if not isinstance(meta.get("extra", {}), dict):
+            raise BasisError(f"basis file {path}: basis metadata 'extra' must be a JSON object, got "
+                             f"{type(meta['extra']).__name__}")
+        known = {f.name for f in fields(cls)} - {"components", "eigenvalues", "means", "query_components"}
         extra = {k: v for k, v in meta.items() if k not in known}
         meta = {k: v for k, v in meta.items() if k in known}
         meta.setdefault("extra", {}).update(extra)

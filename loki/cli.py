@@ -56,7 +56,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: --device: {exc}", file=sys.stderr)
             return 2
     module = importlib.import_module(COMMANDS[args.command][0])
-    return int(module.run(args) or 0)
+    from loki.evaluation.commands import UsageError
+
+    try:
+        return int(module.run(args) or 0)
+    except UsageError as exc:  # a plain user error: one line, exit status 2, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -275,6 +275,7 @@ def test_basis_from_file(tmp_path):
 
 
 @pytest.mark.interpreter
+@torch.no_grad()  # the Triton backend refuses inputs that require grad
 def test_triton_backend_decode_step_matches_torch_backend():
     pytest.importorskip("triton")
     try:
@@ -297,6 +298,7 @@ def test_triton_backend_decode_step_matches_torch_backend():
     torch.testing.assert_close(logits["triton"], logits["torch"], atol=1e-4, rtol=1e-4)
 
 
+@torch.no_grad()  # the Triton backend refuses inputs that require grad
 def test_triton_path_keeps_and_uses_a_contiguous_key_prefix(monkeypatch):
     """With the Triton backend the cache keeps K_hat[..., :d] contiguous beside the keys (appended per
     token) and the decode step hands it to the kernels; results equal the torch backend."""
@@ -336,6 +338,7 @@ def test_triton_path_keeps_and_uses_a_contiguous_key_prefix(monkeypatch):
     torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
 
 
+@torch.no_grad()  # the Triton backend refuses inputs that require grad
 def test_key_prefix_is_appended_in_place():
     """The key prefix grows inside a buffer with spare capacity (no copy of the whole prefix per decode step)
     and stays equal to the rotated keys' first dims through decode steps, crop and beam reordering."""
@@ -369,6 +372,7 @@ def test_key_prefix_is_appended_in_place():
 
 
 @pytest.mark.parametrize("gqa_select", ["query", "kv"])
+@torch.no_grad()  # the Triton backend refuses inputs that require grad
 def test_triton_decode_fast_path_with_padding_equals_torch_backend(gqa_select):
     """The Triton decode path (visible ranges, budgets and bound computed once per forward, the kernels'
     step called directly) gives what the torch backend gives on a left-padded batch, over several steps."""

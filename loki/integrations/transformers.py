@@ -11,14 +11,18 @@ How it plugs in (public transformers APIs only, no model class is patched):
   for a cache without giving one) are turned into :class:`LokiCacheLayer` s, whose ``update`` rotates the new
   keys ``K_hat = K P`` before appending them.  The cache is never re-projected as a whole.  Values are not
   rotated.  A forward pre-hook on the decoder model does this conversion (and points the attention function
-  at the cache of the current call); the hook is removed by ``disable_loki``.
+  at the cache of the current call); the hook is removed by ``disable_loki``, which also turns those caches back
+  into plain layers with plain keys (as does ``enable_loki`` with new settings), so a cache outlives the
+  settings it was filled under.
 * Pre- and post-rotary bases: the cache stores post-rotary keys, and both kinds of basis are applied to them.
   Lemma 1 of the paper (``(q P)(K P)^T = q K^T``) holds for *any* orthogonal ``P``, so attention over the full
   rotated keys is exact either way; a basis fitted before the rotary embedding (``rotary="pre"``) is simply
   another orthogonal matrix, whose leading ``d`` directions capture the post-rotary keys' variance less well.
 * Prefill (query length > 1) runs dense causal attention (the causal mask is applied here: a custom
   implementation gets ``attention_mask=None`` for unpadded batches).  Every decode step (query length 1) runs
-  the selected method with ``q_hat = rotate_query(q, P_layer)`` against the rotated cache.
+  the selected method with ``q_hat = rotate_query(q, P_layer)`` against the rotated cache.  A forward without a
+  cache (``use_cache=False``, e.g. ``generate(..., use_cache=False)``) is refused with ``semantics="generate"``
+  (the default) for every method but "dense": every forward would be a dense prefill.
   With ``semantics="decode"`` the prefill is sparse too: every query row ``i`` attends like a decode step over
   the ``i + 1`` tokens it sees (:func:`teacher_forced_attention`), so loglikelihoods and perplexities measure
   the method.
@@ -27,7 +31,10 @@ How it plugs in (public transformers APIs only, no model class is patched):
   only).  ``k`` and ``d`` are counts (int) or fractions (float in (0, 1]); a fractional ``k`` is a fraction of
   each sequence's current valid length, at least 1; an int ``k`` larger than the sequence keeps all tokens.
 * Padding: left-padded batches (``generate`` with ``padding_side="left"``) work; the valid tokens of every
-  sequence, ``[starts, lengths)``, are read from the attention mask.
+  sequence, ``[starts, lengths)``, are read from the attention mask.  Right padding works for single forwards but
+  not for ``generate``, whose new tokens follow the padding (a mask with holes, refused).
+* ``backend="triton"`` needs CUDA tensors (or ``TRITON_INTERPRET=1`` on the CPU) and no gradient (the kernels
+  have no backward; run under ``torch.no_grad()``); ``"auto"`` takes the PyTorch path where either fails.
 
 Supported architectures: Llama (incl. SmolLM), Mistral, Qwen2 and Qwen3 (attention modules with rotary
 embeddings and a KV cache of post-rotary keys).
@@ -39,14 +46,16 @@ D head dim, R query rows flattened over batch and query positions.
 from __future__ import annotations
 
 import math
+import os
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from numbers import Integral, Real
 from typing import Any
 
 import torch
 
-from .._checks import resolve_d, resolve_k
+from .._checks import check_no_grad, check_triton_device, resolve_d, resolve_k
 from ..reference import (
     dense_attention,
     exact_topk_attention,
@@ -104,6 +113,22 @@ class UnsupportedModelError(ValueError):
 
 
 # --------------------------------------------------------------------------------------------- settings
+class _CacheOwner:
+    """Identifies the ``enable_loki`` call whose basis the keys of a cache layer are stored in.  Copies of a cache
+    (``copy.deepcopy``) share it, so they learn when Loki was disabled."""
+
+    __slots__ = ("active",)
+
+    def __init__(self):
+        self.active = True
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+
 @dataclass
 class LokiConfig:
     """The settings of one enabled model (see :func:`enable_loki`)."""
@@ -128,6 +153,10 @@ class LokiConfig:
     current_cache: Any = field(default=None, repr=False)
     intervals_cache: dict | None = field(default=None, repr=False)  # per forward: row intervals by mask
     handles: list = field(default_factory=list, repr=False)
+    # The token every cache layer converted under these settings points to (inactive after disable_loki), and
+    # weak references to the caches converted, which disable_loki restores.
+    owner: _CacheOwner = field(default_factory=lambda: _CacheOwner(), repr=False)
+    caches: list = field(default_factory=list, repr=False)
 
     @property
     def rotates(self) -> bool:
@@ -175,6 +204,14 @@ class LokiCacheLayer:
     _layer_type = None  # never auto-register in transformers' layer-type mappings
 
     def update(self, key_states, value_states, *args, **kwargs):
+        owner = getattr(self, "loki_owner", None)
+        if owner is not None and not owner.active:
+            raise LokiError(
+                "this KV cache was filled while Loki was enabled (its keys are stored in the PCA basis) and Loki has "
+                "been disabled since: extending it would mix rotated and plain keys. disable_loki restores the "
+                "caches it knows (the ones used with the model); this one is a copy or was never used with the "
+                "model: start a new cache, or call enable_loki again before using it"
+            )
         P = getattr(self, "loki_P", None)
         if P is not None:
             if P.device != key_states.device:
@@ -263,9 +300,15 @@ def _convert_cache(cache, cfg: LokiConfig, num_layers: int) -> None:
     replicate = getattr(cache, "layer_class_to_replicate", None)
     while len(layers) < num_layers and replicate is not None:
         layers.append(replicate())
+    if not any(r() is cache for r in cfg.caches):
+        cfg.caches[:] = [r for r in cfg.caches if r() is not None]
+        cfg.caches.append(weakref.ref(cache))
     for idx, layer in enumerate(layers[:num_layers]):
         if isinstance(layer, LokiCacheLayer):
-            continue
+            if getattr(layer, "loki_owner", None) is cfg.owner:
+                continue
+            # converted under other settings (an earlier enable_loki): back to plain keys, then converted again
+            layers[idx] = layer = _restore_layer(layer)
         if not isinstance(layer, DynamicLayer):
             raise LokiError(
                 f"Loki supports DynamicCache layers (the default cache of generate); layer {idx} of the cache is a "
@@ -282,17 +325,46 @@ def _convert_cache(cache, cfg: LokiConfig, num_layers: int) -> None:
         # a sliding-window layer drops keys inside its own update: no prefix buffer beside it
         layer.loki_prefix_d = None if getattr(layer, "is_sliding", False) else cfg.prefix_dims
         layer.loki_prefix_always = cfg.backend == "triton"
+        layer.loki_owner = cfg.owner
         if P is not None:
             if getattr(layer, "keys", None) is not None and layer.keys.numel() > 0:
                 P = P.to(layer.keys.device)
                 layer.keys = rotate_keys(layer.keys, P)  # tokens cached before enable_loki
             layer.loki_P = P
+            # K = K_hat P^-1: P^T for an orthogonal basis, P_q^T for a score basis (P_q P_k^T = I)
+            inv = P if cfg.query_components is None else cfg.query_components[idx].to(P.device)
+            layer.loki_P_inv = inv.transpose(-1, -2).contiguous()
         else:
             layer.loki_P = None
+            layer.loki_P_inv = None
         keys = getattr(layer, "keys", None)
         if layer.loki_prefix_d is not None and keys is not None and keys.numel() > 0 and (
                 keys.is_cuda or layer.loki_prefix_always):
             layer.loki_prefix = keys[..., : layer.loki_prefix_d].contiguous()
+
+
+def _restore_layer(layer):
+    """A plain layer (the transformers class the Loki layer was made from) with the same state and the keys back in
+    their own coordinates (``K = K_hat P^-1``, exact up to rounding); Loki's own state is dropped."""
+    base = next(c for c in type(layer).__mro__[1:] if not issubclass(c, LokiCacheLayer))
+    new = base.__new__(base)
+    new.__dict__.update({k: v for k, v in layer.__dict__.items() if not k.startswith("loki_")})
+    P_inv = getattr(layer, "loki_P_inv", None)
+    keys = getattr(new, "keys", None)
+    if P_inv is not None and keys is not None and keys.numel() > 0:
+        new.keys = rotate_keys(keys, P_inv.to(keys.device))
+    return new
+
+
+def _restore_caches(cfg: LokiConfig) -> None:
+    """Turn the layers of every live cache converted under ``cfg`` back into plain layers with plain keys."""
+    for ref in cfg.caches:
+        cache = ref()
+        layers = getattr(cache, "layers", None) if cache is not None else None
+        for idx, layer in enumerate(layers or []):
+            if isinstance(layer, LokiCacheLayer) and getattr(layer, "loki_owner", None) is cfg.owner:
+                layers[idx] = _restore_layer(layer)
+    cfg.caches.clear()
 
 
 def loki_cache(model) -> Any:
@@ -430,10 +502,18 @@ def enable_loki(
         raise ValueError(f"semantics must be one of {SEMANTICS}, got {semantics!r}")
     if method == "h2o" and semantics == "decode":
         raise ValueError("method='h2o' keeps state across decode steps and supports semantics='generate' only")
+    if isinstance(h2o_recent_fraction, bool) or not isinstance(h2o_recent_fraction, Real):
+        raise TypeError(f"h2o_recent_fraction must be a number in [0, 1], got {h2o_recent_fraction!r}")
     if not 0.0 <= float(h2o_recent_fraction) <= 1.0:
         raise ValueError(f"h2o_recent_fraction={h2o_recent_fraction} must lie in [0, 1]")
     _check_count_or_fraction("k", k)
     _check_count_or_fraction("d", d)
+    if backend == "triton":
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        try:
+            check_triton_device(device, "backend='triton'")
+        except RuntimeError as exc:
+            raise ValueError(f"{exc} (the model is on {device})") from None
     from ..basis import PCABasis, config_head_dim
 
     D = config_head_dim(model.config)
@@ -444,6 +524,8 @@ def enable_loki(
     if method in BASIS_METHODS:
         if basis is None:
             raise ValueError(f"method={method!r} needs a PCA basis (basis=PCABasis or a path to one)")
+        if not isinstance(basis, (PCABasis, str, os.PathLike)):
+            raise TypeError(f"basis must be a PCABasis or the path of a basis file, got {type(basis).__name__}")
         if not isinstance(basis, PCABasis):
             basis = PCABasis.load(basis, config=model.config, model_name=model_name)
         else:
@@ -474,6 +556,16 @@ def enable_loki(
         use_cache = kwargs.get("use_cache")
         if use_cache is None:
             use_cache = bool(getattr(module.config, "use_cache", True))
+        if cache is None and not use_cache and cfg.semantics == "generate" and cfg.method != "dense":
+            # Refused rather than run: without a cache every forward is a prefill, which semantics="generate"
+            # computes densely, so generate(..., use_cache=False) would silently be dense attention.
+            raise LokiError(
+                f"use_cache=False: Loki (method={cfg.method!r}, semantics='generate') runs its sparse attention in "
+                "the decode steps over the KV cache; without a cache every forward is a dense prefill, so "
+                "generate(..., use_cache=False) would silently run dense attention. Pass use_cache=True (the "
+                "default), or enable_loki(..., semantics='decode') to make every row of a cache-less forward "
+                "attend like a decode step"
+            )
         if cache is None and use_cache:
             from transformers import DynamicCache
 
@@ -504,11 +596,16 @@ def enable_loki(
 def disable_loki(model):
     """Undo :func:`enable_loki`: remove the hooks and restore the attention implementation of before.
 
-    Caches filled while Loki was enabled hold rotated keys (for the basis methods) and should not be reused.
+    The caches used with the model while Loki was enabled are restored in place: their layers become plain
+    transformers layers again and their keys, stored in the PCA basis, are rotated back (exact up to rounding),
+    so a cache can be reused with the model after ``disable_loki``.  A copy of such a cache that the model never
+    saw refuses to grow (``LokiError``) instead of mixing rotated and plain keys.
     """
     cfg = getattr(model, "_loki_config", None)
     if cfg is None:
         return model
+    _restore_caches(cfg)
+    cfg.owner.active = False
     for h in cfg.handles:
         h.remove()
     for m in _attention_modules(model):
@@ -555,8 +652,9 @@ def _row_intervals(allowed: torch.Tensor):
     count = allowed.sum(-1)
     if bool(((lengths - starts != count) & any_).any()):
         raise LokiError(
-            "Loki needs each query's visible tokens to be one contiguous range (left or right padding); "
-            "the attention mask has holes"
+            "Loki needs each query's visible tokens to be one contiguous range, and the attention mask has holes. "
+            "Pad batches on the left (tokenizer.padding_side='left'): with right padding, the tokens generated "
+            "after a padded prompt leave the padding in the middle of the sequence"
         )
     starts = torch.where(any_, starts, 0)
     lengths = torch.where(any_, lengths, 1)
@@ -690,8 +788,21 @@ def _mask_intervals(attention_mask, B: int, L: int, S: int, device, memo: dict |
 
 
 def _triton_backend(backend: str, query: torch.Tensor) -> bool:
-    """Whether a decode step with this ``backend`` setting runs the Triton kernels ("auto": on CUDA tensors)."""
-    return backend == "triton" or (backend == "auto" and query.is_cuda)
+    """Whether a decode step with this ``backend`` setting runs the Triton kernels ("auto": on CUDA tensors that
+    need no gradient; the kernels have no backward)."""
+    if backend == "triton":
+        return True
+    return backend == "auto" and query.is_cuda and not (torch.is_grad_enabled() and query.requires_grad)
+
+
+def _check_triton_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+    """backend='triton' at forward time: a device the kernels run on, and no gradient wanted."""
+    try:
+        check_triton_device(query, "enable_loki(backend='triton')")
+        check_no_grad("Loki's Triton decode step (enable_loki(backend='triton'))", query=query, key=key,
+                      value=value)
+    except RuntimeError as exc:
+        raise LokiError(str(exc)) from None
 
 
 def _loki_decode_fast(cfg, query, key, value, attention_mask, P_q, scale, prefix):
@@ -805,6 +916,8 @@ def loki_attention_forward(module, query, key, value, attention_mask, scaling=No
         layer.loki_acc = acc + w
         return out[:, None].contiguous(), None
 
+    if cfg.backend == "triton" and cfg.method == "loki":
+        _check_triton_inputs(query, key, value)
     prefix = getattr(layer, "loki_prefix", None) if L == 1 and keys_rotated else None
     if prefix is not None and prefix.shape[-2] != S:
         prefix = None  # out of step with the keys (e.g. a cache edited outside Loki): read the keys in place

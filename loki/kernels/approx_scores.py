@@ -27,7 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from loki._checks import check_decode_inputs, resolve_d
+from loki._checks import check_decode_inputs, check_no_grad, resolve_d
+from loki._checks import check_triton_device as _check_triton_device
 from loki.reference.selection import GQA_AGGREGATES, GQA_SELECT_MODES
 from loki.reference.selection import approx_scores as approx_scores_reference
 
@@ -51,17 +52,9 @@ def new_output(shape, dtype: torch.dtype, device) -> torch.Tensor:
 
 
 def check_triton_device(t: torch.Tensor, what: str = "the Triton kernels") -> None:
-    """Triton runs on CUDA tensors, or on CPU tensors only under ``TRITON_INTERPRET=1``."""
-    if t.device.type == "cuda":
-        if interpreting():
-            raise RuntimeError(f"{what} got CUDA tensors but TRITON_INTERPRET=1 is set; unset it to run on GPU")
-        return
-    if t.device.type == "cpu" and interpreting():
-        return
-    raise RuntimeError(
-        f"{what} need CUDA tensors (got {t.device}); on CPU set TRITON_INTERPRET=1 before importing triton, "
-        "or use backend='torch'"
-    )
+    """Triton runs on CUDA tensors, or on CPU tensors only under ``TRITON_INTERPRET=1``
+    (``loki._checks.check_triton_device``)."""
+    _check_triton_device(t, what)
 
 
 @triton.jit
@@ -203,6 +196,7 @@ def approx_scores(
         raise ValueError(f"aggregate must be one of {GQA_AGGREGATES}, got {aggregate!r}")
     B, HQ, HKV, S, D, lengths, starts = check_decode_inputs(q_hat, k_hat, k_hat, lengths, starts)
     check_triton_device(q_hat, "approx_scores")
+    check_no_grad("approx_scores (Triton)", q_hat=q_hat, k_hat=k_hat, k_prefix=k_prefix)
     dd = resolve_d(d, D)
     if k_hat.stride(-1) != 1:
         k_hat = k_hat.contiguous()

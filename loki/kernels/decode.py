@@ -15,7 +15,7 @@ from numbers import Integral
 
 import torch
 
-from loki._checks import check_decode_inputs, resolve_d, resolve_k
+from loki._checks import check_count, check_decode_inputs, check_no_grad, resolve_d, resolve_k, resolve_scale
 from loki.reference.methods import loki_attention as loki_attention_reference
 from loki.reference.selection import GQA_AGGREGATES, GQA_SELECT_MODES, budget
 
@@ -84,15 +84,25 @@ def decode_attention(
     ``(idx [B, H, K], counts [B])`` when ``return_indices``; H = HQ for ``gqa_select="query"``, HKV for
     ``"kv"``, whose group scores are combined by ``aggregate``).
 
-    ``backend``: "torch" runs ``loki_attention_reference``; "triton" the kernels (CUDA tensors, or CPU
-    tensors under ``TRITON_INTERPRET=1``); "auto" picks triton for CUDA tensors, torch otherwise.
+    ``backend``: "torch" runs ``loki_attention_reference`` (differentiable); "triton" the kernels (CUDA
+    tensors, or CPU tensors under ``TRITON_INTERPRET=1``; no backward: inputs that require grad are refused
+    while autograd is enabled); "auto" picks triton for CUDA tensors that need no gradient, torch otherwise.
+    Both backends select the same tokens (ties go to the lowest position) and give an empty output for an
+    empty batch (B = 0).  ``scale`` (default ``1/sqrt(D)``) must be a finite number > 0; ``num_splits`` (an
+    int >= 1, triton backend) overrides the attention kernel's split of the selection.
     ``select_method``: "auto" (the default: "triton" on CUDA tensors, "torch" otherwise), "torch"
-    (``torch.topk``) or "triton" (exact threshold select).  ``k_prefix`` (optional, triton backend):
+    (``torch.topk`` on tie-broken keys) or "triton" (exact threshold select).  ``k_prefix`` (optional, triton backend):
     [B, HKV, S, dp] with dp >= d, the first dp rotated key dims stored contiguously (a cache-layout option,
     ``loki.kernels.make_key_prefix``), from which the approximate scores read exactly d/D of the key bytes.
     The triton path issues no host sync of its own beyond the input validation (the selection width K is
-    bounded on the host from k and S; counts stay on the device); ``check_values=False`` skips the checks of
-    the lengths/starts values, which are host syncs, for hot loops whose positions are known to be valid.
+    bounded on the host from k and S; counts stay on the device).
+
+    ``check_values=False`` skips the checks of the lengths/starts values, which are host syncs, for hot loops
+    whose positions are known to be valid.  Preconditions the caller then guarantees (nothing checks them):
+    ``lengths`` and ``starts`` are integer tensors of shape [B] on q_hat's device with
+    ``0 <= starts[b] < lengths[b] <= S`` for every b.  The kernels bound their reads by these values, so a
+    violation reads outside the cache: undefined results on the CPU interpreter, garbage or a memory fault on a
+    GPU.  Shapes, dtypes, devices, d, k and scale are checked either way.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -103,8 +113,11 @@ def decode_attention(
     if select_method not in SELECT_METHODS:
         raise ValueError(f"select_method must be one of {SELECT_METHODS}, got {select_method!r}")
     select_method = resolve_select_method(select_method, q_hat)
-    if backend == "auto":
-        backend = "triton" if q_hat.is_cuda else "torch"
+    num_splits = check_count(num_splits, "num_splits")
+    if backend == "auto":  # the kernels have no backward: inputs that need a gradient take the reference
+        needs_grad = torch.is_grad_enabled() and any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in (q_hat, k_hat, v_cache))
+        backend = "triton" if q_hat.is_cuda and not needs_grad else "torch"
     if backend == "torch":
         res = loki_attention_reference(q_hat, k_hat, v_cache, d=d, k=k, lengths=lengths, starts=starts,
                                        gqa_select=gqa_select, aggregate=aggregate, scale=scale,
@@ -117,7 +130,10 @@ def decode_attention(
                                                             check_values=check_values)
     dd = resolve_d(d, D)
     resolve_k(k, torch.full((1,), S, dtype=torch.long), S)  # argument errors name k, before any launch
+    resolve_scale(scale, D)
     check_triton_device(q_hat, "decode_attention(backend='triton')")
+    check_no_grad("decode_attention(backend='triton')", q_hat=q_hat, k_hat=k_hat, v_cache=v_cache,
+                  k_prefix=k_prefix)
     if k_prefix is not None:
         k_prefix = _check_key_prefix(k_prefix, k_hat, dd)
     counts = budget(k, lengths, starts, B, S, q_hat.device)

@@ -84,7 +84,7 @@ def _score_select_kernel(
             agg = tl.sum(kt * qs[None, :], axis=1)
         tl.store(row + offs_s, tl.where(valid, agg, float("-inf")), mask=offs_s < S)
     tl.debug_barrier()  # the row's scores, written by every thread, are read back by every thread
-    kk = tl.load(counts_ptr + b).to(tl.int32)
+    kk = tl.minimum(tl.load(counts_ptr + b).to(tl.int32), K)  # never more than the K slots of the row
     _select_row(row, S, kk, idx_ptr + b * stride_ib + h * stride_ih, K, BLOCK, CHUNK, RADIX_BITS, EARLY_EXIT)
 
 

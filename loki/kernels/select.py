@@ -11,8 +11,12 @@ of 1 bit, or 16 steps of 2 bits whose three counts share one int64 reduction).  
 chunks that re-read the row from L1/L2 for long rows (so the registers of the search are free again):
 every key above the threshold, plus as many keys equal to it as are needed, is written at its
 position from one packed prefix sum (above-threshold count in the low 16 bits, tie count in the high 16).
-Output order is unspecified (like ``torch.topk(sorted=False)``), in practice ascending token position;
-ties at the threshold are broken by position.
+Output order is unspecified (like ``torch.topk(sorted=False)``), in practice ascending token position.
+
+Ties: the lowest token position first, as everywhere in Loki (``loki.reference.selection.topk_indices``):
+every key strictly above the threshold is taken, then the first ``k - #above`` keys equal to it in position
+order.  -0.0 and +0.0 map to one key (they are equal scores) and every NaN to the key of +NaN (above +inf,
+where ``torch.topk`` ranks NaN).
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
+from loki._checks import check_counts
 from loki.reference.selection import select_topk as select_topk_reference
+from loki.reference.selection import topk_indices
 
 from .approx_scores import check_triton_device, interpreting, new_output
 from .launch import launch, pdl
@@ -50,10 +56,12 @@ def compaction_chunk(S: int, rows: int, num_sms: int = 132) -> int:
 
 @triton.jit
 def _ordered_key(x):
-    """fp32 -> uint32 with the same order (-0.0 just below +0.0): flip all bits of negatives, set the
-    sign bit of non-negatives."""
+    """fp32 -> uint32 with the same order: flip all bits of negatives, set the sign bit of non-negatives.
+    -0.0 is first mapped to +0.0 (equal scores tie) and every NaN to the canonical +NaN (above +inf)."""
     bits = x.to(tl.uint32, bitcast=True)
     sign = tl.full(x.shape, 1, tl.uint32) << 31
+    bits = tl.where(bits == sign, tl.zeros(x.shape, tl.uint32), bits)  # -0.0 -> +0.0
+    bits = tl.where(x != x, tl.full(x.shape, 0x7FC00000, tl.uint32), bits)  # NaN -> +NaN
     flip = tl.where((bits & sign) != 0, tl.full(x.shape, 0xFFFFFFFF, tl.uint32), sign)
     return bits ^ flip
 
@@ -151,7 +159,7 @@ def _threshold_select_kernel(
     if PDL:  # programmatic dependent launch (launch.py): wait for the scores
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-    kk = tl.load(counts_ptr + b).to(tl.int32)
+    kk = tl.minimum(tl.load(counts_ptr + b).to(tl.int32), K)  # never more than the K slots of the row
     _select_row(scores_ptr + b * stride_sb + h * stride_sh, S, kk, idx_ptr + b * stride_ib + h * stride_ih, K,
                 BLOCK, CHUNK, RADIX_BITS, EARLY_EXIT)
 
@@ -233,9 +241,12 @@ def select_topk(
 
     scores: [B, H, S] fp32 (-inf marks tokens that may not be chosen); counts: [B] int on the scores'
     device, 1 <= counts[b] <= the number of finite scores of each row of batch b; ``k_max`` an int bound
-    K >= max(counts) (pass it to avoid a host sync; default ``int(counts.max())``).
+    K >= max(counts) (pass it to avoid a host sync; default ``int(counts.max())``; both methods clamp a larger
+    count to K on the device, so the Triton select never writes past a row's K slots).
     Returns idx: [B, H, K], int64 for ``method="torch"``, int32 for ``"triton"``; entries at positions
-    >= counts[b] are -1.  ``method="auto"`` is "triton" on CUDA tensors and "torch" otherwise.
+    >= counts[b] are -1.  ``method="auto"`` is "triton" on CUDA tensors and "torch" otherwise.  Both methods
+    break ties by the lowest token position (``loki.reference.selection.topk_indices``), so they select the
+    same set.
     ``uniform=True`` promises all counts equal K (then ``torch.topk(sorted=False)`` is enough; otherwise
     the torch method sorts so that the first counts[b] entries are the top ones).  ``num_warps`` and
     ``radix_bits`` (1 or 2 bits per search step) override the Triton launch configuration; ``chunk`` (a power
@@ -246,15 +257,17 @@ def select_topk(
     if scores.dim() != 3:
         raise ValueError(f"scores must have shape [B, H, S], got {list(scores.shape)}")
     B, H, S = scores.shape
-    if counts.shape != (B,):
-        raise ValueError(f"counts must have shape [B]=[{B}], got {list(counts.shape)}")
+    check_counts(counts, B, scores.device if method == "triton" else None)
+    if B == 0:  # an empty batch: nothing to select (the torch reference gives [0, H, 0] as well)
+        K = 0 if k_max is None else int(k_max)
+        return torch.empty(0, H, K, dtype=torch.int32 if method == "triton" else torch.long, device=scores.device)
     K = int(counts.max()) if k_max is None else int(k_max)
     if not 1 <= K <= S:
         raise ValueError(f"k_max={K} must lie in [1, S={S}]")
     if method == "triton" and S <= TRITON_SELECT_MAX_S:
         return _select_triton(scores, counts, K, out, num_warps=num_warps, radix_bits=radix_bits, chunk=chunk,
                               early_exit=early_exit)
-    idx = torch.topk(scores, K, dim=-1, sorted=not uniform).indices
+    idx = topk_indices(scores, K, sorted=not uniform)
     if not uniform:
         keep = torch.arange(K, device=scores.device)[None, None, :] < counts.to(scores.device)[:, None, None]
         idx = idx.masked_fill(~keep, -1)

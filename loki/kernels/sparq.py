@@ -19,15 +19,21 @@ r query components, K selected tokens.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
-from loki._checks import check_decode_inputs, resolve_d, valid_token_mask
+from loki._checks import (
+    check_count,
+    check_decode_inputs,
+    check_no_grad,
+    resolve_d,
+    resolve_k,
+    resolve_scale,
+    valid_token_mask,
+)
 from loki.reference.methods import sparq_attention as sparq_attention_reference
-from loki.reference.selection import budget
+from loki.reference.selection import budget, topk_indices
 
 from .approx_scores import check_triton_device, interpreting, new_output
 from .select import select_topk
@@ -136,8 +142,10 @@ def sparq_prepare(k_cache: torch.Tensor, v_cache: torch.Tensor, lengths=None, st
     else:
         lengths = torch.full((B,), S, dtype=torch.int32, device=k_cache.device) if lengths is None else lengths
         starts = torch.zeros(B, dtype=torch.int32, device=k_cache.device) if starts is None else starts
-        valid = valid_token_mask(lengths, starts, S).to(torch.float32)
-        v_mean = torch.einsum("bs,bhsd->bhd", valid, v_cache.float()) / valid.sum(-1)[:, None, None]
+        valid = valid_token_mask(lengths, starts, S)
+        # rows outside the valid tokens are zeroed, not multiplied by 0 (NaN there would survive a product)
+        v_valid = v_cache.float().masked_fill(~valid[:, None, :, None], 0)
+        v_mean = v_valid.sum(dim=2) / valid.sum(-1).to(torch.float32)[:, None, None]
     return k_t, v_mean.contiguous()
 
 
@@ -167,7 +175,15 @@ def sparq_attention(
     """
     B, HQ, HKV, S, D, lengths, starts = check_decode_inputs(q, k_cache, v_cache, lengths, starts)
     check_triton_device(q, "sparq_attention")
+    check_no_grad("sparq_attention (Triton)", q=q, k_cache=k_cache, v_cache=v_cache)
     rr = resolve_d(r, D, name="r")
+    resolve_k(k, torch.full((1,), S, dtype=torch.long), S)
+    sm_scale = resolve_scale(scale, D)
+    for name, blk in (("block_s", block_s), ("block_k", block_k)):
+        if blk is not None and (check_count(blk, name, minimum=16) & (blk - 1)):
+            raise ValueError(f"{name} must be a power of two >= 16, got {blk}")
+    if B == 0:  # an empty batch, as the reference
+        return new_output((0, HQ, D), q.dtype, q.device) if out is None else out
     G = HQ // HKV
     if k_cache_t is None or v_mean is None:
         kt_new, vm_new = sparq_prepare(k_cache, v_cache, lengths, starts)
@@ -182,7 +198,7 @@ def sparq_attention(
     v_cache = v_cache if v_cache.stride(-1) == 1 else v_cache.contiguous()
     # Step 1 (tiny, in PyTorch as in SparQ): the r largest |q| components and the temperature.
     qf = q.float()
-    i1 = torch.topk(qf.abs(), rr, dim=-1).indices.to(torch.int32).contiguous()  # [B, HQ, r]
+    i1 = topk_indices(qf.abs(), rr).to(torch.int32).contiguous()  # [B, HQ, r], ties as the reference
     q_r = torch.gather(qf, -1, i1.long()).contiguous()
     l1_ratio = q_r.abs().sum(-1) / qf.abs().sum(-1).clamp_min(torch.finfo(torch.float32).tiny)
     inv_temp = 1.0 / torch.sqrt(D * l1_ratio).clamp_min(torch.finfo(torch.float32).tiny)
@@ -209,7 +225,6 @@ def sparq_attention(
     K = idx.shape[-1]
     if out is None:
         out = new_output((B, HQ, D), q.dtype, dev)
-    sm_scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     if block_k is None:
         block_k = min(1024, max(16, triton.next_power_of_2(K))) if interp else 32
     _sparq_attn_kernel[(B * HQ,)](

@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from loki._checks import check_count, check_no_grad, resolve_scale
 from loki.reference.sparse import sparse_attention as sparse_attention_reference
 
 from .approx_scores import check_triton_device, interpreting, new_output
@@ -338,7 +339,13 @@ def sparse_attention(
     if idx.dtype not in (torch.int32, torch.int64) or counts.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"idx and counts must be int32 or int64, got {idx.dtype} and {counts.dtype}")
     check_triton_device(q_hat, "sparse_attention")
+    check_no_grad("sparse_attention (Triton)", q_hat=q_hat, k_hat=k_hat, v_cache=v_cache)
+    num_splits = check_count(num_splits, "num_splits")
+    if block_k is not None and (check_count(block_k, "block_k", minimum=16) & (block_k - 1)):
+        raise ValueError(f"block_k must be a power of two >= 16, got {block_k}")
     H, K = idx.shape[1], idx.shape[2]
+    if K < 1:
+        raise ValueError(f"idx must hold at least one selected token per row (K >= 1), got shape {list(idx.shape)}")
     G = HQ // HKV
     if H == HQ:
         g_sel, kv_div = 1, G
@@ -357,7 +364,7 @@ def sparse_attention(
     k_hat = k_hat if k_hat.stride(-1) == 1 else k_hat.contiguous()
     v_cache = v_cache if v_cache.stride(-1) == 1 else v_cache.contiguous()
     idx = idx if idx.stride(-1) == 1 else idx.contiguous()
-    sm_scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    sm_scale = resolve_scale(scale, D)
     BLOCK_D = triton.next_power_of_2(D)
     interp = interpreting()
     rows = B * H  # programs per split

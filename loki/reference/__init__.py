@@ -4,7 +4,15 @@ benchmarks and integrations."""
 from .common import expand_to_query_heads, gather_rows, rotate_keys, rotate_query
 from .dense import dense_attention, exact_scores
 from .methods import exact_topk_attention, h2o_attention, loki_attention, pcaattn_attention, sparq_attention
-from .selection import GQA_AGGREGATES, GQA_SELECT_MODES, aggregate_group_scores, approx_scores, budget, select_topk
+from .selection import (
+    GQA_AGGREGATES,
+    GQA_SELECT_MODES,
+    aggregate_group_scores,
+    approx_scores,
+    budget,
+    select_topk,
+    topk_indices,
+)
 from .sparse import sparse_attention
 
 __all__ = [
@@ -26,4 +34,5 @@ __all__ = [
     "select_topk",
     "sparq_attention",
     "sparse_attention",
+    "topk_indices",
 ]

@@ -6,16 +6,17 @@ S cache length, D head dim, K selected tokens, H either HQ or HKV (a selection's
 
 from __future__ import annotations
 
-import math
-
 import torch
+
+from .._checks import resolve_scale
 
 __all__ = ["rotate_query", "rotate_keys", "gather_rows", "expand_to_query_heads", "default_scale"]
 
 
 def default_scale(D: int, scale: float | None) -> float:
-    """The attention scale: ``1/sqrt(D)`` unless given (Loki uses the full head dim, never d)."""
-    return 1.0 / math.sqrt(D) if scale is None else float(scale)
+    """The attention scale: ``1/sqrt(D)`` unless given (Loki uses the full head dim, never d); a given scale
+    must be a finite number > 0 (``loki._checks.resolve_scale``)."""
+    return resolve_scale(scale, D)
 
 
 def _check_basis(P: torch.Tensor, HKV: int, D: int, name: str) -> None:

@@ -10,7 +10,16 @@ import torch
 from .._checks import check_decode_inputs, valid_token_mask
 from .common import default_scale, expand_to_query_heads
 
-__all__ = ["dense_attention", "exact_scores"]
+__all__ = ["dense_attention", "exact_scores", "masked_values"]
+
+
+def masked_values(v_cache: torch.Tensor, lengths: torch.Tensor, starts: torch.Tensor,
+                  compute_dtype: torch.dtype) -> torch.Tensor:
+    """``v_cache`` [B, HKV, S, D] in ``compute_dtype`` with the rows outside each sequence's valid tokens set to
+    zero: whatever those rows hold (stale data, NaN, inf) then never reaches the output, where a zero
+    probability times NaN would be NaN."""
+    valid = valid_token_mask(lengths, starts, v_cache.shape[2])
+    return v_cache.to(compute_dtype).masked_fill(~valid[:, None, :, None], 0)
 
 
 def exact_scores(
@@ -51,6 +60,7 @@ def dense_attention(
     ``starts <= s < lengths``); mask: optional [B, H, S] bool with H in {HQ, HKV}, True = attend.
     Returns out [B, HQ, D] in q's dtype (and the weights [B, HQ, S] in ``compute_dtype`` when asked).
     Computation in ``compute_dtype`` (fp32 by default; the tests also use fp64 and the input dtype).
+    Cache rows outside ``[starts, lengths)`` are never read into the result (NaN there stays out).
     """
     B, HQ, HKV, S, D, lengths, starts = check_decode_inputs(q, k_cache, v_cache, lengths, starts)
     s = exact_scores(q, k_cache, lengths, starts, compute_dtype=compute_dtype) * default_scale(D, scale)
@@ -60,6 +70,7 @@ def dense_attention(
         s = s.masked_fill(~expand_to_query_heads(mask.bool(), HQ), float("-inf"))
     p = torch.softmax(s, dim=-1)
     G = HQ // HKV
-    out = torch.einsum("bhgs,bhsd->bhgd", p.view(B, HKV, G, S), v_cache.to(compute_dtype)).reshape(B, HQ, D)
+    v = masked_values(v_cache, lengths, starts, compute_dtype)
+    out = torch.einsum("bhgs,bhsd->bhgd", p.view(B, HKV, G, S), v).reshape(B, HQ, D)
     out = out.to(q.dtype)
     return (out, p) if return_weights else out

@@ -22,8 +22,8 @@ import torch
 
 from .._checks import check_decode_inputs, resolve_d, valid_token_mask
 from .common import default_scale, expand_to_query_heads
-from .dense import dense_attention, exact_scores
-from .selection import aggregate_group_scores, approx_scores, budget, select_topk
+from .dense import dense_attention, exact_scores, masked_values
+from .selection import aggregate_group_scores, approx_scores, budget, select_topk, topk_indices
 from .sparse import sparse_attention
 
 __all__ = [
@@ -116,7 +116,8 @@ def pcaattn_attention(
     dd = resolve_d(d, D)
     s = approx_scores(q_hat, k_hat, dd, lengths, starts, compute_dtype=compute_dtype) * default_scale(D, scale)
     p = torch.softmax(s, dim=-1)
-    out = torch.einsum("bhgs,bhsd->bhgd", p.view(B, HKV, HQ // HKV, S), v_cache.to(compute_dtype))
+    v = masked_values(v_cache, lengths, starts, compute_dtype)
+    out = torch.einsum("bhgs,bhsd->bhgd", p.view(B, HKV, HQ // HKV, S), v)
     return out.reshape(B, HQ, D).to(q_hat.dtype)
 
 
@@ -145,7 +146,7 @@ def sparq_attention(
     B, HQ, HKV, S, D, lengths, starts = check_decode_inputs(q, k_cache, v_cache, lengths, starts)
     rr = resolve_d(r, D, name="r")
     qf = q.to(compute_dtype)
-    i1 = torch.topk(qf.abs(), rr, dim=-1).indices  # [B, HQ, r]
+    i1 = topk_indices(qf.abs(), rr)  # [B, HQ, r], ties to the lowest component
     q_r = torch.gather(qf, -1, i1)
     # K[:, i1] per query head: gather columns of the head's KV rows.
     kq = expand_to_query_heads(k_cache, HQ).to(compute_dtype)  # [B, HQ, S, D]
@@ -161,7 +162,7 @@ def sparq_attention(
     alpha = (torch.gather(s_hat, -1, idx.clamp(min=0)) * keep).sum(-1)  # [B, HQ]
     y = sparse_attention(q, k_cache, v_cache, idx, counts, scale=scale, compute_dtype=compute_dtype)
     n = valid.sum(-1).to(compute_dtype)  # [B]
-    v_mean = (v_cache.to(compute_dtype) * valid[:, None, :, None]).sum(2) / n[:, None, None]  # [B, HKV, D]
+    v_mean = masked_values(v_cache, lengths, starts, compute_dtype).sum(2) / n[:, None, None]  # [B, HKV, D]
     v_mean = expand_to_query_heads(v_mean, HQ)
     out = alpha[..., None] * y.to(compute_dtype) + (1 - alpha[..., None]) * v_mean
     out = out.to(q.dtype)
@@ -207,9 +208,9 @@ def h2o_attention(
     H = acc_scores.shape[1]
     cand = acc_scores.to(compute_dtype).masked_fill(~(valid & ~in_recent)[:, None, :], float("-inf"))
     mask = in_recent[:, None, :].expand(B, H, S).clone()
-    hmax = int(heavy.max())
+    hmax = int(heavy.max()) if B else 0
     if hmax > 0:
-        top = torch.topk(cand, hmax, dim=-1).indices  # [B, H, hmax]
+        top = topk_indices(cand, hmax)  # [B, H, hmax], ties to the earliest token
         keep = torch.arange(hmax, device=q.device)[None, None, :] < heavy[:, None, None]
         mask.scatter_(-1, top, keep | mask.gather(-1, top))
     return dense_attention(q, k_cache, v_cache, lengths, starts, scale=scale, mask=mask,

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check_decode_inputs, resolve_d, resolve_k, valid_token_mask
+from .._checks import check_counts, check_decode_inputs, resolve_d, resolve_k, valid_token_mask
 
-__all__ = ["GQA_SELECT_MODES", "GQA_AGGREGATES", "approx_scores", "aggregate_group_scores", "select_topk", "budget"]
+__all__ = ["GQA_SELECT_MODES", "GQA_AGGREGATES", "approx_scores", "aggregate_group_scores", "select_topk", "budget",
+           "topk_indices"]
 
 #: "query": every query head selects its own tokens (the paper's code repeats KV heads; the default).
 #: "kv": one selection per KV head from the group's aggregated scores; each selected KV row is read once.
@@ -74,21 +75,52 @@ def budget(k: int | float, lengths: torch.Tensor | None, starts: torch.Tensor | 
     return resolve_k(k, n, S)
 
 
+def topk_indices(scores: torch.Tensor, K: int, *, sorted: bool = True) -> torch.Tensor:
+    """Indices of the K largest entries along the last dim, ties broken by the lowest index first.
+
+    The one tie rule of every selection in Loki (this reference, the ``torch`` method of the kernels and the
+    Triton threshold select): among equal scores the token with the lowest position is taken first; -0.0 and
+    +0.0 are equal; NaN ranks above every number (as in ``torch.topk``).  ``torch.topk`` alone leaves the
+    order of ties unspecified (it differs between CPU and CUDA and with the row length), so the scores are
+    made unique first: fp32/fp16/bf16 scores become one int64 key per entry, the order-preserving 32 bits of
+    the fp32 score above the complemented position, and ``torch.topk`` runs on the keys; fp64 scores use a
+    stable descending sort.  ``sorted=True`` returns them by decreasing score (ties by increasing index);
+    ``sorted=False`` in unspecified order (the same set).
+    scores: [..., S] floating -> [..., K] int64.
+    """
+    S = scores.shape[-1]
+    if not 0 <= K <= S:
+        raise ValueError(f"K={K} must lie in [0, S={S}]")
+    if scores.dtype == torch.float64:
+        x = torch.where(scores == 0, 0.0, scores)
+        return torch.sort(x, dim=-1, descending=True, stable=True).indices[..., :K]
+    x = scores.float() + 0.0  # -0.0 + 0.0 = +0.0: -0.0 ties with +0.0 (and x is a new tensor)
+    x = torch.where(torch.isnan(x), float("nan"), x)  # one NaN bit pattern (positive: above +inf); no host sync
+    bits = x.view(torch.int32)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negatives: flip the magnitude bits; signed int order == float order
+    rev = 0xFFFFFFFF - torch.arange(S, device=scores.device, dtype=torch.long)  # a lower position: a larger key
+    packed = (key.long() << 32) | rev
+    top = torch.topk(packed, K, dim=-1, sorted=sorted).values
+    return 0xFFFFFFFF - (top & 0xFFFFFFFF)
+
+
 def select_topk(scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Indices of the ``counts[b]`` largest scores of every row (Loki Algorithm 1, line 5).
 
     scores: [B, H, S] (-inf marks tokens that may not be chosen); counts: [B] int, 1 <= counts[b] <= the
     number of finite scores in each row of batch b -> idx: [B, H, K] int64 with K = max(counts), sorted
-    by decreasing score; entries at positions >= counts[b] are -1 (padding).
+    by decreasing score, ties by increasing token position (:func:`topk_indices`); entries at positions
+    >= counts[b] are -1 (padding).  An empty batch (B = 0) gives idx [0, H, 0].
     """
     if scores.dim() != 3:
         raise ValueError(f"scores must have shape [B, H, S], got {list(scores.shape)}")
     B, H, S = scores.shape
-    if counts.shape != (B,):
-        raise ValueError(f"counts must have shape [B]=[{B}], got {list(counts.shape)}")
+    check_counts(counts, B)
+    if B == 0:
+        return torch.empty(0, H, 0, dtype=torch.long, device=scores.device)
     kmax = int(counts.max())
     if kmax < 1 or kmax > S or int(counts.min()) < 1:
         raise ValueError(f"counts must lie in [1, S={S}], got {counts.tolist()}")
-    idx = torch.topk(scores, kmax, dim=-1, sorted=True).indices
+    idx = topk_indices(scores, kmax)
     keep = torch.arange(kmax, device=scores.device)[None, None, :] < counts.to(scores.device)[:, None, None]
     return idx.masked_fill(~keep, -1)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from .._checks import check_counts
 from .common import default_scale, gather_rows
 
 __all__ = ["sparse_attention"]
@@ -36,11 +37,15 @@ def sparse_attention(
     if idx.dim() != 3 or idx.shape[0] != B:
         raise ValueError(f"idx must have shape [B, H, K] with B={B}, got {list(idx.shape)}")
     K = idx.shape[2]
+    check_counts(counts, B)
+    if B and (int(counts.min()) < 1 or int(counts.max()) > K):
+        raise ValueError(f"counts must lie in [1, K={K}] (K = idx.shape[2]), got {counts.tolist()}")
     kg = gather_rows(k_hat, idx, HQ).to(compute_dtype)  # [B, HQ, K, D]
     vg = gather_rows(v_cache, idx, HQ).to(compute_dtype)
     s = torch.einsum("bhd,bhkd->bhk", q_hat.to(compute_dtype), kg) * default_scale(D, scale)
     keep = torch.arange(K, device=idx.device)[None, None, :] < counts.to(idx.device)[:, None, None]
     s = s.masked_fill(~keep, float("-inf"))
+    vg = vg.masked_fill(~keep[..., None], 0)  # padding entries read row 0, which may be invalid (NaN)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse[..., None])
     out = torch.einsum("bhk,bhkd->bhd", p, vg).to(q_hat.dtype)

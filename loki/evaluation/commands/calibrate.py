@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from . import add_model_arguments, fail, load_model_from_args
+from . import add_model_arguments, check_input_file, check_model_folder, check_output_file, fail, load_model_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,13 +57,20 @@ def run(args: argparse.Namespace) -> int:
     if args.batch_size < 1:
         return fail(f"--batch-size must be >= 1, got {args.batch_size}")
     outputs = _outputs(args.output, args.rotary)
+    # every argument is checked before the model loads and calibrates: a bad path must not cost the calibration
     for p in outputs.values():
-        if not p.parent.exists():
-            return fail(f"output folder {p.parent} does not exist")
+        err = check_output_file(p, "--output")
+        if err:
+            return fail(err)
+    err = check_input_file(args.text_file, "--text-file") or check_model_folder(args.model)
+    if err:
+        return fail(err)
     try:
         src = load_corpus(args.corpus, part="calib", path=args.text_file)
     except (FileNotFoundError, ValueError) as exc:
         return fail(str(exc))
+    if not src.text.strip():
+        return fail(f"--text-file {args.text_file} is empty" if args.text_file else f"corpus {src.origin} is empty")
     model, tokenizer = load_model_from_args(args)
     text = src.text[: max(20_000, 12 * args.tokens)]
     try:

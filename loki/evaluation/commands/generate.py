@@ -5,7 +5,14 @@ from __future__ import annotations
 import argparse
 import time
 
-from . import add_model_arguments, fail, fraction_or_count, load_model_from_args
+from . import (
+    add_model_arguments,
+    check_input_file,
+    check_model_folder,
+    fail,
+    fraction_or_count,
+    load_model_from_args,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,6 +43,11 @@ def run(args: argparse.Namespace) -> int:
 
     if args.max_new_tokens < 1:
         return fail(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if not args.prompt.strip():
+        return fail("prompt: the prompt is empty; give some text to continue")
+    err = check_input_file(args.basis, "--basis") or check_model_folder(args.model)
+    if err:
+        return fail(err)
     model, tokenizer = load_model_from_args(args)
     basis = None
     if args.method in ("loki", "pcaattn"):
@@ -54,7 +66,12 @@ def run(args: argparse.Namespace) -> int:
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                                add_generation_prompt=True)
     ids = tokenizer(prompt, return_tensors="pt")
-    enable_loki(model, basis, k=args.k, d=args.d, method=args.method, gqa_select=args.gqa_select)
+    if ids["input_ids"].shape[1] == 0:
+        return fail(f"prompt: {args.prompt!r} gives no tokens")
+    try:
+        enable_loki(model, basis, k=args.k, d=args.d, method=args.method, gqa_select=args.gqa_select)
+    except (ValueError, TypeError) as exc:  # e.g. a count --d larger than the model's head dim
+        return fail(str(exc))
     try:
         t0 = time.perf_counter()
         with torch.no_grad():

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from . import add_model_arguments, fail, fraction_or_count, load_model_from_args
+from . import (
+    add_model_arguments,
+    check_input_file,
+    check_model_folder,
+    fail,
+    fraction_or_count,
+    load_model_from_args,
+)
 
 _METHODS = ("full", "dense", "exact_topk", "loki", "pcaattn", "sparq", "h2o")
 
@@ -46,10 +53,18 @@ def run(args: argparse.Namespace) -> int:
 
     if args.windows < 1 or args.seq_len < 2 or args.offset < 0:
         return fail("--windows must be >= 1, --seq-len >= 2 and --offset >= 0")
+    if args.calib_tokens is not None and args.calib_tokens < 1:
+        return fail(f"--calib-tokens must be >= 1, got {args.calib_tokens}")
+    err = (check_input_file(args.text_file, "--text-file") or check_input_file(args.basis, "--basis")
+           or check_model_folder(args.model))
+    if err:
+        return fail(err)
     try:
         src = load_corpus(args.corpus, part="eval", path=args.text_file)
     except (FileNotFoundError, ValueError) as exc:
         return fail(str(exc))
+    if not src.text.strip():
+        return fail(f"--text-file {args.text_file} is empty" if args.text_file else f"corpus {src.origin} is empty")
     model, tokenizer = load_model_from_args(args)
     bases = None
     if args.method in ("loki", "pcaattn"):
