@@ -9,9 +9,11 @@ import pytest
 import torch
 
 from loki.basis import PCABasis
+from loki.evaluation import retrieval
 from loki.evaluation.perplexity import MethodSpec, standard_methods
 from loki.evaluation.retrieval import (
     evaluate_retrieval,
+    informative,
     markdown_table,
     paired_difference,
     plot_retrieval,
@@ -212,8 +214,11 @@ def test_every_method_runs_end_to_end(tiny, tmp_path):
     names = [s.name for s in specs]
     assert {(c["task"], c["name"]) for c in r["cells"]} == {(t, n) for t in (*TASKS, "all") for n in names}
     for c in r["cells"]:
-        assert c["n"] == (8 if c["task"] == "all" else 2) and 0 <= c["ci"][0] <= c["accuracy"] <= c["ci"][1] <= 1
-        assert c["full_accuracy"] is not None
+        if c["task"] == "all":
+            assert c["n"] == 2 * len(c["pooled_tasks"])
+        else:
+            assert c["n"] == 2 and 0 <= c["ci"][0] <= c["accuracy"] <= c["ci"][1] <= 1
+            assert c["full_accuracy"] is not None and isinstance(c["full_above_chance"], bool)
         ref = reference_for(next(s for s in specs if s.name == c["name"]), specs)
         assert (c["diff"] is None) == (ref is None) and c["reference"] == (ref.name if ref else None)
         if c["method"] in ("loki", "sparq", "h2o") and c["k"] == 0.25:
@@ -234,3 +239,34 @@ def test_batching_does_not_change_scores(tiny):
     b = evaluate_retrieval(model, TOK, specs, bases, batch_size=2, **kw)
     assert a["samples"] == b["samples"]
     assert not math.isnan(a["cells"][0]["accuracy"])
+
+
+def test_cells_pool_only_tasks_where_full_attention_is_above_chance(monkeypatch):
+    """The statistics assembled from scripted predictions: full attention right on passkey only, exact top-k
+    always right, "half" right on even samples."""
+
+    def fake_run_batch(model, tokenizer, ids, specs, bases, *, answers, **kw):
+        out = {"_prefill_seconds": 0.0}
+        for s in specs:
+            preds = []
+            for i, ans in enumerate(answers):
+                right = {"full": ans[0].isdigit() and len(ans[0]) == 5 and len(ans) == 1, "exact": True,
+                         "half": i % 2 == 0}[s.name]
+                preds.append(" ".join(ans) if right else "no")
+            out[s.name] = {"predictions": preds, "tokens": [], "seconds": 0.0}
+        return out
+
+    monkeypatch.setattr(retrieval, "run_batch", fake_run_batch)
+    model = tiny_model("llama", num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, vocab_size=256)
+    specs = [MethodSpec("full", "full"), MethodSpec("exact", "exact_topk", k=0.25),
+             MethodSpec("half", "loki", k=0.25, basis="b")]
+    r = evaluate_retrieval(model, TOK, specs, {}, context_lens=(CTX,), samples=8, batch_size=4, progress=False)
+    by = {(c["task"], c["name"]): c for c in r["cells"]}
+    assert by[("passkey", "full")]["accuracy"] == 1 and by[("passkey", "full")]["full_above_chance"]
+    assert by[("single_needle", "full")]["accuracy"] == 0 and not by[("single_needle", "half")]["full_above_chance"]
+    assert by[("all", "half")]["pooled_tasks"] == ["passkey"] and by[("all", "half")]["n"] == 8
+    d = by[("multikey_needle", "half")]["diff"]
+    assert by[("multikey_needle", "half")]["reference"] == "exact" and (d["diff"], d["only_b"]) == (-0.5, 4)
+    assert by[("multikey_needle", "half")]["ci"] == pytest.approx(list(wilson_interval(4, 8)))
+    assert "full attention not above chance at " + str(CTX) in markdown_table(r)
+    assert informative([1] * 8, 0.25) and not informative([1, 0, 0, 0] * 2, 0.25) and not informative([], 0.0)

@@ -19,7 +19,8 @@ Protocol (decode-time semantics, honest about the method).  For each batch of sa
 Statistics: accuracy with a 95% Wilson interval per (task, length, method); the paired difference against a
 reference method (default exact top-k with the same k and GQA mode) with Newcombe's hybrid score interval for
 paired proportions (method 10, Newcombe 1998); full attention's accuracy and the chance level beside.
-Cells with ``task="all"`` pool the tasks of one length.
+Cells with ``task="all"`` pool, per length, the tasks on which full attention is above chance (the lower end of
+its Wilson interval exceeds the chance level); every cell says whether its full attention is.
 
 Shape letters: B batch, T context tokens, P prefilled tokens (T - question_tokens), V vocabulary.
 """
@@ -39,7 +40,9 @@ from loki.evaluation.retrieval_tasks import CHANCE, TASKS, make_samples
 __all__ = [
     "CONTEXT_LENS",
     "MAX_NEW_TOKENS",
+    "PRESETS",
     "evaluate_retrieval",
+    "informative",
     "markdown_table",
     "paired_difference",
     "plot_retrieval",
@@ -53,6 +56,13 @@ CONTEXT_LENS = (1024, 2048, 4096, 8192)
 #: Greedy steps per task: the answer plus a couple of tokens (digits are single tokens for SmolLM2).
 MAX_NEW_TOKENS = {"passkey": 8, "single_needle": 10, "multikey_needle": 10, "variable_tracking": 12}
 Z95 = 1.959963984540054
+#: Keyword arguments of :func:`evaluate_retrieval` for the two jobs (docs/retrieval.md): ``"gpu"`` the whole grid
+#: on one H100 (B = 32 at 8k fits: the dense cache and one method's copy are ~11 GB each in fp32), ``"cpu"`` a
+#: small version for the CPU job (one batch per task at 2k: ~1-2 min per method setting on one thread).
+PRESETS = {
+    "gpu": {"context_lens": CONTEXT_LENS, "samples": 32, "batch_size": 32},
+    "cpu": {"context_lens": (2048,), "samples": 4, "batch_size": 4},
+}
 
 
 # ------------------------------------------------------------------------------------------ statistics
@@ -239,12 +249,21 @@ def _spec_dict(spec: MethodSpec) -> dict:
             "gqa_select": spec.gqa_select, "aggregate": spec.aggregate}
 
 
-def _cell(task, length, spec, correct, full, ref_spec, ref_correct, chance) -> dict:
+def informative(full_correct, chance: float) -> bool:
+    """Whether full attention scores above chance: the lower end of its 95% Wilson interval exceeds the chance
+    level (a (task, length) where it does not says nothing about a sparse method)."""
+    return bool(full_correct) and wilson_interval(sum(full_correct), len(full_correct))[0] > chance
+
+
+def _cell(task, length, spec, correct, full, ref_spec, ref_correct, chance, pooled=None) -> dict:
     n, s = len(correct), sum(correct)
     lo, hi = wilson_interval(s, n)
     cell = {"task": task, "context_len": length, **_spec_dict(spec), "n": n, "correct": s,
-            "accuracy": s / n if n else float("nan"), "ci": [lo, hi], "chance": chance,
-            "full_accuracy": (sum(full) / len(full)) if full else None, "reference": None, "diff": None}
+            "accuracy": s / n if n else None, "ci": [lo, hi], "chance": chance,
+            "full_accuracy": (sum(full) / len(full)) if full else None,
+            "full_above_chance": informative(full, chance) if full else None, "reference": None, "diff": None}
+    if pooled is not None:
+        cell["pooled_tasks"] = list(pooled)
     if ref_spec is not None and ref_correct is not None:
         cell["reference"] = ref_spec.name
         cell["diff"] = paired_difference(correct, ref_correct)
@@ -261,7 +280,8 @@ def evaluate_retrieval(model, tokenizer, specs: list[MethodSpec], bases: dict | 
 
     ``max_new_tokens``: an int for every task, a dict by task, or None for :data:`MAX_NEW_TOKENS`.
     Returns a JSON-able dict: ``config``, ``methods``, ``chance``, ``cells`` (one per task, length and method,
-    plus the pooled ``task="all"`` cells), ``samples`` (per cell key, the 0/1 scores, predictions and answers)
+    plus the pooled ``task="all"`` cells over the tasks whose full attention is above chance at that length,
+    :func:`informative`), ``samples`` (per cell key, the 0/1 scores, predictions and answers)
     and ``timing`` (seconds of the dense prefill and of every method per (task, length)).
     """
     from tqdm.auto import tqdm
@@ -304,13 +324,16 @@ def evaluate_retrieval(model, tokenizer, specs: list[MethodSpec], bases: dict | 
     cells = []
     for task in list(tasks) + (["all"] if len(tasks) > 1 else []):
         for L in context_lens:
-            pool = tasks if task == "all" else (task,)
+            pool = [task]
+            if task == "all":  # the tasks on which full attention is above chance at this length (all without it)
+                pool = [t for t in tasks if full_spec is None or informative(per[(t, L, full_spec.name)], CHANCE[t])]
             get = lambda name, pool=pool, L=L: [x for t in pool for x in per.get((t, L, name), [])]
             full = get(full_spec.name) if full_spec is not None else None
-            chance = sum(CHANCE[t] for t in pool) / len(pool)
+            chance = sum(CHANCE[t] for t in pool) / len(pool) if pool else 0.0
             for s in specs:
                 ref = refs[s.name]
-                cells.append(_cell(task, L, s, get(s.name), full, ref, get(ref.name) if ref else None, chance))
+                cells.append(_cell(task, L, s, get(s.name), full, ref, get(ref.name) if ref else None, chance,
+                                   pool if task == "all" else None))
     return {
         "config": {"tasks": list(tasks), "context_lens": list(context_lens), "samples": samples, "seed": seed,
                    "batch_size": batch_size, "question_tokens": question_tokens,
@@ -327,6 +350,8 @@ def evaluate_retrieval(model, tokenizer, specs: list[MethodSpec], bases: dict | 
 
 # ------------------------------------------------------------------------------------------ reports
 def _fmt_cell(c: dict) -> str:
+    if c["n"] == 0:
+        return "-"
     txt = f"{c['accuracy']:.2f} [{c['ci'][0]:.2f}, {c['ci'][1]:.2f}]"
     if c["diff"] is not None:
         d = c["diff"]
@@ -346,7 +371,12 @@ def markdown_table(result: dict) -> str:
         c0 = by[(task, lens[0], names[0])]
         n = ", ".join(f"{L}: n={by[(task, L, names[0])]['n']}" for L in lens)
         refs = sorted({c["reference"] for c in result["cells"] if c["task"] == task and c["reference"]})
-        lines += [f"#### {task} (chance {c0['chance']:.2f}; {n}; Δ against {', '.join(refs) or 'none'})", "",
+        low = [str(L) for L in lens if by[(task, L, names[0])]["full_above_chance"] is False]
+        note = f"; full attention not above chance at {', '.join(low)}" if low and task != "all" else ""
+        if task == "all":
+            note = "; pooled: " + ", ".join(f"{L}: {'+'.join(by[(task, L, names[0])]['pooled_tasks']) or '-'}"
+                                            for L in lens)
+        lines += [f"#### {task} (chance {c0['chance']:.2f}; {n}; Δ against {', '.join(refs) or 'none'}{note})", "",
                   "| method | " + " | ".join(str(L) for L in lens) + " |",
                   "|---|" + "---|" * len(lens)]
         for name in names:
@@ -371,7 +401,7 @@ def plot_retrieval(result: dict, path) -> None:
     for ax, task in zip(axes.flat, tasks):
         for j, m in enumerate(result["methods"]):
             cs = [by[(task, L, m["name"])] for L in lens]
-            acc = [c["accuracy"] for c in cs]
+            acc = [c["accuracy"] if c["n"] else float("nan") for c in cs]
             err = [[max(0.0, a - c["ci"][0]) for a, c in zip(acc, cs)],
                    [max(0.0, c["ci"][1] - a) for a, c in zip(acc, cs)]]
             x = [L * (1 + 0.012 * (j - len(result["methods"]) / 2)) for L in lens]  # dodge the error bars
@@ -379,6 +409,7 @@ def plot_retrieval(result: dict, path) -> None:
             ax.errorbar(x, acc, yerr=err, marker="o", ms=3, capsize=2, label=m["name"], **style)
         ax.axhline(cs[0]["chance"], color="grey", ls=":", lw=1)
         ax.set_xscale("log", base=2)
+        ax.set_xlim(min(lens) / 1.4, max(lens) * 1.4)
         ax.set_xticks(lens, [str(L) for L in lens])
         ax.set_ylim(-0.03, 1.03)
         ax.set_title(task)
