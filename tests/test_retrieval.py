@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from loki.basis import PCABasis
+from loki.calibration import calibrate
 from loki.evaluation import retrieval
 from loki.evaluation.perplexity import MethodSpec, standard_methods
 from loki.evaluation.retrieval import (
@@ -18,9 +19,11 @@ from loki.evaluation.retrieval import (
     paired_difference,
     plot_retrieval,
     reference_for,
+    retrieval_methods,
     run_batch,
     score,
     wilson_interval,
+    write_report,
 )
 from loki.evaluation.retrieval_tasks import CHANCE, TASKS, make_sample, make_samples
 from loki.testing.models import tiny_model
@@ -47,6 +50,9 @@ def tiny():
     model = tiny_model("llama", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=256, seed=3)
     bases = {"post": PCABasis.random(2, 2, 16, seed=1, rotary="post"),
              "pre": PCABasis.random(2, 2, 16, seed=2, rotary="pre")}
+    ids = torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(0))
+    bases["score"] = calibrate(model, ids, rotary="post", kind="score", num_tokens=256, seq_len=64, progress=False)
+    assert bases["score"].query_components is not None
     return model, bases
 
 
@@ -141,6 +147,14 @@ def test_paired_difference_newcombe_known_value():
         paired_difference([1, 0], [1])
 
 
+def test_retrieval_methods_are_the_eleven_settings():
+    specs = retrieval_methods(0.125)
+    assert [s.name for s in specs] == [
+        "full", "exact_topk[query]", "exact_topk[kv]", "loki-pre[query]", "loki-pre[kv]", "loki-post[query]",
+        "loki-post[kv]", "loki-score[query]", "loki-score[kv]", "h2o", "sparq(r=16)"]
+    assert all(s.k == 0.125 for s in specs[1:]) and {s.basis for s in specs} == {None, "pre", "post", "score"}
+
+
 def test_reference_is_exact_topk_of_same_budget_and_gqa_mode():
     specs = standard_methods(0.25, 0.25, 64, pcaattn=False, exactness=False)
     by = {s.name: s for s in specs}
@@ -205,7 +219,7 @@ def test_decoding_stops_at_newline_and_once_answered(tiny):
 
 def test_every_method_runs_end_to_end(tiny, tmp_path):
     model, bases = tiny
-    specs = standard_methods(0.25, 0.25, 16)
+    specs = retrieval_methods(0.25, 0.25, 16) + [MethodSpec("pcaattn", "pcaattn", d=0.25, basis="post")]
     impl = model.config._attn_implementation
     r = evaluate_retrieval(model, TOK, specs, bases, context_lens=(CTX,), samples=2, batch_size=2,
                            max_new_tokens=2, question_tokens=2, progress=False)
@@ -229,6 +243,9 @@ def test_every_method_runs_end_to_end(tiny, tmp_path):
     assert md.count("| method |") == 5 and "Δ" in md
     plot_retrieval(r, tmp_path / "retrieval.png")
     assert (tmp_path / "retrieval.png").stat().st_size > 1000
+    paths = write_report(r, tmp_path / "out")
+    assert json.loads(open(paths["json"]).read())["cells"] == r["cells"]
+    assert "| method |" in open(paths["md"]).read()
 
 
 def test_batching_does_not_change_scores(tiny):
