@@ -61,7 +61,8 @@ MAX_NEW_TOKENS = {"passkey": 8, "single_needle": 10, "multikey_needle": 10, "var
 Z95 = 1.959963984540054
 #: Keyword arguments of :func:`evaluate_retrieval` for the two jobs (docs/retrieval.md): ``"gpu"`` the whole grid
 #: on one H100 (B = 32 at 8k fits: the dense cache and one method's copy are ~11 GB each in fp32), ``"cpu"`` a
-#: small version for the CPU job (one batch per task at 2k: ~1-2 min per method setting on one thread).
+#: small version for the CPU job (one batch per task at 2k: ~5 min on one thread for full, exact top-k and one
+#: Loki setting).
 PRESETS = {
     "gpu": {"context_lens": CONTEXT_LENS, "samples": 32, "batch_size": 32},
     "cpu": {"context_lens": (2048,), "samples": 4, "batch_size": 4},
@@ -159,9 +160,15 @@ def _new_cache(model):
     return DynamicCache(config=model.config.get_text_config(decoder=True))
 
 
+def _sync(t: torch.Tensor) -> None:
+    if t.is_cuda:
+        torch.cuda.synchronize(t.device)
+
+
 def _stop_ids(model, tokenizer) -> set[int]:
     ids = set()
-    for src in (getattr(tokenizer, "eos_token_id", None), getattr(model.generation_config, "eos_token_id", None)):
+    gen = getattr(model, "generation_config", None)
+    for src in (getattr(tokenizer, "eos_token_id", None), getattr(gen, "eos_token_id", None)):
         if isinstance(src, int):
             ids.add(src)
         elif src is not None:
@@ -191,6 +198,7 @@ def run_batch(model, tokenizer, input_ids: torch.Tensor, specs: list[MethodSpec]
     disable_loki(model)
     t0 = time.perf_counter()
     dense = _prefill(model, prefix, _new_cache(model), prefill_chunk) if any(s.method != "h2o" for s in specs) else None
+    _sync(ids)
     out: dict = {"_prefill_seconds": time.perf_counter() - t0}
     for spec in specs:
         t0 = time.perf_counter()
@@ -213,6 +221,7 @@ def run_batch(model, tokenizer, input_ids: torch.Tensor, specs: list[MethodSpec]
         finally:
             disable_loki(model)
         del cache
+        _sync(ids)
         res["seconds"] = time.perf_counter() - t0
         out[spec.name] = res
     return out

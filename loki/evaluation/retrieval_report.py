@@ -66,6 +66,8 @@ def plot_retrieval(result: dict, path) -> None:
                    [max(0.0, c["ci"][1] - a) for a, c in zip(acc, cs)]]
             x = [L * (1 + 0.012 * (j - len(result["methods"]) / 2)) for L in lens]  # dodge the error bars
             style = dict(color="black", lw=2) if m["method"] == "full" else {}
+            if m["gqa_select"] == "kv" and m["method"] != "full":
+                style["ls"] = "--"
             ax.errorbar(x, acc, yerr=err, marker="o", ms=3, capsize=2, label=m["name"], **style)
         ax.axhline(cs[0]["chance"], color="grey", ls=":", lw=1)
         ax.set_xscale("log", base=2)

@@ -22,6 +22,7 @@ Tasks (see ``docs/retrieval.md`` for why each size was chosen):
 from __future__ import annotations
 
 import random
+import weakref
 import zlib
 from dataclasses import dataclass, field
 
@@ -63,26 +64,33 @@ class RetrievalSample:
 
 
 # ------------------------------------------------------------------------------------------ tokens
-_ENC_MEMO: dict = {}
+_MEMO: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> {text: ids, (tok,): is end}
 _BOOK: dict = {}
 
 
+def _memo(tokenizer) -> dict:
+    try:
+        return _MEMO.setdefault(tokenizer, {})
+    except TypeError:  # not weak-referenceable: no memo
+        return {}
+
+
 def _encode(tokenizer, text: str) -> list[int]:
-    key = (id(tokenizer), text)
-    ids = _ENC_MEMO.get(key)
+    memo = _memo(tokenizer)
+    ids = memo.get(text)
     if ids is None:
         ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
-        if len(_ENC_MEMO) < 100_000:
-            _ENC_MEMO[key] = ids
+        if len(memo) < 200_000:
+            memo[text] = ids
     return ids
 
 
 def _is_sentence_end(tokenizer, tok: int) -> bool:
-    key = (id(tokenizer), "end", tok)
-    hit = _ENC_MEMO.get(key)
+    memo = _memo(tokenizer)
+    hit = memo.get((tok,))
     if hit is None:
         s = tokenizer.decode([tok]).rstrip(" ”\"'’)")
-        hit = _ENC_MEMO[key] = bool(s) and (s[-1] in ".!?" or "\n" in s)
+        hit = memo[(tok,)] = bool(s) and (s[-1] in ".!?" or "\n" in s)
     return hit
 
 
