@@ -1,7 +1,7 @@
 """Evaluation of sparse attention on real models: the embedded default model (``models``), offline text
 loaders (``data``), perplexity with decode-time semantics (``perplexity``), top-k agreement (``agreement``),
-Rank@v analysis and plots (``rank``), reports (``report``), the main job ``loki check`` (``check``) and the
-CLI subcommands (``commands``).
+Rank@v analysis and plots (``rank``), reports (``report``), the RULER-style retrieval suite (``retrieval``), the
+main job ``loki check`` (``check``) and the CLI subcommands (``commands``).
 
 Submodules are imported lazily: ``import loki.evaluation`` loads neither transformers nor matplotlib.
 """
@@ -34,6 +34,7 @@ _EXPORTS = {
     "run_suite": "check",
     "evaluate_gates": "check",
     "get_bases": "check",
+    "evaluate_retrieval": "retrieval",
 }
 
 __all__ = sorted(_EXPORTS)
