@@ -193,6 +193,19 @@ def test_first_answer_token_comes_from_a_sparse_step(tiny):
     torch.testing.assert_close(alone["full"]["first_logits"], res["full"]["first_logits"])
 
 
+def test_h2o_chunked_prefill_accumulates_like_one_pass(tiny):
+    """H2O's own prefill in chunks (bounded materialised attention) gives the accumulated attention, hence the
+    selections and logits, of a single pass."""
+    model, _ = tiny
+    ids = _batch()
+    specs = [MethodSpec("h2o", "h2o", k=0.25)]
+    one = run_batch(model, TOK, ids, specs, max_new_tokens=3, keep_logits=True)
+    chunked = run_batch(model, TOK, ids, specs, max_new_tokens=3, keep_logits=True,
+                        h2o_chunk_elements=2 * 4 * CTX * 100)  # ~100 query rows per chunk
+    torch.testing.assert_close(chunked["h2o"]["first_logits"], one["h2o"]["first_logits"], rtol=1e-4, atol=1e-4)
+    assert chunked["h2o"]["tokens"] == one["h2o"]["tokens"]
+
+
 def test_loki_with_all_dims_selects_like_exact_topk(tiny):
     """Lemma 1 through the rotated copy of the dense cache: Loki with d = D scores every key exactly, so it
     decodes exactly like exact top-k at the same budget."""
