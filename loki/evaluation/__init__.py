@@ -1,8 +1,9 @@
 """Evaluation of sparse attention on real models: the embedded default model (``models``), offline text
 loaders (``data``), perplexity with decode-time semantics (``perplexity``), top-k agreement (``agreement``),
 Rank@v analysis and plots (``rank``), the bases of the evaluation (``bases``), confidence intervals
-(``intervals``), the accuracy suite (``suite``) and its gates (``gates``), reports (``report``), the main job
-``loki check`` (``check``) and the CLI subcommands (``commands``).
+(``intervals``), the accuracy suite (``suite``) and its gates (``gates``), the RULER-style retrieval suite
+(``retrieval``), reports (``report``), the main job ``loki check`` (``check``) and the CLI subcommands
+(``commands``).
 
 Submodules are imported lazily: ``import loki.evaluation`` loads neither transformers nor matplotlib.
 """
@@ -42,6 +43,7 @@ _EXPORTS = {
     "get_bases": "bases",
     "paired_increase": "intervals",
     "resolve_device": "models",
+    "evaluate_retrieval": "retrieval",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,0 +1,99 @@
+"""Reports of :func:`loki.evaluation.retrieval.evaluate_retrieval` results: a markdown table, a PNG plot and
+:func:`write_report` (JSON + markdown + PNG in one folder)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+__all__ = ["markdown_table", "plot_retrieval", "write_report"]
+
+
+def _fmt_cell(c: dict) -> str:
+    if c["n"] == 0:
+        return "-"
+    txt = f"{c['accuracy']:.2f} [{c['ci'][0]:.2f}, {c['ci'][1]:.2f}]"
+    if c["diff"] is not None:
+        d = c["diff"]
+        txt += f"; Δ {d['diff']:+.2f} [{d['lo']:+.2f}, {d['hi']:+.2f}]"
+    return txt
+
+
+def markdown_table(result: dict) -> str:
+    """One table per task (and the pooled "all"): rows = methods, columns = context lengths; a cell is the
+    accuracy [95% Wilson interval]; Δ the paired difference to the method's reference [95% interval]."""
+    lens = result["config"]["context_lens"]
+    names = [m["name"] for m in result["methods"]]
+    by = {(c["task"], c["context_len"], c["name"]): c for c in result["cells"]}
+    tasks = list(dict.fromkeys(c["task"] for c in result["cells"]))
+    lines = []
+    for task in tasks:
+        c0 = by[(task, lens[0], names[0])]
+        n = ", ".join(f"{L}: n={by[(task, L, names[0])]['n']}" for L in lens)
+        refs = sorted({c["reference"] for c in result["cells"] if c["task"] == task and c["reference"]})
+        low = [str(L) for L in lens if by[(task, L, names[0])]["full_above_chance"] is False]
+        note = f"; full attention not above chance at {', '.join(low)}" if low and task != "all" else ""
+        if task == "all":
+            note = "; pooled: " + ", ".join(f"{L}: {'+'.join(by[(task, L, names[0])]['pooled_tasks']) or '-'}"
+                                            for L in lens)
+        lines += [f"#### {task} (chance {c0['chance']:.2f}; {n}; Δ against {', '.join(refs) or 'none'}{note})", "",
+                  "| method | " + " | ".join(str(L) for L in lens) + " |",
+                  "|---|" + "---|" * len(lens)]
+        for name in names:
+            lines.append(f"| {name} | " + " | ".join(_fmt_cell(by[(task, L, name)]) for L in lens) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot_retrieval(result: dict, path) -> None:
+    """PNG: accuracy (95% Wilson interval) against context length per method, one panel per task."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lens = result["config"]["context_lens"]
+    tasks = list(dict.fromkeys(c["task"] for c in result["cells"]))
+    by = {(c["task"], c["context_len"], c["name"]): c for c in result["cells"]}
+    cols = min(3, len(tasks))
+    rows = -(-len(tasks) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.6 * rows), squeeze=False)
+    for ax, task in zip(axes.flat, tasks):
+        for j, m in enumerate(result["methods"]):
+            cs = [by[(task, L, m["name"])] for L in lens]
+            acc = [c["accuracy"] if c["n"] else float("nan") for c in cs]
+            err = [[max(0.0, a - c["ci"][0]) for a, c in zip(acc, cs)],
+                   [max(0.0, c["ci"][1] - a) for a, c in zip(acc, cs)]]
+            x = [L * (1 + 0.012 * (j - len(result["methods"]) / 2)) for L in lens]  # dodge the error bars
+            style = dict(color="black", lw=2) if m["method"] == "full" else {}
+            if m["gqa_select"] == "kv" and m["method"] != "full":
+                style["ls"] = "--"
+            ax.errorbar(x, acc, yerr=err, marker="o", ms=3, capsize=2, label=m["name"], **style)
+        ax.axhline(cs[0]["chance"], color="grey", ls=":", lw=1)
+        ax.set_xscale("log", base=2)
+        ax.set_xlim(min(lens) / 1.4, max(lens) * 1.4)
+        ax.set_xticks(lens, [str(L) for L in lens])
+        ax.set_ylim(-0.03, 1.03)
+        ax.set_title(task)
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel("exact-match accuracy")
+    for ax in list(axes.flat)[len(tasks):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=6, loc="lower left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_report(result: dict, out_dir, stem: str = "retrieval") -> dict:
+    """Write ``{stem}.json``, ``{stem}.md`` and ``{stem}.png`` into ``out_dir``; returns their paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / f"{stem}.json", "md": out / f"{stem}.md", "png": out / f"{stem}.png"}
+    paths["json"].write_text(json.dumps(result, indent=1))
+    cfg = result["config"]
+    head = (f"Retrieval suite: {cfg['samples']} samples per (task, length), seed {cfg['seed']}, model "
+            f"{cfg['model']} ({cfg['dtype']}, {cfg['device']}), {cfg['seconds']:.0f} s.\n\n")
+    paths["md"].write_text(head + markdown_table(result))
+    plot_retrieval(result, paths["png"])
+    return {k: str(v) for k, v in paths.items()}
