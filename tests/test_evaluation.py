@@ -261,17 +261,28 @@ def test_long_thresholds_and_retrieval_gates(tmp_path):
     path = tmp_path / "thr.json"
     res = _results()
     res["perplexity"].append(_row("loki-score[query]", "loki", 21.0, k=0.125, T=8192, full=20.0))
-    res["retrieval"] = {"cells": {"passkey@8192:loki-score[query]": {"method": "loki", "accuracy": 0.9, "lo": 0.8,
-                                                                    "hi": 0.96},
-                                  "passkey@8192:full": {"method": "full", "accuracy": 1.0, "lo": 0.9, "hi": 1.0}}}
+    res["retrieval"] = {"cells": [
+        {"task": "all", "context_len": 8192, "name": "loki-score[query]", "method": "loki", "n": 64,
+         "accuracy": 0.9, "ci": [0.8, 0.96]},
+        {"task": "all", "context_len": 8192, "name": "full", "method": "full", "n": 64, "accuracy": 1.0,
+         "ci": [0.94, 1.0]},
+        {"task": "passkey", "context_len": 8192, "name": "loki-score[query]", "method": "loki", "n": 32,
+         "accuracy": 0.9, "ci": [0.75, 0.97]}]}
     data = gates.update_thresholds({"wikitext": res}, path, "long", long_length=8192)
     prof = data["profiles"]["long"]
     assert set(prof["ppl_delta_max"]) == {"loki-score[query]@T8192,k0.125"}
-    assert prof["retrieval_min"] == {"passkey@8192:loki-score[query]": {"measured": {"wikitext": 0.9}, "min": 0.8}}
+    assert prof["retrieval_min"] == {"all@8192:loki-score[query]": {"measured": {"wikitext": 0.9}, "min": 0.8}}
     thr = gates.load_thresholds(path)
     assert not _failed(res, thr, "long")
-    res["retrieval"]["cells"]["passkey@8192:loki-score[query]"].update(accuracy=0.5, lo=0.4, hi=0.6)
-    assert _failed(res, thr, "long") == {"regression: retrieval passkey@8192:loki-score[query]"}
+    res["retrieval"]["cells"][0].update(accuracy=0.5, ci=[0.4, 0.6])
+    assert _failed(res, thr, "long") == {"regression: retrieval all@8192:loki-score[query]"}
+    # a later retrieval-only run records its limits and keeps the perplexity limits
+    res["retrieval"]["cells"][0].update(accuracy=0.7, ci=[0.6, 0.8])
+    only = {"settings": res["settings"], "perplexity": [], "retrieval": res["retrieval"]}
+    data = gates.update_thresholds({"wikitext": only}, path, "long", long_length=8192)
+    assert set(data["profiles"]["long"]["ppl_delta_max"]) == {"loki-score[query]@T8192,k0.125"}
+    assert data["profiles"]["long"]["retrieval_min"]["all@8192:loki-score[query]"]["min"] == pytest.approx(0.6)
+    assert not _failed(only, gates.load_thresholds(path), "long")
 
 
 def test_downstream_thresholds_recorded_and_gated(tmp_path):
@@ -428,3 +439,23 @@ def test_cli_analyze_from_basis_files(tmp_path, capsys):
     summary = json.loads((out / "rank_summary.json").read_text())
     assert set(summary) == {"pre", "mine"}
     assert (out / "rank90_heatmap.png").is_file()
+
+
+# ------------------------------------------------------------------------------------------ intervals
+def test_paired_increase_interval():
+    from loki.evaluation.intervals import paired_increase
+
+    g = torch.Generator().manual_seed(0)
+    ref = torch.rand(4, 511, generator=g, dtype=torch.float64) * 4
+    same = paired_increase(ref, ref)
+    assert same == {"increase": 0.0, "lo": 0.0, "hi": 0.0}
+    worse = ref + 0.1 + 0.05 * torch.randn(4, 511, generator=g, dtype=torch.float64)
+    r = paired_increase(worse, ref)
+    assert r["increase"] == pytest.approx(math.expm1(float((worse - ref).mean())))
+    assert r["lo"] < r["increase"] < r["hi"] and r["lo"] > 0.09 and r["hi"] < 0.12
+    noisy = ref + 0.5 * torch.randn(4, 511, generator=g, dtype=torch.float64)
+    wide = paired_increase(noisy, ref)
+    assert wide["hi"] - wide["lo"] > 3 * (r["hi"] - r["lo"])  # more spread, a wider interval
+    assert paired_increase(worse, ref) == r  # deterministic
+    with pytest.raises(ValueError, match="one shape"):
+        paired_increase(worse[:, :10], ref)

@@ -93,6 +93,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "perplexity part only, at the gated window length")
     parser.add_argument("--no-cache", action="store_true", help="recalibrate even if a cached basis exists")
     parser.add_argument("--no-retrieval", action="store_true", help="skip the synthetic retrieval suite")
+    parser.add_argument("--retrieval-only", action="store_true",
+                        help="run the synthetic retrieval suite only (with --update-thresholds: record its limits, "
+                        "keeping the profile's perplexity limits)")
     parser.add_argument("--downstream", action="store_true",
                         help="also the downstream-accuracy gates (local lm-eval tasks COPA and ARC-Easy)")
     parser.add_argument("--threads", type=int, default=None,
@@ -119,6 +122,8 @@ def _options(args) -> SuiteOptions:
         opts = replace(opts, recipe=replace(opts.recipe, num_tokens=args.calib_tokens))
     if args.no_retrieval:
         opts = replace(opts, retrieval=None)
+    if args.retrieval_only:
+        opts = replace(opts, perplexity=False, rank=False, generalization=False, downstream=False)
     if args.downstream:
         opts = replace(opts, downstream=True)
     return opts
@@ -152,6 +157,8 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         return _fail(f"--out {out} exists and is not a folder")
+    if args.retrieval_only and args.no_retrieval:
+        return _fail("--retrieval-only and --no-retrieval exclude each other")
     if args.calib_tokens is not None and args.calib_tokens < 1:
         return _fail(f"--calib-tokens must be >= 1, got {args.calib_tokens}")
     if args.threads is not None and args.threads < 1:
@@ -183,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
             return _fail(f"--record-texts must name some of {', '.join(_TEXTS)}, got {args.record_texts!r}")
         long_len = max(w[0] for w in opts.windows) if opts.profile == "long" else None
         runs = {args.eval_corpus: run_suite(model, tokenizer, opts, out_dir=out)}
-        for text in texts:
+        for text in texts if opts.perplexity else ():
             if text != args.eval_corpus:
                 _log(f"recording thresholds: evaluation text {text} (perplexity only)")
                 gated = tuple(w for w in opts.windows if w[0] == (long_len or opts.windows[0][0]))

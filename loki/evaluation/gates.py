@@ -26,7 +26,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-__all__ = ["DEFAULT_THRESHOLDS", "evaluate_gates", "load_thresholds", "row_key", "update_thresholds"]
+__all__ = ["DEFAULT_THRESHOLDS", "evaluate_gates", "load_thresholds", "retrieval_cells", "row_key",
+           "update_thresholds"]
 
 #: The thresholds file shipped with the package.
 DEFAULT_THRESHOLDS = Path(__file__).resolve().parent / "accuracy_thresholds.json"
@@ -48,6 +49,17 @@ def row_key(row: dict, primary: tuple[int, float]) -> str:
     if (row.get("seq_len"), row.get("k")) == primary:
         return row["name"]
     return f"{row['name']}@T{row['seq_len']},k{row['k']:g}"
+
+
+def retrieval_cells(results: dict) -> dict[str, dict]:
+    """The pooled retrieval cells of a run (every task on which full attention is above chance, per context
+    length and method) by ``all@<length>:<method>``, with ``accuracy``, ``lo``, ``hi`` and ``method``."""
+    out = {}
+    for c in results.get("retrieval", {}).get("cells", []):
+        if c["task"] == "all" and c["n"]:
+            out[f"all@{c['context_len']}:{c['name']}"] = {"accuracy": c["accuracy"], "lo": c["ci"][0],
+                                                          "hi": c["ci"][1], "method": c["method"]}
+    return out
 
 
 def _primary(results: dict) -> tuple[int, float]:
@@ -156,7 +168,7 @@ def _regression_gates(results, thresholds, profile) -> list[dict]:
     gates = []
     primary = _primary(results)
     rows = {row_key(r, primary): r for r in results.get("perplexity", [])}
-    for name, t in prof.get("ppl_delta_max", {}).items():
+    for name, t in prof.get("ppl_delta_max", {}).items() if results.get("perplexity") else ():
         r = rows.get(name)
         if r is None or "increase_lo" not in r:
             gates.append(_gate(f"regression: {name} ppl increase", None, t["max"], False, note="missing from the run"))
@@ -170,9 +182,11 @@ def _regression_gates(results, thresholds, profile) -> list[dict]:
                 v = a[f"{kind}_mean"]
                 gates.append(_gate(f"regression: {kind} ({name} basis)", v, t["min"], v >= t["min"],
                                    f">= {t['min']:.4f}"))
-    ret = results.get("retrieval", {}).get("cells", {})
+    ret = retrieval_cells(results)
     for name, t in prof.get("retrieval_min", {}).items():
         c = ret.get(name)
+        if c is None and not ret:
+            continue  # a run without the retrieval suite (--no-retrieval)
         if c is None:
             gates.append(_gate(f"regression: retrieval {name}", None, t["min"], False, note="missing from the run"))
             continue
@@ -198,8 +212,8 @@ def update_thresholds(runs: dict[str, dict], path: str | Path, profile: str, *, 
     primary = _primary(first)
     prof = {"settings": {k: first["settings"][k] for k in ("k", "d", "k_values", "calibration", "windows", "bases",
                                                             "methods")},
-            "measured_on": {t: {"full_ppl": round(next(r["ppl"] for r in res["perplexity"] if r["method"] == "full"
-                                                      and r["seq_len"] == primary[0]), 6),
+            "measured_on": {t: {"full_ppl": next((round(r["ppl"], 6) for r in res["perplexity"]
+                                                  if r["method"] == "full" and r["seq_len"] == primary[0]), None),
                                 "eval_origin": res["settings"]["eval_origin"], "card": res["settings"].get("card"),
                                 "torch": res["settings"]["torch"]} for t, res in runs.items()},
             "margins": {"ppl_delta": f"max = max over texts of measured * (1 + {ppl_margin_rel}) + {ppl_margin_abs}",
@@ -231,14 +245,20 @@ def update_thresholds(runs: dict[str, dict], path: str | Path, profile: str, *, 
                                          "min": round(min(per.values()) - agree_margin, 6)}
     cells: dict[str, dict[str, float]] = {}
     for t, res in runs.items():
-        for name, c in res.get("retrieval", {}).get("cells", {}).items():
-            if c.get("method") not in ("full",):
+        for name, c in retrieval_cells(res).items():
+            if c["method"] != "full":
                 cells.setdefault(name, {})[t] = c["accuracy"]
     if cells:
         prof["retrieval_min"] = {n: {"measured": {t: round(v, 4) for t, v in per.items()},
                                      "min": round(max(0.0, min(per.values()) - retrieval_margin), 4)}
                                  for n, per in cells.items()}
-    data.setdefault("profiles", {})[profile] = prof
+    old = data.setdefault("profiles", {}).get(profile) or {}
+    if old.get("settings") == prof["settings"]:  # a partial run (e.g. retrieval only) keeps the other sections
+        for section in ("ppl_delta_max", "jaccard_min", "mass_min", "retrieval_min"):
+            if not prof.get(section) and old.get(section):
+                prof[section] = old[section]
+        prof["measured_on"] = {**old.get("measured_on", {}), **prof["measured_on"]}
+    data["profiles"][profile] = prof
     ds = first.get("downstream")
     if ds and "full" in ds["accuracy"]:
         full_acc = ds["accuracy"]["full"]["mean"]

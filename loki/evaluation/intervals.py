@@ -6,7 +6,8 @@
   narrow an interval), blocks are resampled with replacement, and the 2.5 / 97.5 percentiles of the resampled
   mean difference give the interval.
 - :func:`wilson_interval`: a binomial proportion (accuracy over n samples).
-- :func:`paired_difference`: the difference of two accuracies on the same samples, bootstrap over samples.
+- :func:`paired_difference`: the difference of two accuracies on the same samples (Newcombe's hybrid score
+  interval for paired proportions).
 
 Every function is deterministic (a fixed seed) so a report and its gates do not change between runs of the same
 measurements.
@@ -18,13 +19,14 @@ import math
 
 import torch
 
-__all__ = ["BLOCK_TOKENS", "BOOTSTRAP_SAMPLES", "paired_difference", "paired_increase", "wilson_interval"]
+__all__ = ["BLOCK_TOKENS", "BOOTSTRAP_SAMPLES", "Z95", "paired_difference", "paired_increase", "wilson_interval"]
 
 #: Tokens per bootstrap block of :func:`paired_increase`.
 BLOCK_TOKENS = 128
 #: Bootstrap resamples.
 BOOTSTRAP_SAMPLES = 2000
-_Z95 = 1.959963984540054
+#: The normal quantile of a two-sided 95% interval.
+Z95 = 1.959963984540054
 
 
 def _block_sums(diff: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,29 +57,42 @@ def paired_increase(nll: torch.Tensor, nll_ref: torch.Tensor, *, block: int = BL
     return {"increase": math.expm1(mean), "lo": math.expm1(lo), "hi": math.expm1(hi)}
 
 
-def wilson_interval(successes: int, n: int) -> tuple[float, float]:
-    """95% Wilson score interval of a proportion ``successes / n`` (``(0, 1)`` for n = 0)."""
+def wilson_interval(successes: int, n: int, z: float = Z95) -> tuple[float, float]:
+    """Wilson score interval of a binomial proportion (``(0, 1)`` for n = 0)."""
     if n <= 0:
         return 0.0, 1.0
-    if not 0 <= successes <= n:
-        raise ValueError(f"successes must lie in [0, n={n}], got {successes}")
     p = successes / n
-    z2 = _Z95 * _Z95
-    centre = (p + z2 / (2 * n)) / (1 + z2 / n)
-    half = _Z95 * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / (1 + z2 / n)
-    return max(0.0, centre - half), min(1.0, centre + half)
+    den = 1 + z * z / n
+    mid = (p + z * z / (2 * n)) / den
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
+    return max(0.0, mid - half), min(1.0, mid + half)
 
 
-def paired_difference(correct: torch.Tensor, correct_ref: torch.Tensor, *, samples: int = BOOTSTRAP_SAMPLES,
-                      seed: int = 0) -> dict[str, float]:
-    """Accuracy difference ``mean(correct) - mean(correct_ref)`` of two 0/1 vectors over the same samples, with
-    its 95% bootstrap interval (samples resampled together): ``{"difference", "lo", "hi"}``."""
-    a, b = torch.as_tensor(correct, dtype=torch.float64), torch.as_tensor(correct_ref, dtype=torch.float64)
-    if a.shape != b.shape or a.dim() != 1 or a.numel() == 0:
-        raise ValueError(f"correct and correct_ref must be non-empty vectors of one length, got {list(a.shape)} "
-                         f"and {list(b.shape)}")
-    d = a - b
-    g = torch.Generator().manual_seed(seed)
-    boot = d[torch.randint(0, d.numel(), (samples, d.numel()), generator=g)].mean(-1)
-    lo, hi = torch.quantile(boot, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
-    return {"difference": float(d.mean()), "lo": lo, "hi": hi}
+def paired_difference(a, b, z: float = Z95) -> dict:
+    """Difference of two paired proportions, mean(a) - mean(b), over the same samples (``a``, ``b``: 0/1 per
+    sample), with Newcombe's hybrid score interval (1998, method 10: Wilson intervals of both margins combined
+    with the continuity-corrected phi correlation)."""
+    if len(a) != len(b):
+        raise ValueError(f"paired samples differ in length: {len(a)} vs {len(b)}")
+    n = len(a)
+    both = sum(1 for x, y in zip(a, b) if x and y)
+    only_a = sum(1 for x, y in zip(a, b) if x and not y)
+    only_b = sum(1 for x, y in zip(a, b) if y and not x)
+    neither = n - both - only_a - only_b
+    out = {"diff": 0.0, "lo": -1.0, "hi": 1.0, "n": n, "only_a": only_a, "only_b": only_b}
+    if n == 0:
+        return out
+    p1, p2 = (both + only_a) / n, (both + only_b) / n
+    l1, u1 = wilson_interval(both + only_a, n, z)
+    l2, u2 = wilson_interval(both + only_b, n, z)
+    margins = (both + only_a) * (only_b + neither) * (both + only_b) * (only_a + neither)
+    phi = 0.0
+    if margins > 0:
+        cross = both * neither - only_a * only_b
+        corrected = cross - n / 2 if cross > n / 2 else (cross if cross < 0 else 0.0)
+        phi = corrected / math.sqrt(margins)
+    d = p1 - p2
+    lo = d - math.sqrt(max(0.0, (p1 - l1) ** 2 - 2 * phi * (p1 - l1) * (u2 - p2) + (u2 - p2) ** 2))
+    hi = d + math.sqrt(max(0.0, (p2 - l2) ** 2 - 2 * phi * (p2 - l2) * (u1 - p1) + (u1 - p1) ** 2))
+    out.update(diff=d, lo=max(-1.0, lo), hi=min(1.0, hi))
+    return out

@@ -29,11 +29,11 @@ from __future__ import annotations
 
 import copy
 import inspect
-import math
 import time
 
 import torch
 
+from loki.evaluation.intervals import paired_difference, wilson_interval
 from loki.evaluation.perplexity import MethodSpec, standard_methods
 from loki.evaluation.retrieval_report import markdown_table, plot_retrieval, write_report
 from loki.evaluation.retrieval_tasks import CHANCE, TASKS, make_samples
@@ -58,7 +58,6 @@ __all__ = [
 CONTEXT_LENS = (1024, 2048, 4096, 8192)
 #: Greedy steps per task: the answer plus a couple of tokens (digits are single tokens for SmolLM2).
 MAX_NEW_TOKENS = {"passkey": 8, "single_needle": 10, "multikey_needle": 10, "variable_tracking": 12}
-Z95 = 1.959963984540054
 #: Keyword arguments of :func:`evaluate_retrieval` for the two jobs (docs/retrieval.md): ``"gpu"`` the whole grid
 #: on one H100 (B = 32 at 8k fits: the dense cache and one method's copy are ~11 GB each in fp32), ``"cpu"`` a
 #: small version for the CPU job (one batch per task at 2k: ~5 min on one thread for full, exact top-k and one
@@ -70,47 +69,6 @@ PRESETS = {
 
 
 # ------------------------------------------------------------------------------------------ statistics
-def wilson_interval(successes: int, n: int, z: float = Z95) -> tuple[float, float]:
-    """Wilson score interval of a binomial proportion (``(0, 1)`` for n = 0)."""
-    if n <= 0:
-        return 0.0, 1.0
-    p = successes / n
-    den = 1 + z * z / n
-    mid = (p + z * z / (2 * n)) / den
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
-    return max(0.0, mid - half), min(1.0, mid + half)
-
-
-def paired_difference(a, b, z: float = Z95) -> dict:
-    """Difference of two paired proportions, mean(a) - mean(b), over the same samples (``a``, ``b``: 0/1 per
-    sample), with Newcombe's hybrid score interval (1998, method 10: Wilson intervals of both margins combined
-    with the continuity-corrected phi correlation)."""
-    if len(a) != len(b):
-        raise ValueError(f"paired samples differ in length: {len(a)} vs {len(b)}")
-    n = len(a)
-    both = sum(1 for x, y in zip(a, b) if x and y)
-    only_a = sum(1 for x, y in zip(a, b) if x and not y)
-    only_b = sum(1 for x, y in zip(a, b) if y and not x)
-    neither = n - both - only_a - only_b
-    out = {"diff": 0.0, "lo": -1.0, "hi": 1.0, "n": n, "only_a": only_a, "only_b": only_b}
-    if n == 0:
-        return out
-    p1, p2 = (both + only_a) / n, (both + only_b) / n
-    l1, u1 = wilson_interval(both + only_a, n, z)
-    l2, u2 = wilson_interval(both + only_b, n, z)
-    margins = (both + only_a) * (only_b + neither) * (both + only_b) * (only_a + neither)
-    phi = 0.0
-    if margins > 0:
-        cross = both * neither - only_a * only_b
-        corrected = cross - n / 2 if cross > n / 2 else (cross if cross < 0 else 0.0)
-        phi = corrected / math.sqrt(margins)
-    d = p1 - p2
-    lo = d - math.sqrt(max(0.0, (p1 - l1) ** 2 - 2 * phi * (p1 - l1) * (u2 - p2) + (u2 - p2) ** 2))
-    hi = d + math.sqrt(max(0.0, (p2 - l2) ** 2 - 2 * phi * (p2 - l2) * (u1 - p1) + (u1 - p1) ** 2))
-    out.update(diff=d, lo=max(-1.0, lo), hi=min(1.0, hi))
-    return out
-
-
 def score(prediction: str, answers) -> bool:
     """RULER's string match: every expected answer occurs in the prediction (case-insensitive)."""
     pred = prediction.lower()

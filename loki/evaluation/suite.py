@@ -23,6 +23,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
 
@@ -53,6 +54,7 @@ class SuiteOptions:
     eval_corpus: str = "wikitext"
     windows: tuple[tuple[int, int], ...] = ((1024, 8),)  # (tokens, count); the first is the primary length
     methods: str = "check"  # method set of suite_methods: "tests", "check" or "long"
+    perplexity: bool = True  # the perplexity part (False: a run of the other parts only)
     paper_protocol: bool = False
     agreement: bool = True
     rank: bool = True
@@ -61,6 +63,8 @@ class SuiteOptions:
     downstream_tasks: tuple[str, ...] = ("loki_copa", "loki_arc_easy")
     downstream_limit: int = 30
     retrieval: dict | None = None  # keyword arguments of loki.evaluation.retrieval.evaluate_retrieval
+    retrieval_k: float = 0.125  # the budget of the retrieval suite (its target: within 2 points of exact top-k)
+    retrieval_methods: str = "all"  # "all" (every setting of suite_methods) or "default" (full, exact, Loki default)
     h2o_max_len: int = 1024  # H2O runs token by token: only windows up to this length
     exactness_window: tuple[int, int] = (256, 1)
     use_cache: bool = True
@@ -82,11 +86,12 @@ PROFILES: dict[str, SuiteOptions] = {
     "tests": SuiteOptions(
         profile="tests", recipe=CalibrationRecipe(num_tokens=4096, seq_len=512, max_positions=512),
         windows=((512, 4),), methods="tests", rank=True, agreement=True),
-    "check": SuiteOptions(profile="check"),
+    "check": SuiteOptions(profile="check", retrieval={"context_lens": (1024,), "samples": 4, "batch_size": 4},
+                          retrieval_methods="default"),
     "long": SuiteOptions(
         profile="long", k_values=(0.125, 0.0625), recipe=DEFAULT_RECIPE,
         windows=((8192, 2), (4096, 4), (1024, 8)), methods="long", paper_protocol=True, generalization=True,
-        retrieval={"tasks": None, "context_lens": (1024, 2048, 4096, 8192), "samples": 32}, batch_size=2),
+        retrieval={"context_lens": (1024, 2048, 4096, 8192), "samples": 32, "batch_size": 32}, batch_size=2),
 }
 
 
@@ -179,11 +184,11 @@ def run_suite(model, tokenizer, opts: SuiteOptions | None = None, out_dir=None) 
         },
         "perplexity": [], "paper_protocol": [], "comparisons": [],
     }
-    jobs = [(T, N, k) for T, N in opts.windows for k in opts.all_k]
+    jobs = [(T, N, k) for T, N in opts.windows for k in opts.all_k] if opts.perplexity else []
     n_runs = sum(1 + len(suite_methods(opts, D, T, k)) for T, _, k in jobs)
     bar = tqdm(total=n_runs, desc="perplexity", unit="run", disable=not opts.progress)
     windows_by_len = {}
-    for T, N in opts.windows:
+    for T, N in opts.windows if opts.perplexity else ():
         w = windows_by_len[T] = token_windows(tokenizer, ev, T, N)
         log(f"evaluation text: {ev.origin}, {N} x {T} tokens")
         bar.set_postfix_str(f"T={T} full")
@@ -207,9 +212,10 @@ def run_suite(model, tokenizer, opts: SuiteOptions | None = None, out_dir=None) 
                     r = perplexity(model, w, spec, bases, protocol="paper", batch_size=opts.batch_size)
                     results["paper_protocol"].append(_row(r, T, N, full))
     bar.close()
-    results["exactness"] = _exactness(model, tokenizer, ev, bases, opts)
+    if opts.perplexity:
+        results["exactness"] = _exactness(model, tokenizer, ev, bases, opts)
 
-    if opts.agreement:
+    if opts.agreement and opts.perplexity:
         from loki.evaluation.agreement import topk_agreement
 
         log("top-k agreement (Jaccard, attention mass) per layer and head")
@@ -244,7 +250,7 @@ def run_suite(model, tokenizer, opts: SuiteOptions | None = None, out_dir=None) 
         results["generalization"] = _generalization(model, tokenizer, bases, opts)
     if opts.retrieval:
         results["retrieval"] = _retrieval(model, tokenizer, bases, opts, out_dir, plots)
-    if out_dir is not None and len(opts.windows) * len(opts.all_k) > 1:
+    if out_dir is not None and opts.perplexity and len(opts.windows) * len(opts.all_k) > 1:
         from loki.evaluation.report import write_length_plot
 
         plots.update(write_length_plot(results, out_dir))
@@ -295,20 +301,19 @@ def _generalization(model, tokenizer, bases, opts) -> dict:
 
 
 def _retrieval(model, tokenizer, bases, opts, out_dir, plots) -> dict:
-    """The synthetic retrieval suite for every method at the primary k_f (and the smaller ones of the profile)."""
+    """The synthetic retrieval suite at ``opts.retrieval_k`` for every setting (or the default ones)."""
     from loki.evaluation import retrieval
 
     specs = [MethodSpec("full", "full")]
-    for k in opts.all_k:
-        for s in suite_methods(opts, config_head_dim(model.config), 0, k):
-            if s.method != "pcaattn":
-                specs.append(s if k == opts.k else replace(s, name=f"{s.name} k={k:g}"))
-    kw = dict(opts.retrieval)
-    if kw.get("tasks") is None:
-        kw.pop("tasks")
-    res = retrieval.evaluate_retrieval(model, tokenizer, _unique(specs), bases, progress=opts.progress, **kw)
+    for s in suite_methods(opts, config_head_dim(model.config), 0, opts.retrieval_k):
+        if s.method == "pcaattn":
+            continue
+        if opts.retrieval_methods == "all" or s.name in ("exact_topk[query]", f"loki-{opts.default_basis}[query]"):
+            specs.append(s)
+    res = retrieval.evaluate_retrieval(model, tokenizer, specs, bases, progress=opts.progress, **opts.retrieval)
     if out_dir is not None:
-        plots.update(retrieval.write_retrieval_plot(res, out_dir))
+        files = retrieval.write_report(res, out_dir)
+        plots.update({"retrieval": Path(files["png"]).name} if "png" in files else {})
     return res
 
 
