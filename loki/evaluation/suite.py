@@ -113,12 +113,12 @@ def suite_methods(opts: SuiteOptions, head_dim: int, T: int, k: float) -> list[M
         specs.append(MethodSpec(f"loki-{b}[query]", "loki", k=k, d=opts.d, basis=b))
         if long or (opts.methods == "check" and b == opts.default_basis):
             specs.append(MethodSpec(f"loki-{b}[kv]", "loki", k=k, d=opts.d, basis=b, gqa_select="kv"))
-    if T <= opts.h2o_max_len:
+    if T <= opts.h2o_max_len and (k == opts.k or not long):  # token by token: the long profile's primary k only
         specs.append(MethodSpec("h2o", "h2o", k=k))
     if opts.methods in ("check", "long"):
         specs.append(MethodSpec(f"sparq(r={r})", "sparq", k=k, d=r))
     if long and k == opts.k and "post" in opts.bases:
-        specs.append(MethodSpec("pcaattn-post", "pcaattn", d=opts.d, basis="post"))
+        specs.append(MethodSpec("pcaattn-post", "pcaattn", k=k, d=opts.d, basis="post"))
     return specs
 
 
