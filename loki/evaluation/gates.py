@@ -257,7 +257,8 @@ def update_thresholds(runs: dict[str, dict], path: str | Path, profile: str, *, 
         for section in ("ppl_delta_max", "jaccard_min", "mass_min", "retrieval_min"):
             if not prof.get(section) and old.get(section):
                 prof[section] = old[section]
-        prof["measured_on"] = {**old.get("measured_on", {}), **prof["measured_on"]}
+        prof["measured_on"] = {**old.get("measured_on", {}),
+                               **{t: m for t, m in prof["measured_on"].items() if m["full_ppl"] is not None}}
     data["profiles"][profile] = prof
     ds = first.get("downstream")
     if ds and "full" in ds["accuracy"]:
