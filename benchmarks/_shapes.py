@@ -48,7 +48,7 @@ _SPARQ = _grid(_SPARQ_BLOCKS)
 KERNEL_CONFIGS = list(_KERNEL) or [UNAVAILABLE]
 SPARQ_CONFIGS = list(_SPARQ) or [UNAVAILABLE]
 
-#: The profile of ci/accuracy_thresholds.json whose settings the accuracy benchmarks run with (and whose
+#: The profile of loki/evaluation/accuracy_thresholds.json whose settings the accuracy benchmarks run with (and whose
 #: limits ci/gate.py applies to them): "tests", the tiny budgets of the CPU accuracy tests (one 256-token
 #: window, 2048 calibration tokens), so the CPU run stays at a couple of minutes.
 ACCURACY_PROFILE = "tests"
