@@ -6,4 +6,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} TOKENIZERS_PARALLELISM=false
-exec .venv/bin/loki check "$@"
+# two torch threads by default (the job runs alone); a later --threads overrides it
+exec .venv/bin/loki check --threads "${LOKI_THREADS:-2}" "$@"

@@ -47,7 +47,8 @@ def test_readme_commands_pass_from_a_clone_with_nothing_beside_it(tmp_path):
     subprocess.run(["cp", "-al", sys.prefix, str(repo / ".venv")], check=True, timeout=300)
 
     out = repo / "report"
-    check = _run(["bash", "scripts/check.sh", "--profile", "tests", "--out", str(out), "--no-progress"], repo, 1500)
+    check = _run(["bash", "scripts/check.sh", "--profile", "tests", "--threads", "1", "--out", str(out),
+                  "--no-progress"], repo, 1500)
     assert check.returncode == 0, check.stdout[-4000:] + check.stderr[-4000:]
     assert "all gates passed" in check.stdout
     res = json.loads((out / "results.json").read_text())

@@ -4,10 +4,10 @@ Profiles (:data:`PROFILES`; the first window length of a profile is its primary 
 budget, where the gates look):
 
 - ``tests`` (CI, the CPU): 4 x 512 WikiText-2 tokens, bases fitted on 4,096 tokens covering the 512 positions
-  used, the gates' methods only.
-- ``check`` (``loki check``, the CPU default): 8 x 1024 tokens, bases covering the 1024 positions used, the
-  gates' methods plus the GQA "kv" selection, H2O and SparQ, top-k agreement, Rank@90 plots, the retrieval
-  suite's small version.
+  used, the gates' methods (exact top-k, Loki with PCA pre/post and score-aware bases, H2O).
+- ``check`` (``loki check``, the CPU default): 8 x 1024 tokens, bases covering the 1024 positions used, full
+  attention, exact top-k, the default (score-aware) and the paper's (PCA post) Loki, top-k agreement, Rank@90
+  plots, the retrieval suite's small version (1k tokens, 4 samples per task); about 6 minutes on 2 cores.
 - ``long`` (``loki check --long``, meant for a GPU): windows of 1024, 4096 and 8192 tokens, k_f in {0.25,
   0.125, 0.0625}, every method in both GQA modes, the paper's protocol beside, bases of the default recipe
   (the model's whole context), agreement at every length, the retrieval suite at 1k-8k, generalisation across
@@ -86,7 +86,8 @@ PROFILES: dict[str, SuiteOptions] = {
     "tests": SuiteOptions(
         profile="tests", recipe=CalibrationRecipe(num_tokens=4096, seq_len=512, max_positions=512),
         windows=((512, 4),), methods="tests", rank=True, agreement=True),
-    "check": SuiteOptions(profile="check", retrieval={"context_lens": (1024,), "samples": 4, "batch_size": 4},
+    "check": SuiteOptions(profile="check", bases=("post", "score"),
+                          retrieval={"context_lens": (1024,), "samples": 4, "batch_size": 4},
                           retrieval_methods="default"),
     "long": SuiteOptions(
         profile="long", k_values=(0.125, 0.0625), recipe=DEFAULT_RECIPE,
@@ -111,11 +112,13 @@ def suite_methods(opts: SuiteOptions, head_dim: int, T: int, k: float) -> list[M
         specs.append(MethodSpec("exact_topk[kv]", "exact_topk", k=k, gqa_select="kv"))
     for b in opts.bases:
         specs.append(MethodSpec(f"loki-{b}[query]", "loki", k=k, d=opts.d, basis=b))
-        if long or (opts.methods == "check" and b == opts.default_basis):
+        if long:
             specs.append(MethodSpec(f"loki-{b}[kv]", "loki", k=k, d=opts.d, basis=b, gqa_select="kv"))
+    if opts.methods == "check":  # the CPU main job: the default and the paper's Loki against the oracle
+        return specs
     if T <= opts.h2o_max_len and (k == opts.k or not long):  # token by token: the long profile's primary k only
         specs.append(MethodSpec("h2o", "h2o", k=k))
-    if opts.methods in ("check", "long"):
+    if long:
         specs.append(MethodSpec(f"sparq(r={r})", "sparq", k=k, d=r))
     if long and k == opts.k and "post" in opts.bases:
         specs.append(MethodSpec("pcaattn-post", "pcaattn", k=k, d=opts.d, basis="post"))
