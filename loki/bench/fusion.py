@@ -108,7 +108,7 @@ def main(argv=None) -> int:
     import loki.reference as R
     from loki.bench.harness import _sdpa_fn, make_bench_inputs, measure_copy_bandwidth, time_ms, time_ms_graph
     from loki.kernels import make_key_prefix
-    from loki.kernels.decode import clear_decode_plans, loki_decode_step, selection_bound
+    from loki.kernels.decode import DecodeTuning, clear_decode_plans, loki_decode_step, selection_bound
 
     copy = measure_copy_bandwidth()
     shapes = [SHAPES[0], SHAPES[4], SHAPES[6]] if args.quick else SHAPES
@@ -143,11 +143,12 @@ def main(argv=None) -> int:
                 SEL.FEW_ROWS_REGISTER_COMPACT = 0
                 SA.ATTN_DEFAULTS["head"]["splits"]["min_splits_many"] = 4
             clear_decode_plans()
+            tuning = DecodeTuning(fuse_select=fuse, num_splits=num_splits)
             try:
                 def step():
                     return loki_decode_step(x.q, x.k_cache, x.v_cache, x.lengths, x.starts, counts, d=d, k_max=K,
                                             gqa_select=mode, uniform=True, select_method="triton", k_prefix=kp,
-                                            fuse_select=fuse, num_splits=num_splits)
+                                            tuning=tuning)
                 os.environ["LOKI_POISON_OUTPUTS"] = "1"
                 idx, out = step()
                 step()  # the second call of a signature records the plan

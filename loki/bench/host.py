@@ -1,5 +1,5 @@
 """Host-launch overhead of the decode step: SDPA vs the Loki step through Triton's normal launch path
-(``use_plan=False``) vs the recorded direct-launch path (``DecodePlan``), do_bench (L2 flushed) and CUDA
+(``DecodeTuning(use_plan=False)``) vs the recorded direct-launch path (``DecodePlan``), do_bench (L2 flushed) and CUDA
 graph, plus the host time per call (back to back, no sync).  ``python -m loki.bench.host``."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def host_us(fn, n=200):
 def main() -> int:
     from loki.bench.harness import _sdpa_fn, make_bench_inputs, time_ms, time_ms_graph
     from loki.kernels import make_key_prefix
-    from loki.kernels.decode import loki_decode_step, selection_bound
+    from loki.kernels.decode import DecodeTuning, loki_decode_step, selection_bound
 
     rows = []
     for name, B, HQ, HKV, S in SHAPES:
@@ -41,8 +41,10 @@ def main() -> int:
         mode = "kv" if HQ != HKV else "query"
         sdpa, _ = _sdpa_fn(x.q, x.k_cache, x.v_cache, HQ != HKV)
         common = dict(d=d, k_max=K, gqa_select=mode, uniform=True, select_method="triton", k_prefix=kp)
-        def old(x=x, counts=counts, common=common):
-            return loki_decode_step(x.q, x.k_cache, x.v_cache, x.lengths, x.starts, counts, use_plan=False,
+        noplan = DecodeTuning(use_plan=False)
+
+        def old(x=x, counts=counts, common=common, noplan=noplan):
+            return loki_decode_step(x.q, x.k_cache, x.v_cache, x.lengths, x.starts, counts, tuning=noplan,
                                     **common)
 
         def new(x=x, counts=counts, common=common):

@@ -95,7 +95,7 @@ def _valid_topk(idx, scores, K):
 def run_shape(name, model, B, S, mode, copy_gbps, rows, old, dev="cuda"):
     from loki.kernels import make_key_prefix, select_topk, sparse_attention, sparse_attention_reference
     from loki.kernels.approx_scores import _launch_approx_scores
-    from loki.kernels.decode import loki_decode_step
+    from loki.kernels.decode import DecodeTuning, loki_decode_step
 
     HQ, HKV, D = harness.MODELS[model]
     x = harness.make_bench_inputs(B, HQ, HKV, S, D, device=dev)
@@ -189,11 +189,12 @@ def run_shape(name, model, B, S, mode, copy_gbps, rows, old, dev="cuda"):
     res["new"] = add("total", "new, k_prefix", lambda: loki_decode_step(
         q, kc, vc, x.lengths, x.starts, counts, k_prefix=kp, **common), floor_bytes)
     for name_, opts in (TOTAL_VARIANTS_Q if mode == "query" else TOTAL_VARIANTS_KV):
-        res[name_] = add("total", f"new, k_prefix, {name_}", lambda opts=opts: loki_decode_step(
-            q, kc, vc, x.lengths, x.starts, counts, k_prefix=kp, attn_options=opts, **common), floor_bytes)
+        tuned = DecodeTuning(attn_options=opts)
+        res[name_] = add("total", f"new, k_prefix, {name_}", lambda tuned=tuned: loki_decode_step(
+            q, kc, vc, x.lengths, x.starts, counts, k_prefix=kp, tuning=tuned, **common), floor_bytes)
         try:
-            res["graph_" + name_] = harness.time_ms_graph(lambda opts=opts: loki_decode_step(
-                q, kc, vc, x.lengths, x.starts, counts, k_prefix=kp, attn_options=opts, **common))
+            res["graph_" + name_] = harness.time_ms_graph(lambda tuned=tuned: loki_decode_step(
+                q, kc, vc, x.lengths, x.starts, counts, k_prefix=kp, tuning=tuned, **common))
         except Exception as e:  # noqa: BLE001
             print("  graph ERROR", type(e).__name__, str(e)[:200])
     try:
