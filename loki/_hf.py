@@ -23,6 +23,7 @@ __all__ = [
     "config_fields",
     "config_fingerprint",
     "config_head_dim",
+    "config_identity",
     "config_kv_heads",
     "config_model_name",
     "config_num_layers",
@@ -137,6 +138,15 @@ def config_model_name(config) -> str:
     """A readable name for ``config``: ``name_or_path`` when set, else its ``model_type``."""
     name = getattr(config, "name_or_path", None) or getattr(config, "_name_or_path", None)
     return str(name) if name else str(getattr(config, "model_type", "unknown model"))
+
+
+def config_identity(config, model_name: str | None = None) -> dict[str, Any]:
+    """The metadata that ties a basis to ``config`` (``model_name``, ``config_hash``, ``config_fields``; all None
+    without a config, except a ``model_name`` given)."""
+    if config is None:
+        return {"model_name": model_name, "config_hash": None, "config_fields": None}
+    return {"model_name": model_name if model_name is not None else config_model_name(config),
+            "config_hash": config_fingerprint(config), "config_fields": config_fields(config)}
 
 
 # --------------------------------------------------------------------------------------------- models
