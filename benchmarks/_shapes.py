@@ -1,7 +1,8 @@
 """The parameter grids of the ASV suite, built from the benchmark harness's own configurations.
 
-Kernel configurations are ``loki.bench.harness.BenchConfig`` ids (``<model>-B<B>-S<S>-k<k_f>-d<d_f>-<dtype>``,
-model shapes from ``harness.MODELS``); the grid picks the shapes of the targets in ANCHORS.md so that
+The one table of benchmark shapes (:data:`SHAPES`), which the ASV suite and the tuning runs pick from.  Kernel
+configurations are ``loki.bench.harness.BenchConfig`` ids (``<model>-B<B>-S<S>-k<k_f>-d<d_f>-<dtype>``, model
+shapes from ``harness.MODELS``); the kernel grid holds the shapes of the speed targets, so that
 ci/thresholds.json can name them.  Accuracy parameters are the method and basis names of the accuracy job.
 
 Nothing here touches a device.  When the harness cannot be imported (a commit older than it, measured by
@@ -15,34 +16,63 @@ try:
 except ImportError:  # pragma: no cover - only on commits that predate the harness
     harness = None
 
-__all__ = ["ACCURACY_BASES", "ACCURACY_METHODS", "ACCURACY_PROFILE", "KERNEL_CONFIGS", "SPARQ_CONFIGS",
-           "UNAVAILABLE", "config_by_id"]
+__all__ = ["ACCURACY_BASES", "ACCURACY_METHODS", "ACCURACY_PROFILE", "FUSION_SHAPES", "KERNEL_CONFIGS",
+           "KERNEL_SHAPES", "SHAPES", "SPARQ_CONFIGS", "SPARQ_SHAPES", "TARGET_SHAPES", "UNAVAILABLE", "config_by_id",
+           "shape_dims"]
 
 UNAVAILABLE = "harness-unavailable"
 
-# (models, batches, seq_lens) blocks; every block at the paper's default budget k_f = d_f = 0.25, bf16.
-_DEFAULT_BUDGET = ((0.25, 0.25),)
-_KERNEL_BLOCKS = (
-    (("llama2-13b",), (16,), (4096, 16384, 32768)),  # MHA, B=16: 2.3x / 2.4x targets
-    (("llama2-13b",), (1,), (4096, 16384)),  # MHA, B=1: 1.6x target at S=16384
-    (("llama3-8b",), (16,), (8192,)),  # GQA 32:8, B=16: 2.0x target (SDPA enable_gqa)
-)
-# The paper's appendix comparison against SparQ: batch 1 (and 16) at S=4096.
-_SPARQ_BLOCKS = ((("llama2-13b",), (1, 16), (4096,)),)
+#: Every decode shape the ASV suite and the tuning runs (``benchmarks/tuning``) measure, one row each:
+#: name -> (model, B, S); attention shapes (HQ, HKV, D) from ``harness.MODELS`` (``llama2-13b``: 40/40 heads,
+#: ``llama3-8b``: 32 query / 8 KV heads, D = 128).  Each run picks its rows by name below.
+SHAPES = {
+    "mha-B16-S4096": ("llama2-13b", 16, 4096),  # speed target: 2.3x SDPA
+    "mha-B16-S16384": ("llama2-13b", 16, 16384),  # speed target: 2.4x SDPA
+    "mha-B16-S32768": ("llama2-13b", 16, 32768),  # speed target: 2.4x SDPA
+    "mha-B1-S4096": ("llama2-13b", 1, 4096),
+    "mha-B1-S16384": ("llama2-13b", 1, 16384),  # speed target: 1.6x SDPA
+    "gqa-B16-S8192": ("llama3-8b", 16, 8192),  # speed target: 2.0x SDPA (SDPA with enable_gqa)
+    "mha-B16-S8192": ("llama2-13b", 16, 8192),
+    "mha-B4-S16384": ("llama2-13b", 4, 16384),
+    "gqa-B16-S4096": ("llama3-8b", 16, 4096),
+    "gqa-B1-S16384": ("llama3-8b", 1, 16384),
+}
+#: The kernel benchmarks: the shapes of the speed targets (ci/thresholds.json names them), and B=1 at S=4096.
+KERNEL_SHAPES = ("mha-B16-S4096", "mha-B16-S16384", "mha-B16-S32768", "mha-B1-S4096", "mha-B1-S16384",
+                 "gqa-B16-S8192")
+#: The paper's appendix comparison against SparQ: batch 1 and 16 at S=4096.
+SPARQ_SHAPES = ("mha-B1-S4096", "mha-B16-S4096")
+#: The speed-target shapes (tuning: ``variants``, ``host`` and ``integration`` take the three first).
+TARGET_SHAPES = ("mha-B16-S4096", "mha-B1-S16384", "gqa-B16-S8192", "mha-B16-S16384", "mha-B16-S32768")
+#: The decode-step variants of ``benchmarks.tuning.fusion`` (``--quick``: the first three).
+FUSION_SHAPES = ("mha-B16-S4096", "mha-B1-S16384", "gqa-B16-S8192", "mha-B16-S8192", "mha-B16-S16384",
+                 "mha-B16-S32768", "mha-B4-S16384", "gqa-B16-S4096", "gqa-B1-S16384")
 
 
-def _grid(blocks):
+def shape_dims(name: str) -> tuple[int, int, int, int, int, str]:
+    """``(B, HQ, HKV, S, D, gqa_select)`` of a row of :data:`SHAPES` (GQA models select per KV head)."""
+    model, B, S = SHAPES[name]
+    HQ, HKV, D = harness.MODELS[model]
+    return B, HQ, HKV, S, D, "kv" if HQ != HKV else "query"
+
+
+# Every row at the paper's default budget k_f = d_f = 0.25, bf16.
+_DEFAULT_BUDGET = (0.25, 0.25)
+
+
+def _grid(names):
     if harness is None:
         return {}
     out = {}
-    for models, batches, seq_lens in blocks:
-        for cfg in harness.configs(models=models, batches=batches, seq_lens=seq_lens, budgets=_DEFAULT_BUDGET):
-            out[cfg.id] = cfg
+    for name in names:
+        model, B, S = SHAPES[name]
+        cfg = harness.BenchConfig(model, B, S, *_DEFAULT_BUDGET)
+        out[cfg.id] = cfg
     return out
 
 
-_KERNEL = _grid(_KERNEL_BLOCKS)
-_SPARQ = _grid(_SPARQ_BLOCKS)
+_KERNEL = _grid(KERNEL_SHAPES)
+_SPARQ = _grid(SPARQ_SHAPES)
 
 #: ASV parameter lists (ids, in a fixed order).
 KERNEL_CONFIGS = list(_KERNEL) or [UNAVAILABLE]

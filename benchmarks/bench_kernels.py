@@ -142,7 +142,8 @@ class _HarnessBenchmark:
 
 
 class DecodeAttention(_HarnessBenchmark):
-    """One decode step of attention (one layer, one query token per sequence) at the ANCHORS.md shapes.
+    """One decode step of attention (one layer, one query token per sequence) at the speed-target shapes
+    (``benchmarks._shapes.KERNEL_SHAPES``; targets in ci/thresholds.json).
 
     ``loki`` is the Triton pipeline (approximate scores, Triton threshold select, sparse attention);
     ``loki_topk`` the same with ``torch.topk``; ``loki_torch`` the pure-PyTorch reference; ``sdpa`` torch's
@@ -239,7 +240,7 @@ class DecodeAttention(_HarnessBenchmark):
 
     @_unit("fraction")
     def track_selection_share(self, cache, config):
-        """Selection time over the whole Loki step (ANCHORS.md: under a quarter), both as CUDA-graph replays:
+        """Selection time over the whole Loki step (target: under a quarter), both as CUDA-graph replays:
         device time only.  (Version 1 divided plain do_bench times; a standalone select launch through
         Triton's normal launcher is host-bound at small shapes (~40 us of launch for ~20 us of work), while
         the step it is compared with replays its recorded launches, so the ratio measured the launcher.)"""

@@ -111,7 +111,7 @@ for c in "${COMMITS[@]}"; do
     continue
   fi
   git -C "$WORKTREE" checkout --quiet --detach --force "$c"
-  # The worktree's package first; its loki/evaluation finds loki/evaluation/accuracy_thresholds.json of that commit.
+  # The worktree's package first; its loki/evaluation finds the accuracy thresholds of that commit.
   if ASV_PYTHONPATH="$WORKTREE${ASV_PYTHONPATH:+:$ASV_PYTHONPATH}" "${cmd[@]}"; then
     done_n=$((done_n + 1))
   else

@@ -26,7 +26,6 @@ bases also ``query_components`` (float32), and the metadata as string metadata: 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import tempfile
@@ -36,7 +35,30 @@ from typing import Any
 
 import torch
 
+from loki._hf import (
+    config_fields,
+    config_fingerprint,
+    config_head_dim,
+    config_identity,
+    config_kv_heads,
+    config_model_name,
+    expected_shape,
+)
 from loki._version import __version__
+from loki.spectrum import explained_variance_ratio, pca_from_statistics, rank_at
+
+__all__ = [
+    "KIND_CHOICES",
+    "ROTARY_CHOICES",
+    "BasisError",
+    "PCABasis",
+    "config_fields",
+    "config_fingerprint",
+    "config_head_dim",
+    "config_kv_heads",
+    "config_model_name",
+    "expected_shape",
+]
 
 ROTARY_CHOICES = ("pre", "post")
 KIND_CHOICES = ("pca", "score")
@@ -62,90 +84,6 @@ _METADATA_TYPES = {
 
 class BasisError(ValueError):
     """A PCA basis is malformed, unreadable, or does not belong to the model it is used with."""
-
-
-def _text_config(config):
-    getter = getattr(config, "get_text_config", None)
-    if callable(getter):
-        try:
-            return getter(decoder=True)
-        except TypeError:
-            return getter()
-    return config
-
-
-def config_head_dim(config) -> int:
-    """D of ``config``: ``head_dim`` when set, else ``hidden_size // num_attention_heads``."""
-    config = _text_config(config)
-    head_dim = getattr(config, "head_dim", None)
-    if head_dim:
-        return int(head_dim)
-    return int(config.hidden_size) // int(config.num_attention_heads)
-
-
-def config_kv_heads(config) -> int:
-    """HKV of ``config`` (``num_key_value_heads``, falling back to ``num_attention_heads``)."""
-    config = _text_config(config)
-    hkv = getattr(config, "num_key_value_heads", None)
-    return int(hkv if hkv else config.num_attention_heads)
-
-
-def expected_shape(config) -> tuple[int, int, int]:
-    """``(L, HKV, D)`` that a basis for ``config`` must have."""
-    config = _text_config(config)
-    return (int(config.num_hidden_layers), config_kv_heads(config), config_head_dim(config))
-
-
-def _rope_fields(config) -> Any:
-    rope = getattr(config, "rope_parameters", None)
-    if rope:
-        return rope
-    return {"rope_theta": getattr(config, "rope_theta", None), "rope_scaling": getattr(config, "rope_scaling", None)}
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, float) and value.is_integer():
-        return int(value)  # 500000 and 500000.0 (config JSON vs. code defaults) hash alike
-    if isinstance(value, (int, float, bool, str)) or value is None:
-        return value
-    return str(value)
-
-
-def config_fields(config) -> dict[str, Any]:
-    """The architecture-relevant fields of ``config`` that :func:`config_fingerprint` hashes."""
-    config = _text_config(config)
-    return _jsonable(
-        {
-            "model_type": getattr(config, "model_type", None),
-            "num_hidden_layers": getattr(config, "num_hidden_layers", None),
-            "num_attention_heads": getattr(config, "num_attention_heads", None),
-            "num_key_value_heads": config_kv_heads(config),
-            "head_dim": config_head_dim(config),
-            "hidden_size": getattr(config, "hidden_size", None),
-            "rope": _rope_fields(config),
-            "vocab_size": getattr(config, "vocab_size", None),
-        }
-    )
-
-
-def config_fingerprint(config) -> str:
-    """sha256 (hex) of the canonical JSON of :func:`config_fields` of a transformers config.
-
-    Two configs with the same architecture fields (model type, layer/head counts, head dim, hidden size, rotary
-    parameters, vocabulary size) share a fingerprint; a different ``rope_theta`` changes it.
-    """
-    blob = json.dumps(config_fields(config), sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(blob.encode("utf-8")).hexdigest()
-
-
-def config_model_name(config) -> str:
-    """A readable name for ``config``: ``name_or_path`` when set, else its ``model_type``."""
-    name = getattr(config, "name_or_path", None) or getattr(config, "_name_or_path", None)
-    return str(name) if name else str(getattr(config, "model_type", "unknown model"))
 
 
 def _shape(t: torch.Tensor | tuple) -> list[int]:
@@ -239,15 +177,11 @@ class PCABasis:
         )
 
     def rank_at(self, v: float) -> torch.Tensor:
-        """Rank@v per layer and head, ``[L, HKV]`` int64 (see :func:`loki.calibration.pca.rank_at`)."""
-        from loki.calibration.pca import rank_at
-
+        """Rank@v per layer and head, ``[L, HKV]`` int64 (see :func:`loki.spectrum.rank_at`)."""
         return rank_at(self.eigenvalues, v)
 
     def explained_variance(self) -> torch.Tensor:
         """Cumulative explained-variance ratio ``[L, HKV, D]`` (last entry 1)."""
-        from loki.calibration.pca import explained_variance_ratio
-
         return explained_variance_ratio(self.eigenvalues)
 
     def __repr__(self) -> str:
@@ -282,16 +216,12 @@ class PCABasis:
         ``config`` (a transformers config) fills ``config_hash``/``config_fields`` and, if ``model_name`` is not
         given, the model name.
         """
-        from loki.calibration.pca import pca_from_statistics
-
         components, eigenvalues, means = pca_from_statistics(stats, centered=centered)
         return cls(
             components=components.to(torch.float32).cpu().contiguous(),
             eigenvalues=eigenvalues.cpu().contiguous(),
             means=means.cpu(),
-            model_name=model_name if model_name is not None else (config_model_name(config) if config else None),
-            config_hash=config_fingerprint(config) if config is not None else None,
-            config_fields=config_fields(config) if config is not None else None,
+            **config_identity(config, model_name),
             corpus=corpus,
             num_tokens=stats.num_tokens,
             seq_len=seq_len,

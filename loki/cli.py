@@ -20,7 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "fidelity": ("loki.evaluation.fidelity", "the fidelity study: score-aware bases, budget splits and GQA modes "
                  "against the paper-faithful Loki at equal bytes"),
     "generate": ("loki.evaluation.commands.generate", "generate text with Loki attention (a demo)"),
-    "eval": ("loki.integrations.lm_eval", "run lm-eval tasks (local, offline) through the Loki model"),
+    "eval": ("loki.evaluation.commands.eval", "run lm-eval tasks (local, offline) through the Loki model"),
     "bench": ("loki.bench.harness", "benchmark the decode kernels against torch SDPA (needs a CUDA GPU)"),
 }
 

@@ -166,7 +166,7 @@ def main() -> int:
         print(f"CHECK {'PASS' if ok else 'FAIL'} ({time.time() - t0:.0f} s)", flush=True)
         status |= 0 if ok else 1
     if a.variants:
-        from loki.bench import variants
+        from benchmarks.tuning import variants
 
         status |= variants.main(a.out)
         print(f"variants done ({time.time() - t0:.0f} s)", flush=True)

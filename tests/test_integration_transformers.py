@@ -13,6 +13,7 @@ transformers = pytest.importorskip("transformers")
 
 from loki.basis import BasisError, PCABasis  # noqa: E402
 from loki.integrations import transformers as lt  # noqa: E402
+from loki.integrations.transformers import cache as lt_cache  # noqa: E402
 from loki.integrations.transformers import (  # noqa: E402
     disable_loki,
     enable_loki,
@@ -98,13 +99,13 @@ def test_keys_rotated_once_per_token(monkeypatch):
     model = tiny_model("llama")
     enable_loki(model, _basis(model), k=0.5, d=0.5)
     rotated_tokens = []
-    real = lt.rotate_keys
+    real = lt_cache.rotate_keys
 
     def counting(k, P):
         rotated_tokens.append(k.shape[-2])
         return real(k, P)
 
-    monkeypatch.setattr(lt, "rotate_keys", counting)
+    monkeypatch.setattr(lt_cache, "rotate_keys", counting)
     ids = _prompt(10)
     out = _generate(model, ids, n=5)
     L = model.config.num_hidden_layers

@@ -513,7 +513,7 @@ def test_gpu_sparq_attention(B, HQ, HKV, S, D, r, k, dtype):
 def test_decode_step_plan_replay(triton_device, mode, prefix, with_out):
     """The recorded host path (DecodePlan): later calls of a signature replay the compiled kernels on new
     inputs and fresh buffers, and give what the normal launch path gives."""
-    from loki.kernels.decode import _PLANS, clear_decode_plans, loki_decode_step
+    from loki.kernels.decode import _PLANS, DecodeTuning, clear_decode_plans, loki_decode_step
 
     B, HQ, HKV, S, D, d, K = 2, 8, 2, 300, 64, 16, 75
     clear_decode_plans()
@@ -526,7 +526,8 @@ def test_decode_step_plan_replay(triton_device, mode, prefix, with_out):
         q = torch.randn_like(x.q)
         out = torch.empty_like(q) if with_out else None
         idx, res = loki_decode_step(q, x.k_cache, x.v_cache, x.lengths, x.starts, counts, out=out, **kw)
-        ridx, rres = loki_decode_step(q, x.k_cache, x.v_cache, x.lengths, x.starts, counts, use_plan=False, **kw)
+        ridx, rres = loki_decode_step(q, x.k_cache, x.v_cache, x.lengths, x.starts, counts,
+                                      tuning=DecodeTuning(use_plan=False), **kw)
         assert torch.equal(idx, ridx) and (res - rres).abs().max().item() < 1e-5
         assert not torch.isnan(res).any()
         if with_out:
@@ -578,7 +579,7 @@ def test_decode_step_records_at_the_second_call_only(triton_device):
 @pytest.mark.parametrize("mode,HQ,HKV", [("query", 40, 40), ("kv", 32, 8)])
 def test_gpu_decode_step_plan_replay(mode, HQ, HKV):
     """The direct-launch replay on the GPU matches the normal launch path, poisoned and not."""
-    from loki.kernels.decode import clear_decode_plans, loki_decode_step
+    from loki.kernels.decode import DecodeTuning, clear_decode_plans, loki_decode_step
 
     dev = torch.device("cuda")
     B, S, D, d = 3, 4099, 128, 32
@@ -593,8 +594,8 @@ def test_gpu_decode_step_plan_replay(mode, HQ, HKV):
             q = torch.randn_like(x.q)
             kw = dict(d=d, k_max=K, gqa_select=mode, k_prefix=kp)
             idx, res = loki_decode_step(q, x.k_cache, x.v_cache, x.lengths, x.starts, counts, **kw)
-            ridx, rres = loki_decode_step(q, x.k_cache, x.v_cache, x.lengths, x.starts, counts, use_plan=False,
-                                          **kw)
+            ridx, rres = loki_decode_step(q, x.k_cache, x.v_cache, x.lengths, x.starts, counts,
+                                          tuning=DecodeTuning(use_plan=False), **kw)
             torch.cuda.synchronize()
             assert torch.equal(idx, ridx)
             assert not torch.isnan(res).any() and torch.equal(res, rres)

@@ -18,6 +18,7 @@ from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.models.huggingface import HFLM  # noqa: E402
 
 from loki.basis import PCABasis  # noqa: E402
+from loki.evaluation.commands import eval as eval_command  # noqa: E402
 from loki.integrations import lm_eval as loki_lm_eval  # noqa: E402
 from loki.integrations.lm_eval import LokiLM  # noqa: E402
 from loki.testing.models import tiny_model  # noqa: E402
@@ -157,7 +158,7 @@ def _offline_tiny_cli(monkeypatch, tokenizer, tmp_path):
 
 def test_cli_arguments_and_run(tokenizer, tmp_path, monkeypatch):
     parser = argparse.ArgumentParser()
-    loki_lm_eval.add_arguments(parser)
+    eval_command.add_arguments(parser)
     args = parser.parse_args(["--k", "64", "--d", "0.5"])
     assert args.k == 64 and isinstance(args.k, int) and args.d == 0.5 and args.num_fewshot == 0
     if not HAS_OLMO_EVAL:
@@ -169,7 +170,7 @@ def test_cli_arguments_and_run(tokenizer, tmp_path, monkeypatch):
     out = tmp_path / "res.json"
     args = parser.parse_args(["--basis", str(basis_path), "--tasks", "loki_copa", "--limit", "2",
                               "--output", str(out), "--device", "cpu"])
-    assert loki_lm_eval.run(args) == 0
+    assert eval_command.run(args) == 0
     payload = json.loads(out.read_text())
     assert payload["settings"]["num_fewshot"] == 0 and "loki_copa" in payload["results"]
 

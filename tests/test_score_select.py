@@ -13,7 +13,7 @@ import torch
 
 import loki.reference as R
 from loki.kernels import make_key_prefix, score_select
-from loki.kernels.decode import clear_decode_plans, loki_decode_step
+from loki.kernels.decode import DecodeTuning, clear_decode_plans, loki_decode_step
 from loki.kernels.score_select import FUSED_DEFAULTS, score_select_fusable
 from loki.testing.inputs import make_decode_inputs
 from loki.testing.invariants import check_selection
@@ -73,8 +73,10 @@ def test_decode_step_fused_equals_two_kernels(triton_device, mode):
     clear_decode_plans()
     for _step in range(3):  # the second call records a plan, the third replays it
         q = torch.randn_like(x.q)
-        i1, o1 = loki_decode_step(q, x.k_cache, x.v_cache, x.lengths, x.starts, counts, fuse_select=True, **kw)
-        i2, o2 = loki_decode_step(q, x.k_cache, x.v_cache, x.lengths, x.starts, counts, fuse_select=False, **kw)
+        i1, o1 = loki_decode_step(q, x.k_cache, x.v_cache, x.lengths, x.starts, counts,
+                                  tuning=DecodeTuning(fuse_select=True), **kw)
+        i2, o2 = loki_decode_step(q, x.k_cache, x.v_cache, x.lengths, x.starts, counts,
+                                  tuning=DecodeTuning(fuse_select=False), **kw)
         assert torch.equal(torch.sort(i1, -1).values, torch.sort(i2, -1).values)
         assert not torch.isnan(o1).any() and (o1 - o2).abs().max().item() < 1e-5
     clear_decode_plans()
@@ -121,7 +123,7 @@ def test_gpu_fused_decode_step(B, HQ, HKV, S, mode):
     clear_decode_plans()
     for fuse in (True, False):
         idx, out = loki_decode_step(x.q, x.k_cache, x.v_cache, x.lengths, x.starts, counts, d=32, k_max=K,
-                                    gqa_select=mode, k_prefix=kp, fuse_select=fuse)
+                                    gqa_select=mode, k_prefix=kp, tuning=DecodeTuning(fuse_select=fuse))
         torch.cuda.synchronize()
         assert check_selection(idx, s64, counts, slack=slack) == idx.shape[0] * idx.shape[1]
         assert not torch.isnan(out).any()

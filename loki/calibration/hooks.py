@@ -14,15 +14,15 @@ Keys stay in memory for one batch only; nothing is written to disk.
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-#: Architectures calibration is tested on; any decoder with ``model.layers[i].self_attn.k_proj`` and a rotary
-#: embedding in the same layout works.
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+from loki._hf import SUPPORTED_ARCHITECTURES, cache_keyword, config_head_dim, config_kv_heads
+
+# SUPPORTED_ARCHITECTURES: the architectures calibration is tested on (loki._hf); any decoder with
+# ``model.layers[i].self_attn.k_proj`` and a rotary embedding in the same layout works.
 
 
 @dataclass
@@ -43,7 +43,8 @@ def _unsupported(model: nn.Module, why: str) -> ValueError:
     name = type(model).__name__
     return ValueError(
         f"model is not supported ({name}: {why}); key calibration needs a decoder with rotary embeddings and "
-        f"`model.layers[i].self_attn.k_proj`, as in {', '.join(SUPPORTED_ARCHITECTURES)} (SmolLM is Llama)"
+        f"`model.layers[i].self_attn.k_proj`, as in {', '.join(a.causal_lm for a in SUPPORTED_ARCHITECTURES.values())}"
+        " (SmolLM is Llama)"
     )
 
 
@@ -75,12 +76,9 @@ def key_layout(model: nn.Module) -> KeyLayout:
     has_rotary = hasattr(base, "rotary_emb") or any(hasattr(a, "rotary_emb") for a in attentions)
     if not has_rotary:
         raise _unsupported(model, "no rotary embedding (`rotary_emb`)")
-    config = model.config
-    head_dim = getattr(attentions[0], "head_dim", None)
-    if not head_dim:
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    hkv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    return KeyLayout(base=base, attentions=attentions, num_kv_heads=int(hkv), head_dim=int(head_dim))
+    head_dim = getattr(attentions[0], "head_dim", None) or config_head_dim(model.config)
+    return KeyLayout(base=base, attentions=attentions, num_kv_heads=config_kv_heads(model.config),
+                     head_dim=int(head_dim))
 
 
 class PreRotaryKeyHooks:
@@ -132,11 +130,6 @@ def cache_keys(cache, layer: int) -> torch.Tensor:
     return keys
 
 
-def _cache_kwarg(base: nn.Module) -> str:
-    params = inspect.signature(base.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
 def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """``position_ids [B, S]``: 0, 1, ... over the real tokens of each row (padding gets 0), so a left-padded
     row has the same rotary phases as the same row without padding."""
@@ -182,7 +175,7 @@ def batch_keys(
         from transformers import DynamicCache
 
         cache = DynamicCache()
-        kwargs[_cache_kwarg(layout.base)] = cache
+        kwargs[cache_keyword(layout.base)] = cache
     result: dict[str, list[torch.Tensor]] = {}
     hooks = PreRotaryKeyHooks(layout)
     if want_pre:

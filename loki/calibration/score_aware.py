@@ -28,7 +28,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from loki.basis import PCABasis, config_fields, config_fingerprint, config_model_name
+from loki._hf import config_identity
+from loki.basis import PCABasis
 from loki.calibration.collect import collect_statistics
 from loki.calibration.stats import KeyStatistics
 
@@ -84,9 +85,7 @@ def score_aware_basis(keys: KeyStatistics, queries: KeyStatistics, *, eps: float
         means=keys.mean.cpu(),
         kind="score",
         rotary="post",
-        model_name=model_name if model_name is not None else (config_model_name(config) if config else None),
-        config_hash=config_fingerprint(config) if config is not None else None,
-        config_fields=config_fields(config) if config is not None else None,
+        **config_identity(config, model_name),
         corpus=corpus,
         num_tokens=keys.num_tokens,
         seq_len=seq_len,

@@ -2,11 +2,18 @@
 
 Every method runs through :class:`loki.integrations.lm_eval.LokiLM` on the already loaded model with
 decode-time semantics (each query row of a prompt selects ``ceil(k_f (i+1))`` of the tokens it sees), so the
-log-likelihoods measure the method; "full" is the model's own dense attention.  Used by ``loki check`` for the
+log-likelihoods measure the method; "full" is the model's own dense attention.  Needs lm-eval (the ``eval``
+extra): import this module only when the downstream gates run.  Used by ``loki check`` for the
 downstream-accuracy gates (``loki/evaluation/accuracy_thresholds.json``, "downstream").
 """
 
 from __future__ import annotations
+
+from lm_eval import simple_evaluate
+from tqdm.auto import tqdm
+
+from loki.integrations.lm_eval import LokiLM, task_manager
+from loki.integrations.transformers import disable_loki
 
 __all__ = ["DEFAULT_TASKS", "downstream_accuracy"]
 
@@ -18,12 +25,6 @@ def downstream_accuracy(model, tokenizer, specs, bases: dict, *, tasks=DEFAULT_T
     """``{"tasks", "limit", "num_fewshot", "accuracy": {spec name: {task: acc, "mean": acc}}, "stderr": {spec
     name: {task: lm-eval's standard error of acc}}}`` for :class:`~loki.evaluation.perplexity.MethodSpec` s
     ("full", "loki", "exact_topk", ...)."""
-    from lm_eval import simple_evaluate
-    from tqdm.auto import tqdm
-
-    from loki.integrations.lm_eval import LokiLM, task_manager
-    from loki.integrations.transformers import disable_loki
-
     tm = task_manager()
     acc: dict[str, dict[str, float]] = {}
     stderr: dict[str, dict[str, float]] = {}

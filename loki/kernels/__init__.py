@@ -5,13 +5,23 @@
 - ``score_select``: the scores and the Triton select of each row in one kernel (lines 3-5 fused);
 - ``sparse_attention``: exact attention over the selected rows, flash-decoding splits (lines 6-7);
 - ``sparq_attention``: the SparQ-style baseline kernels the paper compares against;
-- ``decode_attention``: the whole Loki decode step, the entry point used by the integrations.
+- ``decode_attention``: the whole Loki decode step (validated; the PyTorch reference or the kernels), and
+  ``loki_decode_step``: the kernels of a step on validated inputs, the integration's hot loop
+  (``DecodeTuning``: launch choices for tuning; ``clear_decode_plans``: forget the recorded launches).
 
 Importing this package compiles nothing and probes no device; kernels are built at their first launch.
 """
 
 from .approx_scores import approx_scores, approx_scores_reference, make_key_prefix
-from .decode import BACKENDS, decode_attention, loki_attention_reference, loki_decode_step, selection_bound
+from .decode import (
+    BACKENDS,
+    DecodeTuning,
+    clear_decode_plans,
+    decode_attention,
+    loki_attention_reference,
+    loki_decode_step,
+    selection_bound,
+)
 from .score_select import score_select
 from .select import SELECT_METHODS, select_topk, select_topk_reference
 from .sparq import sparq_attention, sparq_attention_reference, sparq_prepare
@@ -20,8 +30,10 @@ from .sparse_attention import sparse_attention, sparse_attention_reference
 __all__ = [
     "BACKENDS",
     "SELECT_METHODS",
+    "DecodeTuning",
     "approx_scores",
     "approx_scores_reference",
+    "clear_decode_plans",
     "decode_attention",
     "loki_attention_reference",
     "loki_decode_step",

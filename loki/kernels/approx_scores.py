@@ -21,40 +21,18 @@ exactly d/D of the key bytes when dp = d (78-92% of copy bandwidth on an H100).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from loki._checks import check_decode_inputs, check_no_grad, resolve_d
-from loki._checks import check_triton_device as _check_triton_device
 from loki.reference.selection import GQA_AGGREGATES, GQA_SELECT_MODES
 from loki.reference.selection import approx_scores as approx_scores_reference
 
-from .launch import launch, note_allocation, pdl
+from ._common import check_triton_device, interpreter_tile, interpreting, key_block
+from .launch import launch, new_output, pdl
 
-__all__ = ["approx_scores", "approx_scores_reference", "interpreting", "make_key_prefix", "new_output"]
-
-
-def interpreting() -> bool:
-    """True when Triton runs in the CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def new_output(shape, dtype: torch.dtype, device) -> torch.Tensor:
-    """Allocate a kernel output; with ``LOKI_POISON_OUTPUTS=1`` fill it with NaN (floats) or a huge
-    sentinel (ints) so that an element a kernel forgets to write fails the tests."""
-    if os.environ.get("LOKI_POISON_OUTPUTS") == "1":
-        fill = float("nan") if dtype.is_floating_point else 2**30 + 7
-        return note_allocation(torch.full(shape, fill, dtype=dtype, device=device))
-    return note_allocation(torch.empty(shape, dtype=dtype, device=device))
-
-
-def check_triton_device(t: torch.Tensor, what: str = "the Triton kernels") -> None:
-    """Triton runs on CUDA tensors, or on CPU tensors only under ``TRITON_INTERPRET=1``
-    (``loki._checks.check_triton_device``)."""
-    _check_triton_device(t, what)
+__all__ = ["approx_scores", "approx_scores_reference", "make_key_prefix"]
 
 
 @triton.jit
@@ -141,12 +119,7 @@ def _launch_approx_scores(q_hat, k_hat, dd, lengths, starts, heads_out, agg_out,
     BLOCK_D = triton.next_power_of_2(dd)
     contiguous_rows = k_hat.stride(2) == dd  # a prefix buffer of exactly d dims: one contiguous stream
     if block_s is None:
-        if interpreting():
-            block_s = min(2048, triton.next_power_of_2(S))
-        elif contiguous_rows:
-            block_s = max(16, 8192 // BLOCK_D)  # 16 KB of bf16 keys per program
-        else:
-            block_s = 128 if BLOCK_D <= 64 else 64
+        block_s = interpreter_tile(S, 2048) if interpreting() else key_block(BLOCK_D, contiguous_rows)
     if num_warps is None:
         num_warps = 4
     dummy = heads_out if heads_out is not None else agg_out

@@ -1,8 +1,11 @@
-"""One decode step of Loki attention (Algorithm 1): the single public entry point of the kernels.
+"""One decode step of Loki attention (Algorithm 1), the entry point of the kernels for a whole step:
+``decode_attention`` validates its inputs and runs the PyTorch reference or the kernels; ``loki_decode_step``
+runs the kernels on inputs already validated (the transformers integration's hot loop, the benchmarks).
+The stages are public in ``loki.kernels`` too, each beside its reference.
 
 Stages: approximate scores from the first d rotated dims (``approx_scores``), top-k selection
-(``select_topk``), exact attention over the selected tokens (``sparse_attention``).  The transformers
-integration calls ``decode_attention``.
+(``select_topk``), exact attention over the selected tokens (``sparse_attention``); scores and selection
+fused in one kernel (``score_select``) where it pays.
 
 Shape letters: B batch, HQ query heads, HKV key/value heads (G = HQ // HKV), S cache length, D head dim,
 d leading principal dims, K the bound on the per-sequence selection counts.
@@ -11,6 +14,8 @@ d leading principal dims, K the bound on the per-sequence selection counts.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from dataclasses import dataclass
 from numbers import Integral
 
 import torch
@@ -20,14 +25,15 @@ from loki.reference.methods import loki_attention as loki_attention_reference
 from loki.reference.selection import GQA_AGGREGATES, GQA_SELECT_MODES, budget
 
 from . import launch as _launch_mod
-from .approx_scores import _check_key_prefix, _launch_approx_scores, check_triton_device, new_output
-from .launch import DecodePlan, recording, tensor_key
+from ._common import check_triton_device
+from .approx_scores import _check_key_prefix, _launch_approx_scores
+from .launch import DecodePlan, new_output, recording, tensor_key
 from .score_select import score_select, score_select_fusable
 from .select import SELECT_METHODS, TRITON_SELECT_MAX_S, resolve_select_method, select_topk
 from .sparse_attention import sparse_attention
 
-__all__ = ["BACKENDS", "clear_decode_plans", "decode_attention", "loki_attention_reference", "loki_decode_step",
-           "selection_bound"]
+__all__ = ["BACKENDS", "DecodeTuning", "clear_decode_plans", "decode_attention", "loki_attention_reference",
+           "loki_decode_step", "selection_bound"]
 
 #: Recorded decode steps (``DecodePlan``) by argument signature; False marks a signature that cannot be
 #: replayed.  Bounded: the oldest entry goes first.
@@ -44,7 +50,32 @@ def clear_decode_plans() -> None:
     _PLANS.clear()
     _SEEN.clear()
 
+
 BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeTuning:
+    """Launch choices of ``loki_decode_step`` beside its defaults (tuning and tests; the defaults are what the
+    integration runs).
+
+    ``num_splits`` (an int >= 1): the attention kernel's split of the selection (default: ``choose_num_splits``).
+    ``fuse_select``: score and select in one kernel (``score_select``; three launches instead of four); None
+    decides by ``score_select_fusable`` (enough rows to fill the GPU, S not too long).  ``reuse_scores``
+    (per-query-head selections): the attention kernel takes the first d dims of each selected score from the
+    approximate scores instead of re-reading K[t, :d].  ``use_plan``: record and replay the step's launches
+    (``DecodePlan``).  ``attn_options``: extra keyword arguments for ``sparse_attention`` (calls with them
+    always take the normal launch path).
+    """
+
+    num_splits: int | None = None
+    fuse_select: bool | None = None
+    reuse_scores: bool = True
+    use_plan: bool = True
+    attn_options: Mapping | None = None
+
+
+_DEFAULT_TUNING = DecodeTuning()
 
 
 def selection_bound(k: int | float, S: int) -> int:
@@ -122,9 +153,10 @@ def decode_attention(
         res = loki_attention_reference(q_hat, k_hat, v_cache, d=d, k=k, lengths=lengths, starts=starts,
                                        gqa_select=gqa_select, aggregate=aggregate, scale=scale,
                                        return_indices=return_indices)
-        if out is not None:
-            out.copy_(res[0] if return_indices else res)
-        return res
+        if out is None:
+            return res
+        out.copy_(res[0] if return_indices else res)  # the result is ``out``, as on the triton backend
+        return (out, res[1]) if return_indices else out
     uniform = lengths is None and starts is None
     B, HQ, HKV, S, D, lengths, starts = check_decode_inputs(q_hat, k_hat, v_cache, lengths, starts,
                                                             check_values=check_values)
@@ -138,10 +170,11 @@ def decode_attention(
         k_prefix = _check_key_prefix(k_prefix, k_hat, dd)
     counts = budget(k, lengths, starts, B, S, q_hat.device)
     K = selection_bound(k, S)
+    tuning = _DEFAULT_TUNING if num_splits is None else DecodeTuning(num_splits=num_splits)
     idx, res = loki_decode_step(q_hat, k_hat, v_cache, lengths, starts, counts, d=dd, k_max=K,
                                 gqa_select=gqa_select, aggregate=aggregate, scale=scale,
-                                select_method=select_method, uniform=uniform, out=out, num_splits=num_splits,
-                                k_prefix=k_prefix)
+                                select_method=select_method, uniform=uniform, out=out, k_prefix=k_prefix,
+                                tuning=tuning)
     return (res, (idx, counts)) if return_indices else res
 
 
@@ -161,12 +194,8 @@ def loki_decode_step(
     select_method: str = "auto",
     uniform: bool = False,
     out: torch.Tensor | None = None,
-    num_splits: int | None = None,
     k_prefix: torch.Tensor | None = None,
-    reuse_scores: bool = True,
-    attn_options: dict | None = None,
-    use_plan: bool = True,
-    fuse_select: bool | None = None,
+    tuning: DecodeTuning = _DEFAULT_TUNING,
 ):
     """The three Triton stages on already-validated inputs, with no host sync (for the integration's hot
     loop and the benchmarks; ``decode_attention`` validates and calls this).  Three or four kernel launches
@@ -174,23 +203,20 @@ def loki_decode_step(
 
     lengths, starts, counts: [B] int32/int64 on the device; d: int (1 <= d <= D); k_max: int bound
     K >= max(counts); ``uniform``: every count equals k_max; ``k_prefix``: optional [B, HKV, S, dp >= d]
-    contiguous copy of the first dims of k_hat (validated by the caller).  ``reuse_scores`` (per-query-head
-    selections): the attention kernel takes the first d dims of each selected score from the approximate
-    scores instead of re-reading K[t, :d].  ``attn_options``: extra keyword arguments for
-    ``sparse_attention`` (tuning).  Returns ``(idx [B, H, K], out [B, HQ, D])``.
+    contiguous copy of the first dims of k_hat (validated by the caller).  ``tuning``: launch choices other
+    than the defaults (:class:`DecodeTuning`).  Returns ``(idx [B, H, K], out [B, HQ, D])``.
 
-    Host path (``use_plan``, the default): the second call with a given argument signature (shapes,
+    Host path (``tuning.use_plan``, the default): the second call with a given argument signature (shapes,
     strides, dtypes, pointer alignment, options; not the addresses) launches normally and records a
     ``DecodePlan``; later calls with that signature allocate idx, out and the internal buffers and call
     the compiled kernels directly (~4x less host time per step; ``clear_decode_plans`` forgets them).
     Signatures seen only once (a cache that grows every step) are never recorded.
-    Calls with ``attn_options`` always take the normal path.
-
-    ``fuse_select``: score and select in one kernel (``score_select``; three launches instead of four);
-    None (the default) decides by ``score_select_fusable`` (enough rows to fill the GPU, S not too long).
+    Calls with ``tuning.attn_options`` always take the normal path.
     """
+    t = tuning
+    num_splits, reuse_scores, attn_options, fuse_select = t.num_splits, t.reuse_scores, t.attn_options, t.fuse_select
     key = None
-    if use_plan and attn_options is None:
+    if t.use_plan and attn_options is None:
         key = (tensor_key(q_hat), tensor_key(k_hat), tensor_key(v_cache), tensor_key(k_prefix),
                tensor_key(lengths), tensor_key(starts), tensor_key(counts), tensor_key(out), d, k_max,
                gqa_select, aggregate, scale, select_method, uniform, num_splits, reuse_scores, fuse_select,

@@ -18,9 +18,7 @@ import os
 
 import torch
 
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+from ._common import interpreting
 
 try:  # triton >= 3.4
     from triton import knobs as _knobs
@@ -29,7 +27,7 @@ try:  # triton >= 3.4
 except Exception:  # noqa: BLE001 - older triton: no direct launches
     _knobs = _CompiledKernel = _driver = None
 
-__all__ = ["DecodePlan", "launch", "pdl", "recording"]
+__all__ = ["DecodePlan", "launch", "new_output", "pdl", "recording"]
 
 #: Programmatic dependent launch (Hopper+), opt-in with ``LOKI_PDL=1``: the decode kernels are launched so
 #: that each may start while the previous one drains, and wait (griddepcontrol.wait) before reading its
@@ -57,6 +55,19 @@ def note_allocation(t: torch.Tensor) -> torch.Tensor:
     if _ALLOCS is not None:
         _ALLOCS.append(t)
     return t
+
+
+def _poison(dtype: torch.dtype):
+    """The fill of a poisoned output (``LOKI_POISON_OUTPUTS=1``): NaN for floats, a huge sentinel for ints."""
+    return float("nan") if dtype.is_floating_point else 2**30 + 7
+
+
+def new_output(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """Allocate a kernel output; with ``LOKI_POISON_OUTPUTS=1`` fill it with NaN (floats) or a huge
+    sentinel (ints) so that an element a kernel forgets to write fails the tests."""
+    if os.environ.get("LOKI_POISON_OUTPUTS") == "1":
+        return note_allocation(torch.full(shape, _poison(dtype), dtype=dtype, device=device))
+    return note_allocation(torch.empty(shape, dtype=dtype, device=device))
 
 
 def launch(fn, grid, args, opts):
@@ -140,8 +151,7 @@ class DecodePlan:
 
     def new_buffers(self):
         if os.environ.get("LOKI_POISON_OUTPUTS") == "1":
-            return [torch.full(s, float("nan") if dt.is_floating_point else 2**30 + 7, dtype=dt, device=dev)
-                    for s, dt, dev in self.buffers]
+            return [torch.full(s, _poison(dt), dtype=dt, device=dev) for s, dt, dev in self.buffers]
         return [torch.empty(s, dtype=dt, device=dev) for s, dt, dev in self.buffers]
 
     def bind(self, inputs, buffers, as_tensors: bool):

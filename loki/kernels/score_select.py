@@ -25,9 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .approx_scores import interpreting, new_output
-from .launch import launch, pdl
-from .select import TRITON_SELECT_MAX_S, _num_sms, _select_row, compaction_chunk, select_launch_config
+from ._common import interpreter_tile, interpreting, key_block, num_sms
+from .launch import launch, new_output, pdl
+from .select import TRITON_SELECT_MAX_S, _select_row, compaction_chunk, select_launch_config
 
 __all__ = ["FUSED_DEFAULTS", "score_select", "score_select_fusable"]
 
@@ -93,7 +93,7 @@ def score_select_fusable(rows: int, S: int, device, *, min_rows_per_sm: float | 
     """Whether the decode step uses the fused kernel for ``rows`` selection rows of length S."""
     min_rows_per_sm = FUSED_DEFAULTS["min_rows_per_sm"] if min_rows_per_sm is None else min_rows_per_sm
     max_s = FUSED_DEFAULTS["max_s"] if max_s is None else max_s
-    return S <= min(max_s, TRITON_SELECT_MAX_S) and rows >= min_rows_per_sm * _num_sms(device)
+    return S <= min(max_s, TRITON_SELECT_MAX_S) and rows >= min_rows_per_sm * num_sms(device)
 
 
 def score_select(q_hat, k_src, d: int, lengths, starts, counts, K: int, *, gqa_select: str = "query",
@@ -134,15 +134,9 @@ def score_select(q_hat, k_src, d: int, lengths, starts, counts, K: int, *, gqa_s
         idx = new_output((B, H, K), torch.int32, dev)
     BLOCK_D = triton.next_power_of_2(d)
     BLOCK = triton.next_power_of_2(S)
-    interp = interpreting()
     if block_s is None:
-        if interp:
-            block_s = min(1024, BLOCK)
-        elif k_src.stride(2) == d:
-            block_s = max(16, 8192 // BLOCK_D)  # 16 KB of bf16 keys per step
-        else:
-            block_s = 128 if BLOCK_D <= 64 else 64
-    warps, bits, _ = select_launch_config(S, B * H, _num_sms(dev))
+        block_s = interpreter_tile(S, 1024) if interpreting() else key_block(BLOCK_D, k_src.stride(2) == d)
+    warps, bits, _ = select_launch_config(S, B * H, num_sms(dev))
     num_warps = warps if num_warps is None else num_warps
     num_stages = FUSED_DEFAULTS["num_stages"] if num_stages is None else num_stages
     rows = B * H
@@ -154,7 +148,7 @@ def score_select(q_hat, k_src, d: int, lengths, starts, counts, K: int, *, gqa_s
         scores.stride(0), scores.stride(1),
         idx.stride(0), idx.stride(1),
         g_score, aggregate == "max", block_s, BLOCK_D,
-        BLOCK, chunk or compaction_chunk(S, rows, _num_sms(dev)), bits, bool(early_exit),
+        BLOCK, chunk or compaction_chunk(S, rows, num_sms(dev)), bits, bool(early_exit),
         num_stages, pdl(dev),
     ], dict(num_warps=num_warps, pdl=pdl(dev)))
     return scores, idx

@@ -29,8 +29,8 @@ from loki._checks import check_counts
 from loki.reference.selection import select_topk as select_topk_reference
 from loki.reference.selection import topk_indices
 
-from .approx_scores import check_triton_device, interpreting, new_output
-from .launch import launch, pdl
+from ._common import NUM_SMS_DEFAULT, check_triton_device, interpreting, num_sms
+from .launch import launch, new_output, pdl
 
 __all__ = ["SELECT_METHODS", "TRITON_SELECT_MAX_S", "select_topk", "select_topk_reference", "select_launch_config"]
 
@@ -44,7 +44,7 @@ _CHUNK = 4096
 FEW_ROWS_REGISTER_COMPACT = 16384
 
 
-def compaction_chunk(S: int, rows: int, num_sms: int = 132) -> int:
+def compaction_chunk(S: int, rows: int, num_sms: int = NUM_SMS_DEFAULT) -> int:
     """The select's compaction chunk for ``rows`` rows of length S (measured on an H100, docs/kernels.md)."""
     block = triton.next_power_of_2(S)
     if interpreting():
@@ -164,7 +164,7 @@ def _threshold_select_kernel(
                 BLOCK, CHUNK, RADIX_BITS, EARLY_EXIT)
 
 
-def select_launch_config(S: int, rows: int, num_sms: int = 132) -> tuple[int, int, bool]:
+def select_launch_config(S: int, rows: int, num_sms: int = NUM_SMS_DEFAULT) -> tuple[int, int, bool]:
     """(num_warps, RADIX_BITS, EARLY_EXIT) for rows of length S (measured on an H100, docs/kernels.md):
     32 row elements per thread (64 for rows of 16K and more when there are many rows), 4 to 16 warps,
     1-bit steps with early exit."""
@@ -184,7 +184,7 @@ def _select_triton(scores: torch.Tensor, counts: torch.Tensor, K: int, out: torc
     if idx.shape != (B, H, K) or idx.dtype != torch.int32 or idx.stride(-1) != 1:
         raise ValueError(f"out must be a contiguous int32 tensor of shape [B, H, K]=[{B}, {H}, {K}]")
     BLOCK = triton.next_power_of_2(S)
-    warps, bits, early = select_launch_config(S, B * H, _num_sms(scores.device))
+    warps, bits, early = select_launch_config(S, B * H, num_sms(scores.device))
     num_warps = warps if num_warps is None else num_warps
     radix_bits = bits if radix_bits is None else radix_bits
     early_exit = early if early_exit is None else early_exit
@@ -195,24 +195,10 @@ def _select_triton(scores: torch.Tensor, counts: torch.Tensor, K: int, out: torc
     launch(_threshold_select_kernel, (B * H,), [
         scores, counts, idx, S, H, K,
         scores.stride(0), scores.stride(1), idx.stride(0), idx.stride(1),
-        BLOCK, chunk or compaction_chunk(S, B * H, _num_sms(scores.device)), radix_bits, bool(early_exit),
+        BLOCK, chunk or compaction_chunk(S, B * H, num_sms(scores.device)), radix_bits, bool(early_exit),
         pdl(scores.device),
     ], dict(num_warps=num_warps, pdl=pdl(scores.device)))
     return idx
-
-
-_SMS: dict = {}
-
-
-def _num_sms(device) -> int:
-    """Multiprocessor count of a CUDA device (cached; 132 = H100 SXM under the interpreter)."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return 132
-    key = device.index if device.index is not None else torch.cuda.current_device()
-    if key not in _SMS:
-        _SMS[key] = torch.cuda.get_device_properties(key).multi_processor_count
-    return _SMS[key]
 
 
 def resolve_select_method(method: str, scores_or_q: torch.Tensor) -> str:

@@ -35,7 +35,8 @@ from loki._checks import (
 from loki.reference.methods import sparq_attention as sparq_attention_reference
 from loki.reference.selection import budget, topk_indices
 
-from .approx_scores import check_triton_device, interpreting, new_output
+from ._common import check_triton_device, interpreter_tile, interpreting
+from .launch import new_output
 from .select import select_topk
 
 __all__ = ["sparq_attention", "sparq_attention_reference", "sparq_prepare"]
@@ -209,7 +210,7 @@ def sparq_attention(
     m_hat = new_output((B, HQ), torch.float32, dev)
     l_hat = new_output((B, HQ), torch.float32, dev)
     if block_s is None:
-        block_s = min(2048, triton.next_power_of_2(S)) if interp else 128
+        block_s = interpreter_tile(S, 2048) if interp else 128
     _sparq_approx_kernel[(B * HQ,)](
         q_r, i1, inv_temp, k_cache_t, lengths, starts,
         s_hat, m_hat, l_hat,
@@ -226,7 +227,7 @@ def sparq_attention(
     if out is None:
         out = new_output((B, HQ, D), q.dtype, dev)
     if block_k is None:
-        block_k = min(1024, max(16, triton.next_power_of_2(K))) if interp else 32
+        block_k = interpreter_tile(K, 1024, 16) if interp else 32
     _sparq_attn_kernel[(B * HQ,)](
         q, k_cache, v_cache, idx, counts, s_hat, m_hat, l_hat, v_mean, out,
         sm_scale * _LOG2E, S, HQ, G, K,

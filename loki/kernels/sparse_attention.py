@@ -14,9 +14,11 @@ its share of the selection in tiles of BLOCK_K tokens with an online softmax and
 G query heads of its KV head and reads each selected K/V row once ([G, D] x [D, BLOCK_K] on the tensor
 cores).  k is a runtime value (no recompile per k); accumulation is fp32.
 
-Bytes in flight: the gathers are latency-bound (each tile's rows depend on an index load), so by default
-the loop is software-pipelined by hand: the rows of tile i+1 and the indices of tile i+2 are requested
-before tile i is computed, and many small splits keep enough programs resident.  Row offsets inside a
+Bytes in flight: the gathers are latency-bound (each tile's rows depend on an index load), so on the
+one-head-per-program path the loop is software-pipelined by hand by default (``prefetch``): the rows of
+tile i+1 and the indices of tile i+2 are requested before tile i is computed, and many small splits keep
+enough programs resident.  The GQA group path does not prefetch by default (``ATTN_DEFAULTS``): there every
+variant measured alike, prefetch included (docs/kernels.md).  Row offsets inside a
 head are 32-bit when they cannot overflow.  With per-query-head selections the approximate scores of the
 selection stage can stand in for the first d dims of every selected key (``prefix_scores``): the kernel
 then reads only K[t, d:] and V[t], 448 of 512 bytes per token at D = 128, d = 32.
@@ -33,14 +35,12 @@ import triton.language as tl
 from loki._checks import check_count, check_no_grad, resolve_scale
 from loki.reference.sparse import sparse_attention as sparse_attention_reference
 
-from .approx_scores import check_triton_device, interpreting, new_output
-from .launch import launch, pdl
-from .select import _num_sms
+from ._common import NUM_SMS_DEFAULT, check_triton_device, interpreter_tile, interpreting, num_sms
+from .launch import launch, new_output, pdl
 
 __all__ = ["ATTN_DEFAULTS", "sparse_attention", "sparse_attention_reference", "choose_num_splits"]
 
 _LOG2E = 1.4426950408889634
-_NUM_SMS_H100 = 132
 
 
 @triton.jit
@@ -269,7 +269,7 @@ def _merge_splits_kernel(
 
 
 def choose_num_splits(rows: int, K: int, block_k: int, *, programs_per_sm: int = 2, min_splits: int = 4,
-                      min_tiles: int = 4, max_splits: int = 64, num_sms: int = _NUM_SMS_H100,
+                      min_tiles: int = 4, max_splits: int = 64, num_sms: int = NUM_SMS_DEFAULT,
                       many_rows_per_sm: float | None = None, min_splits_many: int | None = None) -> int:
     """Splits of the K selected tokens: at least ``min_splits`` (``min_splits_many`` when there are at least
     ``many_rows_per_sm`` rows per SM) and enough for ``programs_per_sm`` programs per SM over the rows x
@@ -370,9 +370,9 @@ def sparse_attention(
     rows = B * H  # programs per split
     dflt = ATTN_DEFAULTS["head" if g_sel == 1 else "group"]
     if block_k is None:
-        block_k = min(1024, max(16, triton.next_power_of_2(K))) if interp else dflt["block_k"]
+        block_k = interpreter_tile(K, 1024, 16) if interp else dflt["block_k"]
     if num_splits is None:
-        num_splits = 1 if interp else choose_num_splits(rows, K, block_k, num_sms=_num_sms(q_hat.device),
+        num_splits = 1 if interp else choose_num_splits(rows, K, block_k, num_sms=num_sms(q_hat.device),
                                                          **dflt["splits"])
     num_warps = dflt["num_warps"] if num_warps is None else num_warps
     prefetch = dflt["prefetch"] if prefetch is None else prefetch

@@ -6,7 +6,7 @@ checked against the PyTorch reference, and its selection against exact top-k of 
 before it is timed.  ``--stages`` times the score/select stages alone (two kernels vs fused, launch
 configurations).
 
-    PYTHONPATH=. python3 -m loki.bench.fusion --out $OUT [--quick] [--only "40h B16 S4096,..."] [--stages]
+    PYTHONPATH=. python3 -m benchmarks.tuning.fusion --out $OUT [--quick] [--only "mha-B16-S4096,..."] [--stages]
 
 Writes ``fusion.json`` (or ``stages.json``) under --out and prints a table last (ms; x = SDPA / variant
 in the same run).
@@ -22,18 +22,7 @@ import sys
 
 import torch
 
-#: (name, B, HQ, HKV, S, gqa_select)
-SHAPES = [
-    ("40h B16 S4096", 16, 40, 40, 4096, "query"),
-    ("40h B16 S8192", 16, 40, 40, 8192, "query"),
-    ("40h B16 S16384", 16, 40, 40, 16384, "query"),
-    ("40h B16 S32768", 16, 40, 40, 32768, "query"),
-    ("40h B1 S16384", 1, 40, 40, 16384, "query"),
-    ("40h B4 S16384", 4, 40, 40, 16384, "query"),
-    ("GQA32/8 B16 S8192", 16, 32, 8, 8192, "kv"),
-    ("GQA32/8 B16 S4096", 16, 32, 8, 4096, "kv"),
-    ("GQA32/8 B1 S16384", 1, 32, 8, 16384, "kv"),
-]
+from .._shapes import FUSION_SHAPES, shape_dims
 
 
 def _selection_ok(idx, s_ref, K):
@@ -108,15 +97,16 @@ def main(argv=None) -> int:
     import loki.reference as R
     from loki.bench.harness import _sdpa_fn, make_bench_inputs, measure_copy_bandwidth, time_ms, time_ms_graph
     from loki.kernels import make_key_prefix
-    from loki.kernels.decode import clear_decode_plans, loki_decode_step, selection_bound
+    from loki.kernels.decode import DecodeTuning, clear_decode_plans, loki_decode_step, selection_bound
 
     copy = measure_copy_bandwidth()
-    shapes = [SHAPES[0], SHAPES[4], SHAPES[6]] if args.quick else SHAPES
+    shapes = FUSION_SHAPES[:3] if args.quick else FUSION_SHAPES
     if args.only:
-        shapes = [s for s in shapes if s[0] in args.only.split(",")]
+        shapes = [s for s in shapes if s in args.only.split(",")]
     rows = []
-    for name, B, HQ, HKV, S, mode in shapes:
-        D, d = 128, 32
+    for name in shapes:
+        B, HQ, HKV, S, D, mode = shape_dims(name)
+        d = 32
         x = make_bench_inputs(B, HQ, HKV, S, D)
         K = selection_bound(0.25, S)
         counts = torch.full((B,), K, dtype=torch.int32, device="cuda")
@@ -143,11 +133,12 @@ def main(argv=None) -> int:
                 SEL.FEW_ROWS_REGISTER_COMPACT = 0
                 SA.ATTN_DEFAULTS["head"]["splits"]["min_splits_many"] = 4
             clear_decode_plans()
+            tuning = DecodeTuning(fuse_select=fuse, num_splits=num_splits)
             try:
                 def step():
                     return loki_decode_step(x.q, x.k_cache, x.v_cache, x.lengths, x.starts, counts, d=d, k_max=K,
                                             gqa_select=mode, uniform=True, select_method="triton", k_prefix=kp,
-                                            fuse_select=fuse, num_splits=num_splits)
+                                            tuning=tuning)
                 os.environ["LOKI_POISON_OUTPUTS"] = "1"
                 idx, out = step()
                 step()  # the second call of a signature records the plan

@@ -1,6 +1,6 @@
 """Host-launch overhead of the decode step: SDPA vs the Loki step through Triton's normal launch path
-(``use_plan=False``) vs the recorded direct-launch path (``DecodePlan``), do_bench (L2 flushed) and CUDA
-graph, plus the host time per call (back to back, no sync).  ``python -m loki.bench.host``."""
+(``DecodeTuning(use_plan=False)``) vs the recorded direct-launch path (``DecodePlan``), do_bench (L2 flushed) and CUDA
+graph, plus the host time per call (back to back, no sync).  ``PYTHONPATH=. python -m benchmarks.tuning.host``."""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ import time
 
 import torch
 
-SHAPES = [("40h B1 S16384", 1, 40, 40, 16384), ("40h B16 S4096", 16, 40, 40, 4096),
-          ("GQA32/8 B16 S8192", 16, 32, 8, 8192)]
+from .._shapes import TARGET_SHAPES, shape_dims
 
 
 def host_us(fn, n=200):
@@ -29,20 +28,21 @@ def host_us(fn, n=200):
 def main() -> int:
     from loki.bench.harness import _sdpa_fn, make_bench_inputs, time_ms, time_ms_graph
     from loki.kernels import make_key_prefix
-    from loki.kernels.decode import loki_decode_step, selection_bound
+    from loki.kernels.decode import DecodeTuning, loki_decode_step, selection_bound
 
     rows = []
-    for name, B, HQ, HKV, S in SHAPES:
-        D = 128
+    for name in TARGET_SHAPES[:3]:
+        B, HQ, HKV, S, D, mode = shape_dims(name)
         x = make_bench_inputs(B, HQ, HKV, S, D)
         d, K = 32, selection_bound(0.25, S)
         counts = torch.full((B,), K, dtype=torch.int32, device="cuda")
         kp = make_key_prefix(x.k_cache, d)
-        mode = "kv" if HQ != HKV else "query"
         sdpa, _ = _sdpa_fn(x.q, x.k_cache, x.v_cache, HQ != HKV)
         common = dict(d=d, k_max=K, gqa_select=mode, uniform=True, select_method="triton", k_prefix=kp)
-        def old(x=x, counts=counts, common=common):
-            return loki_decode_step(x.q, x.k_cache, x.v_cache, x.lengths, x.starts, counts, use_plan=False,
+        noplan = DecodeTuning(use_plan=False)
+
+        def old(x=x, counts=counts, common=common, noplan=noplan):
+            return loki_decode_step(x.q, x.k_cache, x.v_cache, x.lengths, x.starts, counts, tuning=noplan,
                                     **common)
 
         def new(x=x, counts=counts, common=common):

@@ -1,11 +1,10 @@
 """Kernel variants at the target shapes, timed in one process on the GPU (``scripts/gpu_check.py --variants``).
 
-For each target shape: torch SDPA, the previous pipeline (when its copy is importable as ``oldkernels``),
-and per stage the launch variants of the current kernels (scores: strided vs ``k_prefix``, block sizes;
-select: warps x radix bits, against the previous kernel; attention: prefetch, score reuse, block sizes,
-splits), each checked against a reference before it is timed; then the full default pipeline, with and
-without ``k_prefix``, under do_bench and as a CUDA-graph replay.  Also the host time of one call and an
-L2 fetch-granularity experiment on the strided scores read.
+For each target shape (``benchmarks._shapes.TARGET_SHAPES``): torch SDPA and per stage the launch variants
+of the kernels (scores: strided vs ``k_prefix``, block sizes; select: warps, early exit; attention: prefetch,
+score reuse, block sizes, splits), each checked against a reference before it is timed; then the full default
+pipeline, with and without ``k_prefix``, under do_bench and as a CUDA-graph replay.  Also the host time of one
+call at B=1 and (``LOKI_L2_EXPERIMENT=1``) an L2 fetch-granularity experiment on the strided scores read.
 
 Shape letters: B batch, HQ query heads, HKV key/value heads, S cache length, D head dim.
 """
@@ -19,32 +18,25 @@ import time
 
 import torch
 
-from . import harness
+from loki.bench import harness
 
-#: (name, model, B, S, gqa_select)
-SHAPES = [
-    ("mha-B16-S4096", "llama2-13b", 16, 4096, "query"),
-    ("mha-B16-S16384", "llama2-13b", 16, 16384, "query"),
-    ("mha-B16-S32768", "llama2-13b", 16, 32768, "query"),
-    ("mha-B1-S16384", "llama2-13b", 1, 16384, "query"),
-    ("gqa-B16-S8192", "llama3-8b", 16, 8192, "kv"),
-]
+from .._shapes import SHAPES, TARGET_SHAPES, shape_dims
 
-
-#: Round 2 (round 1, in docs/kernels.md, settled k_prefix, radix_bits=1, block_k=64 + prefetch for one head).
+#: Launch variants beside the defaults (``ATTN_DEFAULTS``, ``select_launch_config``; docs/kernels.md has the
+#: rounds that chose them).
 SCORES_VARIANTS = [(256, 4)]
 SPLITS = (4, 8, 16, 32)
 
 
 def SELECT_VARIANTS(S, rows):  # noqa: N802
-    v = [{}, {"early_exit": True}]
+    v = [{}, {"early_exit": False}]  # the default exits the 1-bit search early
     if rows < 66:
         v += [{"num_warps": 32}, {"num_warps": 32, "early_exit": True}]
     return v
 
 
 ATTN_HEAD_VARIANTS = [
-    {},  # the default: block_k 64, prefetch, no slots
+    {},  # the default: block_k 32, 4 warps, prefetch, slots
     dict(slots=True, block_k=32, num_warps=4),
     dict(slots=True, block_k=64, num_warps=4),
     dict(slots=True, block_k=64, num_warps=8),
@@ -71,15 +63,6 @@ def _t(fn, rep=20):
     return harness.time_ms(fn, warmup=5, rep=rep)
 
 
-def _old_kernels():
-    import importlib
-
-    try:  # a copy of the previous loki/kernels package, carried for the comparison
-        return tuple(importlib.import_module(f"oldkernels.{m}") for m in ("decode", "select", "sparse_attention"))
-    except Exception:  # noqa: BLE001
-        return None
-
-
 def _valid_topk(idx, scores, K):
     """Selection invariants on the GPU: in range, no duplicates, every selected score >= the K-th largest."""
     idx = idx[..., :K].long()
@@ -92,10 +75,10 @@ def _valid_topk(idx, scores, K):
     return bool((torch.gather(scores, -1, idx) >= kth).all())
 
 
-def run_shape(name, model, B, S, mode, copy_gbps, rows, old, dev="cuda"):
+def run_shape(name, model, B, S, mode, copy_gbps, rows, dev="cuda"):
     from loki.kernels import make_key_prefix, select_topk, sparse_attention, sparse_attention_reference
     from loki.kernels.approx_scores import _launch_approx_scores
-    from loki.kernels.decode import loki_decode_step
+    from loki.kernels.decode import DecodeTuning, loki_decode_step
 
     HQ, HKV, D = harness.MODELS[model]
     x = harness.make_bench_inputs(B, HQ, HKV, S, D, device=dev)
@@ -143,8 +126,6 @@ def run_shape(name, model, B, S, mode, copy_gbps, rows, old, dev="cuda"):
             q, kp, d, x.lengths, x.starts, ho, ao, "sum", block_s=bs, num_warps=nw), sbytes, ok=ok)
     scores.copy_(ref_scores)
     # ---- select
-    if old is not None:
-        add("select", "previous kernel", lambda: old[1].select_topk(scores, counts, k_max=K, method="triton"))
     for kw in SELECT_VARIANTS(S, B * H):
         try:
             idx = select_topk(scores, counts, k_max=K, method="triton", **kw)
@@ -162,8 +143,6 @@ def run_shape(name, model, B, S, mode, copy_gbps, rows, old, dev="cuda"):
     def chk(o):
         return bool((o.float() - ref.float()).abs().max().item() < 2e-2)
 
-    if old is not None:
-        add("attention", "previous kernel", lambda: old[2].sparse_attention(q, kc, vc, idx, counts), abytes)
     for v in (ATTN_HEAD_VARIANTS if mode == "query" else ATTN_GROUP_VARIANTS):
         kw = dict(v)
         if mode == "query":
@@ -181,28 +160,23 @@ def run_shape(name, model, B, S, mode, copy_gbps, rows, old, dev="cuda"):
                 abytes, ok=ok)
     # ---- full pipeline
     common = dict(d=d, k_max=K, gqa_select=mode, uniform=True)
-    if old is not None:
-        res["old_total"] = add("total", "previous pipeline (triton select)", lambda: old[0].loki_decode_step(
-            q, kc, vc, x.lengths, x.starts, counts, select_method="triton", **common), floor_bytes)
     res["new_noprefix"] = add("total", "new, no k_prefix", lambda: loki_decode_step(
         q, kc, vc, x.lengths, x.starts, counts, **common), floor_bytes)
     res["new"] = add("total", "new, k_prefix", lambda: loki_decode_step(
         q, kc, vc, x.lengths, x.starts, counts, k_prefix=kp, **common), floor_bytes)
     for name_, opts in (TOTAL_VARIANTS_Q if mode == "query" else TOTAL_VARIANTS_KV):
-        res[name_] = add("total", f"new, k_prefix, {name_}", lambda opts=opts: loki_decode_step(
-            q, kc, vc, x.lengths, x.starts, counts, k_prefix=kp, attn_options=opts, **common), floor_bytes)
+        tuned = DecodeTuning(attn_options=opts)
+        res[name_] = add("total", f"new, k_prefix, {name_}", lambda tuned=tuned: loki_decode_step(
+            q, kc, vc, x.lengths, x.starts, counts, k_prefix=kp, tuning=tuned, **common), floor_bytes)
         try:
-            res["graph_" + name_] = harness.time_ms_graph(lambda opts=opts: loki_decode_step(
-                q, kc, vc, x.lengths, x.starts, counts, k_prefix=kp, attn_options=opts, **common))
+            res["graph_" + name_] = harness.time_ms_graph(lambda tuned=tuned: loki_decode_step(
+                q, kc, vc, x.lengths, x.starts, counts, k_prefix=kp, tuning=tuned, **common))
         except Exception as e:  # noqa: BLE001
             print("  graph ERROR", type(e).__name__, str(e)[:200])
     try:
         res["graph_sdpa"] = harness.time_ms_graph(sdpa)
         res["graph_new"] = harness.time_ms_graph(lambda: loki_decode_step(
             q, kc, vc, x.lengths, x.starts, counts, k_prefix=kp, **common))
-        if old is not None:
-            res["graph_old"] = harness.time_ms_graph(lambda: old[0].loki_decode_step(
-                q, kc, vc, x.lengths, x.starts, counts, select_method="triton", **common))
     except Exception as e:  # noqa: BLE001
         print("  graph ERROR", type(e).__name__, str(e)[:200])
     # host time of one call (GPU work is small at B=1: the host is the limit there)
@@ -260,12 +234,12 @@ def main(out_dir: str) -> int:
     name = torch.cuda.get_device_name()
     copy_gbps = harness.measure_copy_bandwidth()
     print(f"# {name}: copy {copy_gbps:.0f} GB/s, torch {torch.__version__}, triton {triton.__version__}", flush=True)
-    old = _old_kernels()
     rows, shapes = [], []
     t0 = time.time()
-    for sh in SHAPES:
-        print(f"== {sh[0]} ({time.time() - t0:.0f} s)", flush=True)
-        shapes.append(run_shape(*sh, copy_gbps, rows, old))
+    for name_ in TARGET_SHAPES:
+        print(f"== {name_} ({time.time() - t0:.0f} s)", flush=True)
+        model, B, S = SHAPES[name_]
+        shapes.append(run_shape(name_, model, B, S, shape_dims(name_)[-1], copy_gbps, rows))
         torch.cuda.empty_cache()
     if os.environ.get("LOKI_L2_EXPERIMENT") == "1":
         print(f"== L2 granularity ({time.time() - t0:.0f} s)", flush=True)
@@ -285,7 +259,7 @@ def summarize(name, copy_gbps, shapes, rows, t0):
             if row["shape"] == r["shape"] and "ms" in row and row.get("ok", True) and row["stage"] != "total":
                 if row["stage"] not in best or row["ms"] < best[row["stage"]][0]:
                     best[row["stage"]] = (row["ms"], row["variant"])
-        tot = [("old", "old_total", "graph_old"), ("new", "new", "graph_new")]
+        tot = [("new", "new", "graph_new")]
         tot += [(n, n, "graph_" + n) for n, _ in (TOTAL_VARIANTS_Q if r["mode"] == "query" else TOTAL_VARIANTS_KV)]
         parts = []
         for label, k1, k2 in tot:

@@ -16,7 +16,7 @@ the flash and memory-efficient kernels (the baseline), and with torch's default 
 2.11, which builds an execution plan on the host for every new sequence length, ~27 ms per call on an H100
 machine).
 
-    PYTHONPATH=. python3 -m loki.bench.integration --out $OUT [--steps 40] [--layers 8]
+    PYTHONPATH=. python3 -m benchmarks.tuning.integration --out $OUT [--steps 40] [--layers 8]
 
 Writes ``integration.json`` under --out and prints a table last.
 """
@@ -31,13 +31,7 @@ import sys
 
 import torch
 
-#: (name, B, HQ, HKV, S)
-CONFIGS = [
-    ("llama2-13b-like B=16 S=4096", 16, 40, 40, 4096),
-    ("llama2-13b-like B=1 S=16384", 1, 40, 40, 16384),
-    ("llama3-8b-like GQA B=16 S=8192", 16, 32, 8, 8192),
-]
-
+from .._shapes import TARGET_SHAPES, shape_dims
 
 _COMPILES = [0]
 
@@ -152,13 +146,13 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=8)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        print("loki.bench.integration: needs a CUDA device")
+        print("benchmarks.tuning.integration: needs a CUDA device")
         return 2
     _count_compiles()
     rows = []
-    for name, B, HQ, HKV, S in CONFIGS:
-        r = run_config(name, B, HQ, HKV, S, layers=args.layers, steps=args.steps,
-                       gqa_select="kv" if HQ != HKV else "query")
+    for name in TARGET_SHAPES[:3]:
+        B, HQ, HKV, S, _, mode = shape_dims(name)
+        r = run_config(name, B, HQ, HKV, S, layers=args.layers, steps=args.steps, gqa_select=mode)
         rows.append(r)
         print(json.dumps({k: v for k, v in r.items() if not k.endswith("_all")}), flush=True)
     dev = torch.cuda.get_device_name()
