@@ -308,7 +308,10 @@ def _retrieval(model, tokenizer, bases, opts, out_dir, plots) -> dict:
     from loki.evaluation import retrieval
 
     specs = [MethodSpec("full", "full")]
-    for s in suite_methods(opts, config_head_dim(model.config), 0, opts.retrieval_k):
+    methods = suite_methods(opts, config_head_dim(model.config), 0, opts.retrieval_k)
+    if opts.retrieval_methods == "all" and not any(s.method == "h2o" for s in methods):
+        methods.append(MethodSpec("h2o", "h2o", k=opts.retrieval_k))  # every method, H2O included
+    for s in methods:
         if s.method == "pcaattn":
             continue
         if opts.retrieval_methods == "all" or s.name in ("exact_topk[query]", f"loki-{opts.default_basis}[query]"):
