@@ -21,6 +21,7 @@ from collections.abc import Iterable, Iterator, Mapping
 import torch
 from torch import nn
 
+from loki._hf import text_config
 from loki.basis import PCABasis, config_model_name
 from loki.calibration.collect import collect_statistics
 from loki.calibration.hooks import key_layout
@@ -56,11 +57,7 @@ def _model_dtype(model: nn.Module) -> torch.dtype:
 
 def model_context_length(model_or_config) -> int | None:
     """The positions a model is used at: ``max_position_embeddings`` of its (text) config, if set."""
-    config = getattr(model_or_config, "config", model_or_config)
-    getter = getattr(config, "get_text_config", None)
-    if callable(getter):
-        config = getter(decoder=True)
-    n = getattr(config, "max_position_embeddings", None)
+    n = getattr(text_config(getattr(model_or_config, "config", model_or_config)), "max_position_embeddings", None)
     return int(n) if n else None
 
 
