@@ -32,8 +32,7 @@ def main() -> int:
     p.add_argument("--out", default="sweep.json")
     args = p.parse_args()
 
-    from loki.calibration import fit_bases
-    from loki.calibration.calibrate import iter_token_batches
+    from loki.evaluation.bases import CalibrationRecipe, get_bases
     from loki.evaluation.data import load_corpus, token_windows
     from loki.evaluation.intervals import paired_increase
     from loki.evaluation.models import load_default_model, resolve_device
@@ -57,11 +56,8 @@ def main() -> int:
     bases, cal_seconds = {}, {}
     for name, (corpus, seq_len, maxpos, names) in recipes.items():
         t0 = time.perf_counter()
-        text = load_corpus(corpus, part="calib").text
-        batches = iter_token_batches(text[: 12 * args.tokens], tokenizer=tok, seq_len=seq_len,
-                                     batch_size=max(1, 8192 // seq_len), num_tokens=args.tokens)
-        got = fit_bases(model, batches, names, num_tokens=args.tokens, max_positions=maxpos, seq_len=seq_len,
-                        corpus_name=corpus, progress=False)
+        recipe = CalibrationRecipe(corpus=corpus, num_tokens=args.tokens, seq_len=seq_len, max_positions=maxpos)
+        got = get_bases(model, tok, names, recipe, progress=False)  # one pass per recipe, cached
         for b, basis in got.items():
             bases[f"{name}/{b}"] = basis
         cal_seconds[name] = time.perf_counter() - t0

@@ -25,6 +25,7 @@ import torch
 from loki._checks import resolve_d, resolve_k
 from loki.basis import PCABasis
 from loki.calibration.hooks import AttentionRecorder
+from loki.reference import aggregate_group_scores
 from loki.reference.teacher_forced import grouped_scores, masked_softmax, per_query_head, topk_mask
 
 __all__ = ["capture_qk", "selection_agreement", "topk_agreement"]
@@ -50,12 +51,7 @@ def _group_select(s: torch.Tensor, HKV: int, gqa_select: str, aggregate: str) ->
         return s
     if gqa_select != "kv":
         raise ValueError(f"gqa_select must be 'query' or 'kv', got {gqa_select!r}")
-    g = s.view(HKV, s.shape[0] // HKV, *s.shape[1:])
-    if aggregate == "sum":
-        return g.sum(1)
-    if aggregate == "max":
-        return g.amax(1)
-    raise ValueError(f"aggregate must be 'sum' or 'max', got {aggregate!r}")
+    return aggregate_group_scores(s[None], HKV, aggregate)[0]
 
 
 @torch.no_grad()

@@ -103,11 +103,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
 
-def _fail(msg: str) -> int:
-    print(f"error: {msg}", file=sys.stderr)
-    return 2
-
-
 def _options(args) -> SuiteOptions:
     profile = "long" if args.long else args.profile
     opts = profile_options(profile, use_cache=not args.no_cache, progress=not args.no_progress, log=_log,
@@ -150,33 +145,34 @@ def _print_summary(results: dict, gates: list[dict], report: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from loki.evaluation.commands import set_threads
+    from loki.evaluation.commands import check_model_folder, fail, set_threads
     from loki.evaluation.models import load_default_model, load_model, resolve_device
     from loki.evaluation.report import write_report
 
     out = Path(args.out)
     if out.exists() and not out.is_dir():
-        return _fail(f"--out {out} exists and is not a folder")
+        return fail(f"--out {out} exists and is not a folder")
     if args.retrieval_only and args.no_retrieval:
-        return _fail("--retrieval-only and --no-retrieval exclude each other")
+        return fail("--retrieval-only and --no-retrieval exclude each other")
     if args.calib_tokens is not None and args.calib_tokens < 1:
-        return _fail(f"--calib-tokens must be >= 1, got {args.calib_tokens}")
+        return fail(f"--calib-tokens must be >= 1, got {args.calib_tokens}")
     if args.threads is not None and args.threads < 1:
-        return _fail(f"--threads must be >= 1, got {args.threads}")
+        return fail(f"--threads must be >= 1, got {args.threads}")
     try:
         thresholds = load_thresholds(args.thresholds)
     except FileNotFoundError as exc:
         if not args.update_thresholds:
-            return _fail(f"--thresholds: {exc}")
+            return fail(f"--thresholds: {exc}")
         thresholds = {}
     except ValueError as exc:
-        return _fail(f"--thresholds: {exc}")
+        return fail(f"--thresholds: {exc}")
     try:
         device = resolve_device(args.device)
     except ValueError as exc:
-        return _fail(f"--device: {exc}")
-    if args.model and not (Path(args.model) / "config.json").is_file():
-        return _fail(f"--model {args.model} is not a transformers model folder (no config.json)")
+        return fail(f"--device: {exc}")
+    err = check_model_folder(args.model)
+    if err:
+        return fail(err)
     opts = _options(args)
     set_threads(args.threads)
     t0 = time.perf_counter()
@@ -187,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
         texts = [t.strip() for t in args.record_texts.split(",") if t.strip()]
         bad = [t for t in texts if t not in _TEXTS]
         if bad or not texts:
-            return _fail(f"--record-texts must name some of {', '.join(_TEXTS)}, got {args.record_texts!r}")
+            return fail(f"--record-texts must name some of {', '.join(_TEXTS)}, got {args.record_texts!r}")
         long_len = max(w[0] for w in opts.windows) if opts.profile == "long" else None
         runs = {args.eval_corpus: run_suite(model, tokenizer, opts, out_dir=out)}
         for text in texts if opts.perplexity else ():

@@ -196,7 +196,7 @@ def standard_methods(k_f: float = 0.25, d_f: float = 0.25, head_dim: int = 64, *
     specs.append(MethodSpec(f"sparq(r={r})", "sparq", k=k_f, d=r))
     pca_rot = "post" if "post" in rotary else rotary[-1]  # PCAAttn and the exactness checks use the PCA basis
     if pcaattn:
-        specs.append(MethodSpec(f"pcaattn-{pca_rot}", "pcaattn", d=d_f, basis=pca_rot))
+        specs.append(MethodSpec(f"pcaattn-{pca_rot}", "pcaattn", k=k_f, d=d_f, basis=pca_rot))
     if exactness:
         rot = pca_rot
         specs.append(MethodSpec(f"loki-{rot}(d=D,k=all)", "loki", k=1.0, d=1.0, basis=rot))

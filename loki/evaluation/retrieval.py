@@ -28,11 +28,11 @@ Shape letters: B batch, T context tokens, P prefilled tokens (T - question_token
 from __future__ import annotations
 
 import copy
-import inspect
 import time
 
 import torch
 
+from loki._hf import cache_keyword, decoder
 from loki.evaluation.intervals import paired_difference, wilson_interval
 from loki.evaluation.perplexity import MethodSpec, standard_methods
 from loki.evaluation.retrieval_report import markdown_table, plot_retrieval, write_report
@@ -92,21 +92,11 @@ def reference_for(spec: MethodSpec, specs: list[MethodSpec], reference: str | No
 
 
 # ------------------------------------------------------------------------------------------ decoding
-def _cache_kw(fn) -> str:
-    params = inspect.signature(fn).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
-def _decoder(model):
-    base = getattr(model, "base_model", None)
-    return base if base is not None else model
-
-
 @torch.no_grad()
 def _prefill(model, ids: torch.Tensor, cache, chunk: int):
     """Run ``ids [B, P]`` through the decoder (no logits) into ``cache``, ``chunk`` tokens per forward."""
-    dec = _decoder(model)
-    kw = _cache_kw(dec.forward)
+    dec = decoder(model)
+    kw = cache_keyword(dec)
     for s in range(0, ids.shape[1], max(1, chunk)):
         dec(input_ids=ids[:, s : s + chunk], use_cache=True, **{kw: cache})
     return cache
@@ -151,7 +141,7 @@ def run_batch(model, tokenizer, input_ids: torch.Tensor, specs: list[MethodSpec]
     B, T = ids.shape
     tq = max(1, min(int(question_tokens), T - 1))
     prefix, tail = ids[:, : T - tq], ids[:, T - tq :]
-    kw = _cache_kw(model.forward)
+    kw = cache_keyword(model)
     stops = _stop_ids(model, tokenizer)
     disable_loki(model)
     t0 = time.perf_counter()

@@ -19,7 +19,6 @@ gates compare (Loki against exact top-k, H2O and the PCA bases) are stored in ``
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 from dataclasses import dataclass, field, replace
@@ -30,7 +29,7 @@ import torch
 from loki.basis import config_fingerprint, config_head_dim
 from loki.evaluation.bases import DEFAULT_RECIPE, CalibrationRecipe, get_bases
 from loki.evaluation.intervals import paired_increase
-from loki.evaluation.perplexity import MethodSpec, perplexity
+from loki.evaluation.perplexity import MethodSpec, perplexity, standard_methods
 
 __all__ = ["PROFILES", "SuiteOptions", "profile_options", "run_suite", "suite_methods"]
 
@@ -104,25 +103,16 @@ def profile_options(name: str, **overrides) -> SuiteOptions:
 
 
 def suite_methods(opts: SuiteOptions, head_dim: int, T: int, k: float) -> list[MethodSpec]:
-    """The settings evaluated at window length ``T`` and budget ``k`` (full attention excluded)."""
-    r = max(1, math.ceil(opts.d * head_dim - 1e-9))
+    """The settings evaluated at window length ``T`` and budget ``k`` (full attention excluded): the profile's
+    selection from :func:`~loki.evaluation.perplexity.standard_methods`."""
     long = opts.methods == "long"
-    specs = [MethodSpec("exact_topk[query]", "exact_topk", k=k)]
-    if long:
-        specs.append(MethodSpec("exact_topk[kv]", "exact_topk", k=k, gqa_select="kv"))
-    for b in opts.bases:
-        specs.append(MethodSpec(f"loki-{b}[query]", "loki", k=k, d=opts.d, basis=b))
-        if long:
-            specs.append(MethodSpec(f"loki-{b}[kv]", "loki", k=k, d=opts.d, basis=b, gqa_select="kv"))
+    specs = standard_methods(k, opts.d, head_dim, rotary=opts.bases, gqa_modes=("query", "kv") if long else ("query",),
+                             pcaattn=long and k == opts.k and "post" in opts.bases, exactness=False)[1:]
     if opts.methods == "check":  # the CPU main job: the default and the paper's Loki against the oracle
-        return specs
-    if T <= opts.h2o_max_len and (k == opts.k or not long):  # token by token: the long profile's primary k only
-        specs.append(MethodSpec("h2o", "h2o", k=k))
-    if long:
-        specs.append(MethodSpec(f"sparq(r={r})", "sparq", k=k, d=r))
-    if long and k == opts.k and "post" in opts.bases:
-        specs.append(MethodSpec("pcaattn-post", "pcaattn", k=k, d=opts.d, basis="post"))
-    return specs
+        return [s for s in specs if s.method in ("exact_topk", "loki")]
+    # H2O decodes token by token: windows up to h2o_max_len, and in the long profile its primary k only
+    keep_h2o = T <= opts.h2o_max_len and (k == opts.k or not long)
+    return [s for s in specs if (s.method != "h2o" or keep_h2o) and (s.method != "sparq" or long)]
 
 
 def _row(r, T: int, N: int, full=None) -> dict:

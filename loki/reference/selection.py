@@ -29,9 +29,10 @@ def _check_mode(gqa_select: str, aggregate: str) -> None:
 
 
 def aggregate_group_scores(scores: torch.Tensor, HKV: int, aggregate: str = "sum") -> torch.Tensor:
-    """Combine per-query-head scores [B, HQ, S] into per-KV-head scores [B, HKV, S] (sum or max over G)."""
-    B, HQ, S = scores.shape
-    g = scores.view(B, HKV, HQ // HKV, S)
+    """Combine per-query-head scores [B, HQ, ...] (e.g. [B, HQ, S], or [B, HQ, R, S] for rows of a window) into
+    per-KV-head scores [B, HKV, ...] (sum or max over G)."""
+    B, HQ = scores.shape[:2]
+    g = scores.view(B, HKV, HQ // HKV, *scores.shape[2:])
     if aggregate == "sum":
         return g.sum(dim=2)
     if aggregate == "max":

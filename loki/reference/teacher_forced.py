@@ -24,6 +24,7 @@ import torch
 
 from .._checks import resolve_d, resolve_k
 from .common import default_scale
+from .selection import aggregate_group_scores
 
 __all__ = ["ROW_METHODS", "attend", "grouped_scores", "masked_softmax", "per_query_head", "teacher_forced_rows",
            "topk_mask"]
@@ -122,8 +123,7 @@ def _block(method, q, k, v, visible, n_visible, counts, *, dd, scale, gqa_select
     else:
         raise ValueError(f"method must be one of {ROW_METHODS}, got {method!r}")
     if gqa_select == "kv":
-        g = approx.view(B, HKV, HQ // HKV, R, -1)
-        approx = g.sum(dim=2) if aggregate == "sum" else g.amax(dim=2)
+        approx = aggregate_group_scores(approx, HKV, aggregate)
     elif gqa_select != "query":
         raise ValueError(f"gqa_select must be 'query' or 'kv', got {gqa_select!r}")
     sel = topk_mask(approx.masked_fill(~visible, _NEG_INF), counts)
