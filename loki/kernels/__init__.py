@@ -7,7 +7,9 @@
 - ``sparq_attention``: the SparQ-style baseline kernels the paper compares against;
 - ``decode_attention``: the whole Loki decode step (validated; the PyTorch reference or the kernels), and
   ``loki_decode_step``: the kernels of a step on validated inputs, the integration's hot loop
-  (``DecodeTuning``: launch choices for tuning; ``clear_decode_plans``: forget the recorded launches).
+  (``DecodeTuning``: launch choices for tuning; ``clear_decode_plans``: forget the recorded launches);
+- ``plan_decode``: validate once, then ``DecodeRun.run`` many times with ~no host work (the cheap eager entry);
+- ``decode_step_op`` (``torch.ops.loki.decode_step``): the step as a torch custom op, for ``torch.compile``.
 
 Importing this package compiles nothing and probes no device; kernels are built at their first launch.
 """
@@ -22,6 +24,8 @@ from .decode import (
     loki_decode_step,
     selection_bound,
 )
+from .ops import decode_step_op
+from .plan import DecodeRun, plan_decode
 from .score_select import score_select
 from .select import SELECT_METHODS, select_topk, select_topk_reference
 from .sparq import sparq_attention, sparq_attention_reference, sparq_prepare
@@ -30,14 +34,17 @@ from .sparse_attention import sparse_attention, sparse_attention_reference
 __all__ = [
     "BACKENDS",
     "SELECT_METHODS",
+    "DecodeRun",
     "DecodeTuning",
     "approx_scores",
     "approx_scores_reference",
     "clear_decode_plans",
     "decode_attention",
+    "decode_step_op",
     "loki_attention_reference",
     "loki_decode_step",
     "make_key_prefix",
+    "plan_decode",
     "select_topk",
     "select_topk_reference",
     "score_select",

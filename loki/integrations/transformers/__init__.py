@@ -53,9 +53,10 @@ from __future__ import annotations
 from loki._hf import SUPPORTED_ARCHITECTURES
 
 from .attention import loki_attention_forward
-from .cache import LokiCacheLayer, loki_cache
+from .cache import LokiCacheLayer, LokiStaticCacheLayer, loki_cache
 from .config import ATTN_IMPLEMENTATION, METHODS, LokiConfig, LokiError, LokiState, UnsupportedModelError
 from .enable import disable_loki, enable_loki, is_loki_enabled
+from .static import LokiStaticCache, loki_static_cache
 from .teacher_forced import teacher_forced_attention
 
 __all__ = [
@@ -64,6 +65,8 @@ __all__ = [
     "LokiConfig",
     "LokiError",
     "LokiState",
+    "LokiStaticCache",
+    "LokiStaticCacheLayer",
     "METHODS",
     "SUPPORTED_ARCHITECTURES",
     "UnsupportedModelError",
@@ -72,5 +75,6 @@ __all__ = [
     "is_loki_enabled",
     "loki_attention_forward",
     "loki_cache",
+    "loki_static_cache",
     "teacher_forced_attention",
 ]

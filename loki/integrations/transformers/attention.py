@@ -26,6 +26,7 @@ from .rows import (
     row_intervals,
     triton_backend,
 )
+from .static import static_decode
 from .teacher_forced import decode_rows, teacher_forced_attention
 
 __all__ = ["loki_attention_forward"]
@@ -49,14 +50,20 @@ def loki_attention_forward(module, query, key, value, attention_mask, scaling=No
     S = key.shape[2]
     layer_idx = module.layer_idx
     scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(D)
+    cache = state.current_cache
+    layer = cache.layers[layer_idx] if cache is not None and layer_idx < len(cache.layers) else None
+    if L == 1 and cfg.method == "loki" and getattr(layer, "loki_static", False) and layer.loki_P is not None:
+        # a static cache (preallocated, compiled and CUDA-graph friendly): tensor ops and one custom op only
+        use_kernels = triton_backend(cfg.backend, query)
+        if cfg.backend == "triton" and not torch.compiler.is_compiling():
+            check_triton_inputs(query, key, value)
+        return static_decode(state, layer, query, key, value, attention_mask, scale, use_kernels), None
     if cfg.covered_positions is not None and S > cfg.covered_positions and not state.warned_positions:
         state.warned_positions = True
         warnings.warn(
             f"the KV cache holds {S} tokens but the Loki basis was calibrated on positions below "
             f"{cfg.covered_positions}: post-rotary keys past them are described less well (calibrate with "
             f"max_positions >= the longest context used)", RuntimeWarning, stacklevel=2)
-    cache = state.current_cache
-    layer = cache.layers[layer_idx] if cache is not None and layer_idx < len(cache.layers) else None
     keys_rotated = layer is not None and getattr(layer, "loki_P", None) is not None
     P = state.layer_basis(layer_idx, query.device) if (cfg.rotates or keys_rotated) else None
     P_q = state.layer_query_basis(layer_idx, query.device) if P is not None else None

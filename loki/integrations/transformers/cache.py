@@ -18,7 +18,7 @@ from loki.reference import rotate_keys
 
 from .config import LokiError, LokiState, state_of
 
-__all__ = ["LokiCacheLayer", "convert_cache", "loki_cache", "restore_caches"]
+__all__ = ["LokiCacheLayer", "LokiStaticCacheLayer", "convert_cache", "loki_cache", "restore_caches"]
 
 
 def _dynamic_layer_class():
@@ -114,6 +114,119 @@ class LokiCacheLayer:
         self.loki_prefix_buf = None
 
 
+def _mark_static(t: torch.Tensor) -> None:
+    if not torch.compiler.is_compiling():
+        torch._dynamo.mark_static_address(t)
+
+
+class LokiStaticCacheLayer(LokiCacheLayer):
+    """Mixin of the static cache layers used under Loki (combined with transformers' ``StaticLayer``).
+
+    ``update`` rotates the new keys into the basis and writes keys, values and the key prefix in place at the
+    new tokens' positions (the layer's own write counter, ``cumulative_length``, where transformers keeps one,
+    else ``cache_kwargs["cache_position"]``).  ``loki_P_q`` is the query transform on the layer's device.
+    """
+
+    loki_static = True
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self._loki_allocate()
+
+    def _loki_allocate(self) -> None:
+        dev = self.keys.device
+        for name in ("loki_P", "loki_P_q", "loki_P_inv"):
+            t = getattr(self, name, None)
+            if t is not None:
+                # read by every compiled step: a static address, or CUDA graphs would copy it in at each replay
+                t = t.to(dev).contiguous()
+                _mark_static(t)
+                setattr(self, name, t)
+        dp = getattr(self, "loki_prefix_d", None)
+        want = dp is not None and (dev.type == "cuda" or getattr(self, "loki_prefix_always", False))
+        if want and getattr(self, "loki_prefix", None) is None:
+            self.loki_prefix = self.keys[..., :dp].contiguous()  # zeros, or the rotated keys already there
+            _mark_static(self.loki_prefix)
+
+    def _positions(self, n: int, args, kwargs) -> torch.Tensor:
+        counter = getattr(self, "cumulative_length", None)
+        if isinstance(counter, torch.Tensor):
+            return torch.arange(n, device=self.keys.device) + counter
+        cache_kwargs = args[0] if args else kwargs.get("cache_kwargs")
+        pos = cache_kwargs.get("cache_position") if isinstance(cache_kwargs, dict) else None
+        if pos is None:
+            raise LokiError("a static cache layer needs the positions of the new tokens "
+                            "(cache_kwargs['cache_position'])")
+        return pos.to(self.keys.device)
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        owner = getattr(self, "loki_owner", None)
+        if owner is not None and not owner.active:
+            raise LokiError(
+                "this static KV cache was filled while Loki was enabled (its keys are stored in the PCA basis) and "
+                "Loki has been disabled since: start a new cache, or call enable_loki again before using it"
+            )
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if self.loki_P is not None:
+            key_states = rotate_keys(key_states, self.loki_P)
+        pos = self._positions(key_states.shape[-2], args, kwargs)
+        counter = getattr(self, "cumulative_length", None)
+        if isinstance(counter, torch.Tensor):
+            counter.add_(key_states.shape[-2])
+        self.keys.index_copy_(2, pos, key_states)
+        self.values.index_copy_(2, pos, value_states)
+        prefix = getattr(self, "loki_prefix", None)
+        if prefix is not None:
+            prefix.index_copy_(2, pos, key_states[..., : prefix.shape[-1]])
+        return self.keys, self.values
+
+    def crop(self, tokens_to_remove):
+        super(LokiCacheLayer, self).crop(tokens_to_remove)  # the static layer's own crop: moves its counter
+
+    def reset(self):
+        super(LokiCacheLayer, self).reset()
+        prefix = getattr(self, "loki_prefix", None)
+        if prefix is not None:
+            prefix.zero_()
+
+    def _map_state(self, fn):
+        prefix = getattr(self, "loki_prefix", None)
+        if prefix is not None:
+            self.loki_prefix = fn(prefix)
+
+
+_STATIC_CLASSES: dict[type, type] = {}
+
+
+def loki_static_layer_class(base: type) -> type:
+    """The Loki class of a transformers ``StaticLayer`` class (made once per base class)."""
+    if issubclass(base, LokiStaticCacheLayer):
+        return base
+    cls = _STATIC_CLASSES.get(base)
+    if cls is None:
+        cls = type(f"Loki{base.__name__}", (LokiStaticCacheLayer, base), {"_layer_type": None, "__module__": __name__})
+        _STATIC_CLASSES[base] = cls
+    return cls
+
+
+def convert_static_layer(layer, P, P_q, prefix_d, prefix_always, owner):
+    """A Loki copy of a plain ``StaticLayer`` (same tensors; keys already written are rotated in place)."""
+    cls = loki_static_layer_class(type(layer))
+    new = cls.__new__(cls)
+    new.__dict__.update(layer.__dict__)
+    new.loki_owner, new.loki_acc, new.loki_prefix, new.loki_prefix_buf = owner, None, None, None
+    new.loki_prefix_d = prefix_d
+    new.loki_prefix_always = prefix_always
+    new.loki_P, new.loki_P_q = P, P_q
+    new.loki_P_inv = None if P is None else P_q.transpose(-1, -2).contiguous()
+    if getattr(new, "is_initialized", False) and getattr(new, "keys", None) is not None:
+        if P is not None:
+            new.keys.copy_(rotate_keys(new.keys, P.to(new.keys.device)))  # in place: the address stays
+        new._loki_allocate()
+    return new
+
+
 _LOKI_LAYER_CLASSES: dict[type, type] = {}
 
 
@@ -148,12 +261,20 @@ def convert_cache(cache, state: LokiState, num_layers: int) -> None:
                 continue
             # converted under other settings (an earlier enable_loki): back to plain keys, then converted again
             layers[idx] = layer = _restore_layer(layer)
+        P = None if cfg.components is None else cfg.components[idx]
+        if _is_static_layer(layer):
+            if cfg.method == "h2o":
+                raise LokiError("method='h2o' keeps per-token state that a static cache does not hold: use a "
+                                "DynamicCache (no cache_implementation)")
+            P_q = None if P is None else (P if cfg.query_components is None else cfg.query_components[idx])
+            layers[idx] = convert_static_layer(layer, P, P_q, cfg.prefix_dims, cfg.backend == "triton", state.owner)
+            continue
         if not isinstance(layer, DynamicLayer):
             raise LokiError(
-                f"Loki supports DynamicCache layers (the default cache of generate); layer {idx} of the cache is a "
-                f"{type(layer).__name__}. Pass no cache (or a DynamicCache) and no cache_implementation."
+                f"Loki supports DynamicCache and StaticCache layers (generate's default cache and "
+                f"cache_implementation='static'); layer {idx} of the cache is a {type(layer).__name__}. Pass no "
+                f"cache, a DynamicCache, a StaticCache or loki_static_cache(model, ...)."
             )
-        P = None if cfg.components is None else cfg.components[idx]
         cls = _loki_layer_class(type(layer))
         new = cls.__new__(cls)
         new.__dict__.update(layer.__dict__)  # same state, Loki update; the cache keeps its identity
@@ -180,6 +301,21 @@ def convert_cache(cache, state: LokiState, num_layers: int) -> None:
         if layer.loki_prefix_d is not None and keys is not None and keys.numel() > 0 and (
                 keys.is_cuda or layer.loki_prefix_always):
             layer.loki_prefix = keys[..., : layer.loki_prefix_d].contiguous()
+    cache.loki_owner = state.owner  # converted: the decoder's pre-hook skips this cache from now on
+
+
+def _is_static_layer(layer) -> bool:
+    """A transformers ``StaticLayer`` of full attention (sliding-window and indexed static layers are refused:
+    their writes wrap around or carry extra state)."""
+    from transformers.cache_utils import StaticLayer
+
+    if not isinstance(layer, StaticLayer):
+        return False
+    base = next(c for c in type(layer).__mro__ if not issubclass(c, LokiCacheLayer))
+    if base is not StaticLayer or getattr(layer, "is_sliding", False):
+        raise LokiError(f"Loki supports full-attention StaticLayer caches, not {base.__name__} (sliding-window or "
+                        "indexed layers): use a DynamicCache for this model")
+    return True
 
 
 def _restore_layer(layer):

@@ -194,8 +194,8 @@ def _install_hooks(model, state: LokiState) -> None:
 
             cache = DynamicCache(config=text_config(module.config))
             kwargs[cache_param] = cache
-        if cache is not None:
-            convert_cache(cache, state, num_layers)
+        if cache is not None and getattr(cache, "loki_owner", None) is not state.owner:
+            convert_cache(cache, state, num_layers)  # once per cache (a compiled step traces only the check)
         state.current_cache = cache
         state.intervals_cache = {}
         return args, kwargs
