@@ -22,6 +22,8 @@ from collections.abc import Iterable, Iterator, Mapping
 import torch
 from torch import nn
 
+from loki._distributed import world
+
 from .hooks import AttentionRecorder, PreRotaryKeyHooks, key_layout, positions_from_mask
 from .stats import KeyStatistics
 
@@ -100,6 +102,10 @@ def collect_statistics(
     ``max_positions``: the positions to cover (module docstring), ``None`` = each sequence from position 0.
     Returns ``{kind: KeyStatistics}``; query statistics are per KV head with the group pooled (``count`` =
     tokens x G).
+
+    In an initialised ``torch.distributed`` group of several processes, each rank runs the forward passes of its
+    share of the batches (every rank must be given the same ``batches``) and every rank returns the statistics of
+    all of them, equal to a single-process run bit for bit (:mod:`loki.calibration.distributed`).
     """
     kinds = tuple(dict.fromkeys(kinds))
     bad = [k for k in kinds if k not in STATISTICS]
@@ -108,10 +114,10 @@ def collect_statistics(
     layout = key_layout(model)
     L, HKV, D = layout.num_layers, layout.num_kv_heads, layout.head_dim
     stats = {k: KeyStatistics(L, HKV, D) for k in kinds}
-    state = {"valid": None, "take": 0}
+    state = {"valid": None, "take": 0, "into": stats}
 
     def record(layer, query, key):
-        valid, take = state["valid"], state["take"]
+        valid, take, stats = state["valid"], state["take"], state["into"]
         if "post" in stats:
             stats["post"].update(layer, key.transpose(1, 2)[valid][:take])  # [N, HKV, D]
         if "query" in stats:
@@ -125,14 +131,28 @@ def collect_statistics(
     model.eval()
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=num_tokens, unit="tok", desc=desc, disable=not progress)
+    plan = budgeted_batches(batches, num_tokens, _model_device(model))
+    chain = None
+    if world().size > 1:
+        from .distributed import ChainReduction
+
+        plan = list(plan)
+        chain = ChainReduction(plan)
+    bar = tqdm(total=num_tokens, unit="tok", desc=desc, disable=not progress or world().rank != 0)
     seen = index = 0
     try:
         if rec is not None:
             rec.__enter__()
         if pre is not None:
             pre.__enter__()
-        for ids, mask, take in budgeted_batches(batches, num_tokens, _model_device(model)):
+        for i, (ids, mask, take) in enumerate(plan):
+            if chain is not None and not chain.owns(i):
+                index += ids.shape[0]
+                seen += take
+                bar.update(take)
+                continue
+            into = stats if chain is None else {k: KeyStatistics(L, HKV, D) for k in kinds}
+            state["into"] = into
             valid = mask.bool()
             positions = positions_from_mask(mask)
             S = ids.shape[1]
@@ -147,8 +167,10 @@ def collect_statistics(
                 for layer, k in enumerate(pre.keys):
                     if k is None:
                         raise RuntimeError(f"the pre-rotary key hook did not fire for layer {layer}")
-                    stats["pre"].update(layer, k[valid][:take])
+                    into["pre"].update(layer, k[valid][:take])
                 pre.clear()
+            if chain is not None:
+                chain.add(stats, into, i)
             seen += take
             bar.update(take)
     finally:
@@ -158,6 +180,8 @@ def collect_statistics(
         if rec is not None:
             rec.__exit__(None, None, None)
         model.train(was_training)
+    if chain is not None:
+        chain.finish(stats)
     if seen == 0:
         raise ValueError("batches contained no tokens (every attention_mask entry was 0, or no batches)")
     return stats

@@ -21,6 +21,7 @@ import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from loki._distributed import is_main_process
 from loki.basis import PCABasis, config_fingerprint
 from loki.calibration import BASIS_NAMES, fit_bases, model_context_length
 from loki.calibration.calibrate import iter_token_batches
@@ -113,7 +114,7 @@ def get_bases(model, tokenizer, names=BASIS_NAMES, recipe: CalibrationRecipe = D
                         seq_len=recipe.seq_len, corpus_name=src.origin, progress=progress)
         for n, b in new.items():
             bases[n] = b
-            if use_cache:
+            if use_cache and is_main_process():  # under torchrun every rank has the same basis: one writes
                 paths[n].parent.mkdir(parents=True, exist_ok=True)
                 tmp = paths[n].with_suffix(f".tmp{id(b)}")
                 b.save(tmp)

@@ -159,16 +159,22 @@ def method_logits(model, input_ids: torch.Tensor, spec: MethodSpec, bases: dict 
 def perplexity(model, windows: torch.Tensor, spec: MethodSpec, bases: dict | None = None, *,
                protocol: str = "decode", batch_size: int = 4, progress: bool = False) -> PerplexityResult:
     """Perplexity of ``model`` on ``windows [N, T]`` under ``spec``: exp of the mean next-token NLL over all
-    N * (T - 1) predictions."""
+    N * (T - 1) predictions.
+
+    In an initialised ``torch.distributed`` group of several processes (every rank given the same windows), the
+    batches of windows are split across ranks and the NLLs gathered: every rank returns the full result."""
     if windows.dim() != 2 or windows.shape[1] < 2:
         raise ValueError(f"windows must be [N, T] with T >= 2, got {list(windows.shape)}")
+    from .distributed import map_chunks
+
     t0 = time.perf_counter()
-    nlls = []
-    for i in range(0, windows.shape[0], batch_size):
-        chunk = windows[i : i + batch_size]
+
+    def chunk_nll(j: int) -> torch.Tensor:
+        chunk = windows[j * batch_size : (j + 1) * batch_size]
         logits = method_logits(model, chunk, spec, bases, protocol=protocol, progress=progress)
-        nlls.append(nll_per_token(logits, chunk).cpu())
-    nll = torch.cat(nlls)  # [N, T - 1]
+        return nll_per_token(logits, chunk).cpu()
+
+    nll = torch.cat(map_chunks(chunk_nll, -(-windows.shape[0] // batch_size)))  # [N, T - 1]
     mean = float(nll.double().mean())
     T = windows.shape[1]
     density = 1.0 if spec.method in ("full", "dense", "pcaattn") else effective_density(spec.k, T, protocol)

@@ -14,7 +14,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "the score-aware pair (the best rank-d approximation of q . k), --kind pca the paper's PCA of the keys "
         "(Loki, Section 3; --rotary pre, post or both, then OUTPUT gets '-pre' and '-post' suffixes). The basis "
         "covers positions [0, --max-positions) (default: the model's context length), which it records; "
-        "calibration sequences shorter than that are spread over the range."
+        "calibration sequences shorter than that are spread over the range. Under torchrun (--nproc_per_node N) "
+        "each process runs the forward passes of its share of the batches and rank 0 writes the basis, equal to "
+        "a single-process run's."
     )
     add_model_arguments(parser)
     parser.add_argument("--corpus", default="wikipedia", choices=("wikipedia", "book", "wikitext"),
@@ -43,6 +45,7 @@ def _outputs(output: str, rotary: str) -> dict[str, Path]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from loki._distributed import init_from_env
     from loki.calibration import calibrate
     from loki.evaluation.data import load_corpus
 
@@ -71,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
         return fail(str(exc))
     if not src.text.strip():
         return fail(f"--text-file {args.text_file} is empty" if args.text_file else f"corpus {src.origin} is empty")
+    main = init_from_env().rank == 0  # under torchrun: one process per device, rank 0 writes
     model, tokenizer = load_model_from_args(args)
     text = src.text[: max(20_000, 12 * args.tokens)]
     try:
@@ -80,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return fail(str(exc))
     bases = out if isinstance(out, dict) else {args.rotary: out}
-    for kind, basis in bases.items():
+    for kind, basis in bases.items() if main else ():
         basis.save(outputs[kind])
         r = basis.rank_at(90).double()
         what = "of the score operator" if basis.kind == "score" else "of the keys"

@@ -21,7 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "Perplexity on WikiText-2 (or a packaged corpus / text file) under one method. Protocol 'decode' "
         "(default): every query row i selects ceil(k_f (i+1)) of the i+1 tokens it sees, as decoding would; "
         "'paper': k is a fraction of the whole window (the Loki paper's evaluation), which attends far more "
-        "than k_f of the causal entries. The effective density is printed for both."
+        "than k_f of the causal entries. The effective density is printed for both. Under torchrun the windows "
+        "are split across the processes and rank 0 prints the result of all of them."
     )
     parser.add_argument("--method", default="loki", choices=_METHODS, help="default: %(default)s")
     parser.add_argument("--k", type=fraction_or_count, default=0.25, help="token budget: fraction or count")
@@ -65,6 +66,9 @@ def run(args: argparse.Namespace) -> int:
         return fail(str(exc))
     if not src.text.strip():
         return fail(f"--text-file {args.text_file} is empty" if args.text_file else f"corpus {src.origin} is empty")
+    from loki._distributed import init_from_env
+
+    main = init_from_env().rank == 0  # under torchrun the windows are split across the processes
     model, tokenizer = load_model_from_args(args)
     bases = None
     if args.method in ("loki", "pcaattn"):
@@ -89,6 +93,8 @@ def run(args: argparse.Namespace) -> int:
         r = perplexity(model, windows, spec, bases, protocol=args.protocol)
     except (ValueError, KeyError) as exc:
         return fail(str(exc))
+    if not main:
+        return 0
     print(f"text: {src.origin} ({args.windows} x {args.seq_len} tokens)")
     print(f"{args.method} k={args.k} d={args.d} gqa={args.gqa_select} protocol={args.protocol}: "
           f"perplexity {r.ppl:.4f} (nll {r.nll:.4f}, {r.tokens} predictions), effective density {r.density:.3f}, "

@@ -35,6 +35,7 @@ from .config import (
     LokiState,
     UnsupportedModelError,
 )
+from .parallel import local_bases
 
 __all__ = ["disable_loki", "enable_loki", "is_loki_enabled"]
 
@@ -144,6 +145,8 @@ def enable_loki(
         components = basis.components.detach().to(torch.float32)
         if basis.query_components is not None:
             query_components = basis.query_components.detach().to(torch.float32)
+        # tensor parallelism: this rank's KV heads only
+        components, query_components = local_bases(model, components, query_components)
 
     if is_loki_enabled(model):
         disable_loki(model)

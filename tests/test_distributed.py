@@ -1,0 +1,194 @@
+"""Loki beyond one process, on the CPU: two processes of a gloo group (spawned once for the module) against the
+single-process results computed here.
+
+- tensor parallelism: a tiny Llama loaded with transformers' ``tp_plan="auto"``; each rank's basis is its KV
+  heads' slice of the full basis, and greedy ``generate`` under Loki (a score-aware basis: components and query
+  components) gives the single-process tokens (the multi-GPU script's equality check, at tiny size);
+- distributed calibration: the score-aware basis from two ranks equals the single-process one bit for bit, on
+  both ranks, and ranks handed different data are refused;
+- perplexity: windows split across ranks, the gathered NLLs equal the single-process ones.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from loki.basis import PCABasis
+from loki.calibration import calibrate
+from loki.evaluation.perplexity import MethodSpec, perplexity
+from loki.integrations.transformers import LokiError, enable_loki
+from loki.testing.models import tiny_model
+
+ROOT = Path(__file__).resolve().parent.parent
+WORLD = 2
+ARCH = dict(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=256)
+CALIB = dict(kind="score", num_tokens=150, seq_len=16, max_positions=64, batch_size=2, progress=False)
+PROMPT = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(3))
+WINDOWS = torch.randint(0, 256, (5, 12), generator=torch.Generator().manual_seed(4))
+SETTINGS = [dict(k=0.25, d=0.25, gqa_select="kv"), dict(k=0.25, d=0.5, gqa_select="query")]
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("multi_gpu_bench", ROOT / "scripts" / "multi_gpu_bench.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _calib_data():
+    return torch.randint(0, 256, (11, 16), generator=torch.Generator().manual_seed(5))
+
+
+def _fields(b: PCABasis) -> dict:
+    return dict(components=b.components, query_components=b.query_components, eigenvalues=b.eigenvalues,
+                means=b.means, num_tokens=b.num_tokens)
+
+
+def _generate(model, basis, setting):
+    enable_loki(model, basis, **setting)
+    return model.generate(PROMPT, attention_mask=torch.ones_like(PROMPT), max_new_tokens=8, do_sample=False,
+                          min_new_tokens=8, pad_token_id=0)[:, PROMPT.shape[1]:]
+
+
+def _worker(rank: int, port: int, folder: str) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), CUDA_VISIBLE_DEVICES="")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    folder = Path(folder)
+    out: dict = {}
+    try:
+        basis = PCABasis.load(folder / "basis.safetensors")
+        model = _bench().load(folder / "model", torch.float32, torch.device("cpu"), tp=True)
+        out["tp_generate"] = [_generate(model, basis, s) for s in SETTINGS]
+        out["tp_components"] = model._loki_config.config.components
+        out["tp_query_components"] = model._loki_config.config.query_components
+        del model
+        out["bench_equality"] = _bench().equality(folder / "model", torch.device("cpu"), 16, 6,
+                                                  dtypes=(torch.float32,))
+        model = tiny_model(**ARCH)
+        out["calibrated"] = _fields(calibrate(model, _calib_data(), **CALIB))
+        try:  # every rank must be given the same data
+            calibrate(model, _calib_data()[rank:], **CALIB)
+        except ValueError as exc:
+            out["different_data"] = str(exc)
+        out["ppl"] = perplexity(model, WINDOWS, MethodSpec("loki", "loki", k=0.25, d=0.25, basis="b"),
+                                {"b": basis}, batch_size=2).token_nll
+    finally:
+        torch.save(out, folder / f"rank{rank}.pt")
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """(single-process results, [results of rank 0, rank 1])."""
+    import torch.multiprocessing as mp
+
+    folder = tmp_path_factory.mktemp("distributed")
+    model = tiny_model(**ARCH)
+    model.save_pretrained(folder / "model")
+    basis = calibrate(model, _calib_data(), **CALIB)
+    basis.save(folder / "basis.safetensors")
+    basis = PCABasis.load(folder / "basis.safetensors")
+    single = dict(
+        basis=basis,
+        generate=[_generate(tiny_model(**ARCH), basis, s) for s in SETTINGS],
+        ppl=perplexity(tiny_model(**ARCH), WINDOWS, MethodSpec("loki", "loki", k=0.25, d=0.25, basis="b"),
+                       {"b": basis}, batch_size=2).token_nll,
+    )
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # the spawned processes import this module
+    mp.spawn(_worker, args=(port, str(folder)), nprocs=WORLD, join=True)
+    return single, [torch.load(folder / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+def test_tensor_parallel_basis_is_the_rank_slice(runs):
+    single, ranks = runs
+    b = single["basis"]
+    assert b.query_components is not None  # a score-aware pair: both tensors are sliced
+    for r, out in enumerate(ranks):
+        assert torch.equal(out["tp_components"], b.components[:, r : r + 1].float())
+        assert torch.equal(out["tp_query_components"], b.query_components[:, r : r + 1].float())
+
+
+def test_tensor_parallel_generate_equals_single_process(runs):
+    single, ranks = runs
+    for out in ranks:
+        for tokens, want in zip(out["tp_generate"], single["generate"]):
+            assert torch.equal(tokens, want)
+
+
+def test_multi_gpu_script_equality_on_cpu(runs):
+    rows = runs[1][0]["bench_equality"]
+    assert [r["method"] for r in rows] == ["loki", "sdpa"]
+    assert all(r["same_tokens"] and r["tp"] == WORLD and r["max_logit_diff"] < 1e-4 for r in rows)
+    assert runs[1][1]["bench_equality"] == []  # rank 0 reports
+
+
+def test_distributed_calibration_is_bit_for_bit(runs):
+    single, ranks = runs
+    want = _fields(single["basis"])
+    for out in ranks:
+        got = out["calibrated"]
+        assert got["num_tokens"] == want["num_tokens"] == 150
+        for name in sorted(set(want) - {"num_tokens"}):
+            t = want[name]
+            assert torch.equal(got[name], t), name
+
+
+def test_distributed_calibration_refuses_different_data(runs):
+    for out in runs[1]:
+        assert "different calibration data" in out["different_data"]
+
+
+def test_perplexity_windows_split_across_ranks(runs):
+    single, ranks = runs
+    for out in ranks:
+        assert out["ppl"].shape == single["ppl"].shape
+        assert torch.equal(out["ppl"], single["ppl"])
+
+
+def test_multi_gpu_script_arguments():
+    bench = _bench()
+    args = bench.parse_args(["--tiny", "--device", "cpu", "--batch", "2"])
+    assert (args.batch, args.context, args.steps, args.tiny) == (2, 8192, 32, True)
+    assert bench.model_config(bench.parse_args([])).num_key_value_heads == 8
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--context", "0"])
+
+
+def test_sharded_heads_without_a_process_group_are_refused():
+    """A k_proj holding half the KV heads in a single process: which heads cannot be told, so no silent guess."""
+    model = tiny_model(**ARCH)
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        attn.k_proj = torch.nn.Linear(attn.k_proj.in_features, attn.k_proj.out_features // 2, bias=False)
+        attn.q_proj = torch.nn.Linear(attn.q_proj.in_features, attn.q_proj.out_features // 2, bias=False)
+    with pytest.raises(LokiError, match="KV heads, but which ones cannot be determined"):
+        enable_loki(model, PCABasis.random(2, 2, 16), k=0.25, d=0.25)
+
+
+def test_basis_follows_the_device_of_each_layer():
+    """device_map: a layer's basis and its cache layer's P go to the device of the tensors they meet."""
+    from loki.integrations.transformers import loki_cache
+    from loki.integrations.transformers.config import state_of
+
+    model = enable_loki(tiny_model(**ARCH), PCABasis.random(2, 2, 16), k=0.25, d=0.25)
+    state = state_of(model)
+    assert state.layer_basis(1, torch.device("meta")).device.type == "meta"
+    assert state.layer_basis(1, torch.device("cpu")).device.type == "cpu"
+    cache = loki_cache(model)
+    k = torch.randn(1, 2, 3, 16, device="meta")
+    cache.update(k, k, 1)
+    assert cache.layers[1].loki_P.device.type == "meta" and cache.layers[1].keys.device.type == "meta"
