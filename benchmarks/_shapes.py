@@ -16,7 +16,7 @@ try:
 except ImportError:  # pragma: no cover - only on commits that predate the harness
     harness = None
 
-__all__ = ["ACCURACY_BASES", "ACCURACY_METHODS", "ACCURACY_PROFILE", "FUSION_SHAPES", "KERNEL_CONFIGS",
+__all__ = ["ACCURACY_BASES", "ACCURACY_METHODS", "ACCURACY_PROFILE", "E2E_SETTINGS", "FUSION_SHAPES", "KERNEL_CONFIGS",
            "KERNEL_SHAPES", "SHAPES", "SPARQ_CONFIGS", "SPARQ_SHAPES", "TARGET_SHAPES", "UNAVAILABLE", "config_by_id",
            "shape_dims"]
 
@@ -77,6 +77,11 @@ _SPARQ = _grid(SPARQ_SHAPES)
 #: ASV parameter lists (ids, in a fixed order).
 KERNEL_CONFIGS = list(_KERNEL) or [UNAVAILABLE]
 SPARQ_CONFIGS = list(_SPARQ) or [UNAVAILABLE]
+
+#: The end-to-end decode benchmark (``loki.bench.e2e``, whole models with random weights): setting ids
+#: ``<model>-B<B>-S<S>`` of ``loki.bench.e2e.E2E_MODELS`` (Llama-2-7B and Llama-3-8B dimensions), two of the
+#: issue's target settings.
+E2E_SETTINGS = ["llama2-7b-B8-S4096", "llama3-8b-B16-S8192"]
 
 #: The profile of loki/evaluation/accuracy_thresholds.json whose settings the accuracy benchmarks run with (and whose
 #: limits ci/gate.py applies to them): "tests", the tiny budgets of the CPU accuracy tests (one 256-token

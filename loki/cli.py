@@ -21,7 +21,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                  "against the paper-faithful Loki at equal bytes"),
     "generate": ("loki.evaluation.commands.generate", "generate text with Loki attention (a demo)"),
     "eval": ("loki.evaluation.commands.eval", "run lm-eval tasks (local, offline) through the Loki model"),
-    "bench": ("loki.bench.harness", "benchmark the decode kernels against torch SDPA (needs a CUDA GPU)"),
+    "bench": ("loki.bench.harness", "benchmark the decode kernels against torch SDPA, or with --e2e "
+              "whole-model decoding (dense and Loki, eager and compiled; needs a CUDA GPU)"),
 }
 
 

@@ -1,7 +1,8 @@
 """Decode-attention benchmark: Loki kernels against torch SDPA, eager attention, the pure-PyTorch Loki
 reference and the SparQ-style kernels, with a per-stage breakdown and bandwidth accounting.
 
-Wire it to a CLI with ``add_arguments(parser)`` and ``run(args) -> int``.
+Wire it to a CLI with ``add_arguments(parser)`` and ``run(args) -> int``.  ``--e2e`` switches to the end-to-end
+decode benchmark of whole models (:mod:`loki.bench.e2e`, :mod:`loki.bench.e2e_report`).
 
 Timing: ``triton.testing.do_bench`` medians (warm-up excluded); do_bench clears the L2 cache before every
 repetition (it writes a 256 MB buffer between runs), so every run reads the cache cold.  K and V are
@@ -19,6 +20,7 @@ import datetime as _dt
 import json
 import math
 import os
+import sys
 from dataclasses import asdict, dataclass
 
 import torch
@@ -353,23 +355,40 @@ def write_plot(results: dict, path: str) -> bool:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="a small subset (B 1/16, S 4096/16384, 0.25/0.25)")
-    parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=None)
+    from .e2e import E2E_MODELS
+    from .e2e_report import add_arguments as add_e2e_arguments
+
+    parser.add_argument("--quick", action="store_true", help="a small subset (kernels: B 1/16, S 4096/16384, "
+                        "0.25/0.25; --e2e: the target settings)")
+    parser.add_argument("--models", nargs="+", choices=sorted(set(MODELS) | set(E2E_MODELS)), default=None,
+                        help=f"kernels: {', '.join(sorted(MODELS))} (attention shapes); --e2e: "
+                        f"{', '.join(E2E_MODELS)} (whole models)")
     parser.add_argument("--batches", nargs="+", type=int, default=None)
     parser.add_argument("--seq-lens", nargs="+", type=int, default=None)
-    parser.add_argument("--budgets", nargs="+", default=None, help="k_f:d_f pairs, e.g. 0.25:0.25")
+    parser.add_argument("--budgets", nargs="+", default=None, help="k_f:d_f pairs, e.g. 0.25:0.25 (--e2e: one)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--providers", nargs="+", default=None)
     parser.add_argument("--out", default=".", help="folder for the JSON, markdown and PNG results")
-    parser.add_argument("--tag", default=None, help="file name stem (default kernels-<device>-<date>)")
+    parser.add_argument("--tag", default=None, help="file name stem (default kernels-<device>-<date>, "
+                        "e2e-<device>-<date> with --e2e)")
     parser.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph timings")
+    add_e2e_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "e2e", False):
+        from .e2e_report import run as run_e2e
+
+        return run_e2e(args, copy_bandwidth=measure_copy_bandwidth)
     import triton
 
     if not torch.cuda.is_available():
         print("loki bench: needs a CUDA device")
+        return 2
+    bad = [m for m in args.models or () if m not in MODELS]
+    if bad:
+        print(f"error: --models {' '.join(bad)}: the kernel benchmark takes {', '.join(sorted(MODELS))} "
+              "(whole models need --e2e)", file=sys.stderr)
         return 2
     sel = dict(QUICK) if args.quick else dict(models=tuple(MODELS), batches=BATCHES, seq_lens=SEQ_LENS,
                                               budgets=BUDGETS)
@@ -407,9 +426,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv=None) -> int:
+    from loki.evaluation.commands import UsageError
+
     parser = argparse.ArgumentParser(prog="loki-bench", description=__doc__.splitlines()[0])
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    try:
+        return run(parser.parse_args(argv))
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

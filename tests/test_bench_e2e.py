@@ -1,0 +1,227 @@
+"""The end-to-end decode benchmark (``loki bench --e2e``, ``loki.bench.e2e``): arguments, the no-GPU error, the
+byte-floor arithmetic, and the measurement loop on the CPU with a tiny Llama (eager paths, and the static caches
+run uncompiled)."""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+
+import pytest
+import torch
+
+from loki import cli
+from loki._hf import cache_keyword
+from loki.bench import e2e, e2e_report
+from loki.bench.harness import add_arguments
+
+TINY = {"tiny": dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                     intermediate_size=128, vocab_size=256, max_position_embeddings=512)}
+
+
+def _args(*argv):
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def test_help_explains_e2e(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for word in ("--e2e", "--steps", "--paths", "--sdpa-backend", "--time-budget", "loki_compiled", "llama2-7b",
+                 "tokens/s"):
+        assert word in out
+
+
+def test_no_gpu_is_one_line_error(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main(["bench", "--e2e", "--quick"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and "CUDA" in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--steps", "0"], "--steps"),
+    (["--models", "llama2-13b"], "llama2-13b"),
+    (["--batches", "0"], "--batches"),
+    (["--seq-lens", "16"], "below every S"),
+    (["--budgets", "0.25:2"], "(0, 1]"),
+    (["--budgets", "0.25:0.25", "0.5:0.5"], "one --budgets"),
+    (["--budgets", "x"], "k_f:d_f"),
+    (["--quick", "--batches", "4"], "no setting"),
+    (["--time-budget", "0"], "--time-budget"),
+])
+def test_bad_arguments(argv, words, capsys):
+    assert cli.main(["bench", "--e2e", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and words in err and len(err.splitlines()) == 1
+
+
+def test_argparse_refuses_unknown_choices(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--e2e", "--paths", "nope"])
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--e2e", "--sdpa-backend", "math"])
+
+
+def test_selection():
+    sel = e2e_report.select(_args("--e2e", "--quick"))
+    assert [s.id for s in sel["grid"]] == ["llama2-7b-B8-S4096", "llama3-8b-B16-S8192", "llama2-7b-B1-S16384",
+                                           "llama3-8b-B1-S16384"]
+    assert sel["paths"] == e2e.PATHS and (sel["k_f"], sel["d_f"]) == (0.25, 0.25)
+    # every target setting is in --quick
+    assert {e2e.Setting(m, b, s).id for m, b, s, _ in e2e.TARGETS} <= {s.id for s in sel["grid"]}
+    assert [s.id for s in e2e_report.select(_args("--e2e", "--quick", "--models", "llama2-7b"))["grid"]] == [
+        "llama2-7b-B8-S4096", "llama2-7b-B1-S16384"]
+    full = e2e_report.select(_args("--e2e"))["grid"]
+    assert len(full) == 12 and {s.S for s in full} == {4096, 16384} and {s.B for s in full} == {1, 8, 16}
+    one = e2e_report.select(_args("--e2e", "--models", "llama3-8b", "--batches", "16", "--seq-lens", "8192",
+                                  "--paths", "sdpa_compiled", "loki_compiled", "--steps", "8"))
+    assert [s.id for s in one["grid"]] == ["llama3-8b-B16-S8192"]
+    assert one["paths"] == ("sdpa_compiled", "loki_compiled") and one["steps"] == 8
+
+
+def test_kernel_mode_refuses_e2e_models(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert cli.main(["bench", "--models", "llama2-7b"]) == 2
+    assert "--e2e" in capsys.readouterr().err
+
+
+def test_weight_bytes_of_the_model_dims():
+    """Parameter counts of the real checkpoints; a step reads all weights but the input embedding table."""
+    for name, params, vocab in (("llama2-7b", 6_738_415_616, 32000), ("llama3-8b", 8_030_261_248, 128256)):
+        model = e2e.build_model(e2e.llama_config(e2e.E2E_MODELS[name]), "meta", torch.bfloat16)
+        assert sum(p.numel() for p in model.parameters()) == params
+        assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+        assert e2e.weight_bytes(model, 8) == 2 * (params - vocab * 4096 + 8 * 4096)
+
+
+def test_byte_floor_by_hand():
+    cfg2 = e2e.llama_config(e2e.E2E_MODELS["llama2-7b"])
+    f = e2e.byte_floor(cfg2, 8, [4096], weights=100, itemsize=2, k_f=0.25, d_f=0.25, gqa_select="query")
+    # dense: 32 layers x B 8 x 32 heads x 4096 tokens x 128 dims x 2 bytes x (K and V) = 16 GiB
+    assert f["dense_kv"] == 32 * 8 * 32 * 4096 * 128 * 2 * 2 == 16 * 2**30
+    # Loki: d = 32 key dims of every token + K and V rows of k = 1024 tokens per head
+    assert f["d"] == 32
+    assert f["loki_kv"] == 32 * 8 * (32 * 4096 * 32 + 2 * 32 * 1024 * 128) * 2 == 6 * 2**30  # (d_f/2 + k_f) of dense
+    assert f["dense"] == 100 + 16 * 2**30 and f["loki"] == 100 + 6 * 2**30
+    cfg3 = e2e.llama_config(e2e.E2E_MODELS["llama3-8b"])
+    kv = e2e.byte_floor(cfg3, 16, [8192], weights=0, itemsize=2, k_f=0.25, d_f=0.25, gqa_select="kv")
+    q = e2e.byte_floor(cfg3, 16, [8192], weights=0, itemsize=2, k_f=0.25, d_f=0.25, gqa_select="query")
+    assert kv["dense_kv"] == 32 * 16 * 8 * 8192 * 128 * 2 * 2
+    assert kv["loki_kv"] == 32 * 16 * (8 * 8192 * 32 + 2 * 8 * 2048 * 128) * 2  # one selection per KV head
+    assert q["loki_kv"] == 32 * 16 * (8 * 8192 * 32 + 2 * 32 * 2048 * 128) * 2  # one per query head
+    # averaged over the steps' lengths; k rounds up
+    avg = e2e.byte_floor(cfg2, 1, [10, 11], weights=0, itemsize=2, k_f=0.25, d_f=0.25, gqa_select="query")
+    assert avg["loki_kv"] == 32 * (32 * 21 * 32 + 2 * 32 * (3 + 3) * 128) * 2 / 2
+
+
+def test_memory_needed_skips_what_cannot_fit_an_h100():
+    cfg = e2e.llama_config(e2e.E2E_MODELS["llama2-7b"])
+    free = (80 - 14) * 2**30  # an 80 GB card beside the 7B model's weights
+    assert e2e.memory_needed(cfg, 8, 16384, itemsize=2, d_f=0.25) > free  # K and V alone are 64 GiB
+    assert e2e.memory_needed(cfg, 16, 4096, itemsize=2, d_f=0.25) < free
+    assert e2e.memory_needed(cfg, 1, 16384, itemsize=2, d_f=0.25) < free
+
+
+@pytest.fixture(scope="module")
+def cpu_results():
+    logs = []
+    res = e2e.run_grid([e2e.Setting("tiny", 2, 40)], device="cpu", dtype=torch.float32, models=TINY, steps=3,
+                       paths=("sdpa_eager", "sdpa_compiled", "loki_eager"), copy_gbps=10.0, compile_mode=None,
+                       log=logs.append)
+    return res, logs
+
+
+def test_measurement_loop_on_cpu(cpu_results):
+    (res,), logs = cpu_results
+    assert res["id"] == "tiny-B2-S40" and res["n0"] == 37 and res["gqa_select"] == "kv"
+    for p in ("sdpa_eager", "sdpa_compiled", "loki_eager"):
+        r = res["paths"][p]
+        assert r["finite"] and r["ms_median"] > 0 and r["tokens_per_s"] == pytest.approx(2 / (r["ms_median"] * 1e-3))
+        assert r["rewind_diff"] < 1e-4, p  # the rewound cache holds what the first pass saw
+        assert not r["compiled"]
+    assert res["paths"]["sdpa_eager"]["cache_layer"] == "DynamicLayer"
+    assert res["paths"]["sdpa_compiled"]["cache"] == "StaticCache"
+    loki = res["paths"]["loki_eager"]
+    assert loki["attn_implementation"] == "loki" and loki["cache_layer"].startswith("Loki")  # Loki really ran
+    assert res["paths"]["sdpa_eager"]["attn_implementation"] == "sdpa"
+    assert res["best_loki"] == "loki_eager" and res["speedup"] > 0
+    assert res["floor_ms"]["loki"] < res["floor_ms"]["dense"] and set(res["x_floor"]) == set(res["paths"])
+    assert any("loki_eager" in line for line in logs)
+
+
+def test_static_path_matches_dynamic_logits():
+    """The static cache is filled at the same positions as the dynamic one: the dense paths agree."""
+    cfg = e2e.llama_config(TINY["tiny"])
+    model = e2e.build_model(cfg, "cpu", torch.float32)
+    from transformers import DynamicCache, StaticCache
+
+    outs = []
+    for cache in (DynamicCache(config=cfg), StaticCache(config=cfg, max_cache_len=24)):
+        e2e.fill_cache(cache, cfg, 2, 20, device="cpu", dtype=torch.float32, seed=3)
+        ids = torch.tensor([[5], [7]])
+        kw = {cache_keyword(model): cache, "position_ids": torch.full((2, 1), 20)}
+        if "cache_position" in inspect.signature(model.forward).parameters:
+            kw["cache_position"] = torch.tensor([20])
+        with torch.no_grad():
+            outs.append(model(input_ids=ids, use_cache=True, **kw).logits)
+            e2e.rewind(cache, 20)
+            assert cache.get_seq_length() == 20
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4)
+
+
+def test_loki_compiled_path_uncompiled_on_cpu():
+    if e2e._loki_import_error():
+        pytest.skip(e2e._loki_import_error())
+    (res,) = e2e.run_grid([e2e.Setting("tiny", 2, 40)], device="cpu", dtype=torch.float32, models=TINY, steps=3,
+                          paths=("loki_compiled",), compile_mode=None, log=lambda m: None)
+    r = res["paths"]["loki_compiled"]
+    assert r.get("finite"), r
+    assert r["rewind_diff"] < 1e-4 and r["attn_implementation"] == "loki" and r["cache"] == "LokiStaticCache"
+
+
+def test_skips_budget_and_memory():
+    (res,) = e2e.run_grid([e2e.Setting("tiny", 1, 16)], device="cpu", dtype=torch.float32, models=TINY, steps=2,
+                          time_budget_s=1e-9, log=lambda m: None)
+    assert all("time budget" in r["skipped"] for r in res["paths"].values())
+    (res,) = e2e.run_grid([e2e.Setting("tiny", 1, 16)], device="cpu", dtype=torch.float32, models=TINY, steps=2,
+                          free_bytes=1, log=lambda m: None)
+    assert "does not fit" in res["skipped"] and res["paths"] == {}
+
+
+def test_reports(cpu_results, tmp_path):
+    (res,), _ = cpu_results
+    fake = {"id": "llama2-7b-B8-S4096", "paths": {}, "speedup": 1.4, "x_floor": {"loki_compiled": 1.3}}
+    doc = {"device": "cpu", "date": "today", "torch": torch.__version__, "transformers": "5", "triton": None,
+           "dtype": "float32", "copy_gbps": 10.0, "sdpa_backend": "default", "sdpa_backends": {"flash": True},
+           "k_f": 0.25, "d_f": 0.25, "steps": 3, "paths": list(e2e.PATHS),
+           "results": [res, fake, {"id": "llama2-7b-B8-S16384", "skipped": "does not fit"}]}
+    json.dumps(doc)
+    text = e2e_report.write_markdown(doc, str(tmp_path / "r.md"))
+    assert "tiny-B2-S40" in text and "| llama2-7b-B8-S16384 | skip" in text and "loki+compile" in text
+    rows = e2e_report.target_rows(doc["results"])
+    assert rows[0]["pass"] is True and rows[1]["note"] == "not run" and rows[2]["pass"] is None
+    assert rows[-1]["value"] == 1.3 and rows[-1]["pass"] is False
+    short = e2e_report.short_table(doc)
+    assert "NOT met" in short and "skipped: does not fit" in short
+    e2e_report.write_plot(doc, str(tmp_path / "r.png"))
+    assert (tmp_path / "r.png").stat().st_size > 1000
+
+
+@pytest.mark.gpu
+def test_all_paths_on_gpu():
+    """The four paths on a tiny model on the GPU, compiled ones included (the LokiStaticCache path where the
+    checkout has it)."""
+    res, = e2e.run_grid([e2e.Setting("tiny", 2, 256)], device="cuda", dtype=torch.bfloat16, models=TINY, steps=4,
+                        copy_gbps=1000.0, log=print)
+    for p, r in res["paths"].items():
+        if p == "loki_compiled" and e2e._loki_import_error():
+            assert "LokiStaticCache" in r["skipped"]
+            continue
+        assert r.get("finite"), (p, r)
+        assert r["rewind_diff"] < 0.1, (p, r)
+    assert res["paths"]["sdpa_compiled"]["compiled"]
