@@ -181,7 +181,7 @@ def test_loki_compiled_path_uncompiled_on_cpu():
                           paths=("loki_compiled",), compile_mode=None, log=lambda m: None)
     r = res["paths"]["loki_compiled"]
     assert r.get("finite"), r
-    assert r["rewind_diff"] < 1e-4 and r["attn_implementation"] == "loki" and r["cache"] == "LokiStaticCache"
+    assert r["rewind_diff"] < 1e-4 and r["attn_implementation"] == "loki" and r["cache_layer"] == "LokiStaticLayer"
 
 
 def test_skips_budget_and_memory():

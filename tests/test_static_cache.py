@@ -157,7 +157,9 @@ def test_compiled_fullgraph_static_decode_equals_eager():
 def test_custom_op_registered_and_traceable():
     assert hasattr(torch.ops.loki, "decode_step")
     x = make_decode_inputs(2, 4, 2, 40, 16, ragged=True, left_pad=True, seed=3)
-    args = (x.q, x.k_cache, x.v_cache, None, x.lengths, x.starts, 4, -1, 0.25, 16, "query", "sum", 0.25, False)
+    counts = torch.ceil((x.lengths - x.starts).double() * 0.25 - 1e-9).long()
+    args = (x.q, x.k_cache, x.v_cache, None, x.lengths, x.starts, counts, 4, -1, 0.25, 16, "query", "sum", 0.25,
+            False)
     out = decode_step_op(*args)
     ref = decode_attention(x.q, x.k_cache, x.v_cache, d=4, k=0.25, lengths=x.lengths, starts=x.starts,
                            backend="torch", scale=0.25)

@@ -28,7 +28,7 @@ import gc
 import inspect
 import math
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -227,7 +227,24 @@ def _sdpa_context(backend: str):
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         return sdpa_kernel(SDPBackend.FLASH_ATTENTION)
+    if backend == "native-gqa":
+        return _native_gqa()
     return nullcontext()
+
+
+@contextmanager
+def _native_gqa():
+    """transformers' SDPA function hands grouped keys and values to SDPA as they are (``enable_gqa=True``) even
+    with an attention mask; by default it copies them to every query head first (``repeat_kv``) whenever a mask is
+    given, as a static cache's decode steps always do (``use_gqa_in_sdpa``)."""
+    from transformers.integrations import sdpa_attention
+
+    old = sdpa_attention.use_gqa_in_sdpa
+    sdpa_attention.use_gqa_in_sdpa = lambda *args, **kwargs: True
+    try:
+        yield
+    finally:
+        sdpa_attention.use_gqa_in_sdpa = old
 
 
 def sdpa_backend_config() -> dict:

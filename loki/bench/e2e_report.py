@@ -40,9 +40,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--e2e", action="store_true", help="run the end-to-end decode benchmark instead of the kernels")
     g.add_argument("--steps", type=int, default=32, help="timed decode steps per path and setting (default 32)")
     g.add_argument("--paths", nargs="+", choices=PATHS, default=None, help="paths to run (default: all four)")
-    g.add_argument("--sdpa-backend", choices=("default", "flash"), default="default",
-                   help="SDPA backend of the dense paths: torch's choice (default) or flash only (a path whose "
-                   "attention mask flash cannot take reports the error)")
+    g.add_argument("--sdpa-backend", choices=("default", "flash", "native-gqa"), default="default",
+                   help="SDPA backend of the dense paths: torch's choice (default), flash only (a path whose "
+                   "attention mask flash cannot take reports the error), or native-gqa: torch's choice with grouped "
+                   "K/V passed to SDPA as they are even under a mask (transformers otherwise copies them to every "
+                   "query head whenever a mask is given, as on every static-cache decode step)")
     g.add_argument("--gqa-select", choices=("auto", "query", "kv"), default="auto",
                    help="Loki's selection for GQA models: per query head or per KV head (auto: kv for GQA)")
     g.add_argument("--time-budget", type=float, default=540.0,

@@ -14,7 +14,6 @@ from numbers import Integral
 
 import torch
 
-from loki._checks import resolve_k
 from loki.reference.methods import loki_attention as loki_attention_reference
 
 __all__ = ["decode_step_op", "k_arguments"]
@@ -35,6 +34,7 @@ def decode_step_op(
     k_prefix: torch.Tensor | None,
     lengths: torch.Tensor,
     starts: torch.Tensor,
+    counts: torch.Tensor,
     d: int,
     k_count: int,
     k_fraction: float,
@@ -47,8 +47,10 @@ def decode_step_op(
     """One Loki decode step on validated inputs (the caller checks shapes, d, k and scale once).
 
     q_hat: [B, HQ, D] (q P); k_hat, v_cache: [B, HKV, S, D]; k_prefix: [B, HKV, S, dp >= d] or None; lengths,
-    starts: [B] int with ``0 <= starts[b] < lengths[b] <= S`` (not checked: the kernels trust them);
-    k_count > 0 selects that many tokens (capped at each length), else k_fraction of each valid length;
+    starts: [B] int with ``0 <= starts[b] < lengths[b] <= S`` (not checked: the kernels trust them); counts: [B]
+    int, the tokens each sequence attends, ``budget(k, lengths, starts)`` (computed by the caller, so that a
+    compiled graph computes it once for all layers and fuses it); k_count > 0 selects that many tokens (capped at
+    each length), else k_fraction of each valid length (the reference path's budget, equal to counts);
     k_max: an int bound on every count (``loki.kernels.selection_bound``).  ``use_kernels``: the Triton kernels
     (CUDA tensors, or the interpreter), else the PyTorch reference.  Returns out [B, HQ, D] in q_hat's dtype.
     """
@@ -58,10 +60,6 @@ def decode_step_op(
                                         gqa_select=gqa_select, aggregate=aggregate, scale=scale).to(q_hat.dtype)
     from .decode import loki_decode_step  # the kernels' modules import this one: imported at the first call
 
-    B, _, _ = q_hat.shape
-    S = k_hat.shape[2]
-    n = lengths.long() - starts.long()
-    counts = resolve_k(k, n, S)
     _, out = loki_decode_step(q_hat, k_hat, v_cache, lengths, starts, counts, d=d, k_max=k_max,
                               gqa_select=gqa_select, aggregate=aggregate, scale=scale, select_method="triton",
                               k_prefix=k_prefix)
@@ -69,6 +67,6 @@ def decode_step_op(
 
 
 @decode_step_op.register_fake
-def _(q_hat, k_hat, v_cache, k_prefix, lengths, starts, d, k_count, k_fraction, k_max, gqa_select, aggregate,
+def _(q_hat, k_hat, v_cache, k_prefix, lengths, starts, counts, d, k_count, k_fraction, k_max, gqa_select, aggregate,
       scale, use_kernels):
     return torch.empty_like(q_hat, memory_format=torch.contiguous_format)
