@@ -55,6 +55,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt", type=int, default=64, help="equality prompt length (default: %(default)s)")
     p.add_argument("--new-tokens", type=int, default=16, help="equality greedy tokens (default: %(default)s)")
     p.add_argument("--skip-speed", action="store_true", help="equality only")
+    p.add_argument("--compiled", action="store_true",
+                   help="also time the compiled static-cache paths (SDPA and Loki, CUDA graphs; GPU only)")
+    p.add_argument("--commit", default=None, help="the commit to record (default: git rev-parse of the checkout)")
     args = p.parse_args(argv)
     for name in ("batch", "context", "steps", "prompt", "new_tokens"):
         if getattr(args, name) < 1:
@@ -207,6 +210,85 @@ def decode_speed(model, B, S, steps) -> dict:
     return dict(seconds=sec, ms_per_step=1e3 * sec / steps, tokens_per_s=B * steps / sec)
 
 
+@torch.no_grad()
+def decode_speed_static(model, B, S, steps) -> dict:
+    """Decode steps on a static cache (``loki_static_cache`` under Loki, else transformers' ``StaticCache``; each
+    rank's layers allocate their local heads at the first write), the forward compiled with CUDA graphs
+    (``mode="reduce-overhead"``); the steps run once untimed, the cache is rewound, then they are timed."""
+    from transformers import StaticCache
+
+    from loki._hf import cache_keyword, text_config
+    from loki.bench.e2e import rewind
+    from loki.integrations.transformers import is_loki_enabled, loki_static_cache
+
+    kw = cache_keyword(model)
+    n = S + steps
+    cache = (loki_static_cache(model, max_cache_len=n) if is_loki_enabled(model)
+             else StaticCache(config=text_config(model.config), max_cache_len=n))
+    g = torch.Generator(device=model.device).manual_seed(0)
+    pos0 = torch.arange(S, device=model.device)
+    for layer, attn in enumerate(model.model.layers):
+        k_proj = attn.self_attn.k_proj.weight
+        rows = k_proj.to_local().shape[0] if hasattr(k_proj, "to_local") else k_proj.shape[0]
+        shape = (B, rows // model.config.head_dim, S, model.config.head_dim)
+        k = torch.randn(shape, generator=g, device=model.device, dtype=k_proj.dtype)
+        v = torch.randn(shape, generator=g, device=model.device, dtype=k_proj.dtype)
+        cache.update(k, v, layer, {"cache_position": pos0})
+    ids = torch.randint(0, model.config.vocab_size, (B, 1), device=model.device)
+    fn = torch.compile(model.forward, mode="reduce-overhead")
+    poss = [torch.full((B, 1), S + t, device=model.device) for t in range(steps)]
+    cps = [torch.tensor([S + t], device=model.device) for t in range(steps)]
+
+    def run():
+        for t in range(steps):
+            torch.compiler.cudagraph_mark_step_begin()
+            fn(input_ids=ids, position_ids=poss[t], cache_position=cps[t], use_cache=True, logits_to_keep=1,
+               **{kw: cache})
+
+    t0 = time.perf_counter()
+    run()
+    torch.cuda.synchronize()
+    first = time.perf_counter() - t0
+    rewind(cache, S)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    run()
+    end.record()
+    torch.cuda.synchronize()
+    sec = start.elapsed_time(end) / 1e3
+    cache = fn = None  # the closure above holds them: released here
+    torch._dynamo.reset()
+    torch.cuda.empty_cache()
+    return dict(seconds=sec, ms_per_step=1e3 * sec / steps, tokens_per_s=B * steps / sec, first_pass_s=first)
+
+
+def speed_compiled(path, device, B, S, steps) -> list[dict]:
+    """The compiled static-cache paths under TP: SDPA with grouped K/V passed as they are (transformers would
+    copy them per query head under the static cache's mask; ``loki.bench.e2e._native_gqa``) and Loki."""
+    from loki.basis import PCABasis
+    from loki.bench.e2e import _native_gqa
+    from loki.integrations.transformers import disable_loki, enable_loki
+
+    model = load(path, torch.bfloat16, device, tp=True)
+    c = model.config
+    rows = []
+    for name in ("sdpa+compile", "loki+compile"):
+        try:
+            if name.startswith("loki"):
+                enable_loki(model, PCABasis.random(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, seed=1),
+                            **LOKI)
+                rows.append(dict(method=name, **decode_speed_static(model, B, S, steps)))
+                disable_loki(model)
+            else:
+                with _native_gqa():
+                    rows.append(dict(method=name, **decode_speed_static(model, B, S, steps)))
+        except Exception as exc:  # noqa: BLE001 - reported in the table, the other rows still run
+            rows.append(dict(method=name, error=f"{type(exc).__name__}: {str(exc)[:300]}"))
+    del model
+    torch.cuda.empty_cache()
+    return rows
+
+
 def speed(path, device, B, S, steps) -> list[dict]:
     from loki.basis import PCABasis
     from loki.integrations.transformers import disable_loki, enable_loki
@@ -234,6 +316,9 @@ def markdown(result) -> str:
         lines += ["", f"Decode, TP={result['world_size']}, bf16, B={s['batch']}, S={s['context']}, "
                   f"{s['steps']} steps:", "", "| method | ms/step | tokens/s | vs SDPA |", "|---|---|---|---|"]
         for r in result["speed"]:
+            if "error" in r:
+                lines.append(f"| {r['method']} | failed: {r['error']} | | |")
+                continue
             lines.append(f"| {r['method']} | {r['ms_per_step']:.2f} | {r['tokens_per_s']:.1f} | {r['vs_sdpa']:.2f}x |")
     return "\n".join(lines) + "\n"
 
@@ -268,10 +353,15 @@ def main(argv=None) -> int:
     _barrier()
     eq = equality(path, device, args.prompt, args.new_tokens)
     sp = [] if args.skip_speed else speed(path, device, args.batch, args.context, args.steps)
+    if sp and args.compiled and device.type == "cuda":
+        sp += speed_compiled(path, device, args.batch, args.context, args.steps)
+        for r in sp:
+            if "tokens_per_s" in r:
+                r["vs_sdpa"] = r["tokens_per_s"] / sp[0]["tokens_per_s"]
     if rank != 0:
         return 0
     result = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", world_size=size,
-                  commit=_commit(), torch=torch.__version__, transformers=transformers.__version__,
+                  commit=args.commit or _commit(), torch=torch.__version__, transformers=transformers.__version__,
                   model="tiny" if args.tiny else f"Llama-3-8B dims, vocab {config.vocab_size}, random bf16",
                   equality=eq, speed=sp, seconds=time.perf_counter() - t0,
                   speed_setting=dict(batch=args.batch, context=args.context, steps=args.steps, **LOKI))
