@@ -304,3 +304,28 @@ def test_gpu_compiled_static_bf16_logits_match_eager():
                 logits.append(o.logits[:, -1].float().clone())
         diffs[name] = max((logits[i] - logits[0]).abs().max().item() for i in (1, 2, 3))
     assert diffs["loki"] <= 2 * diffs["dense"] + 0.05, diffs
+
+
+def test_compiled_graph_computes_ranges_once_for_all_layers():
+    """The traced decode step holds one Loki op per layer and one computation of the mask ranges (two argmax)
+    shared by every layer."""
+    torch._dynamo.reset()
+    model = tiny_model(num_layers=3, num_heads=4, num_kv_heads=2)
+    enable_loki(model, _basis(model), k=0.5, d=0.5, backend="torch")
+    cache = loki_static_cache(model, max_cache_len=20, batch_size=1)
+    ids = torch.randint(1, 256, (1, 8), generator=torch.Generator().manual_seed(0))
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    kw = {_cache_kw(model): cache}
+    with torch.no_grad():
+        model(ids, cache_position=torch.arange(8), use_cache=True, **kw)
+        step = torch.compile(model.forward, fullgraph=True, backend=backend)
+        step(input_ids=ids[:, :1], cache_position=torch.tensor([8]), position_ids=torch.tensor([[8]]),
+             use_cache=True, **kw)
+    targets = [str(n.target) for n in graphs[0].graph.nodes]
+    assert sum("decode_step" in t for t in targets) == 3
+    assert sum("argmax" in t for t in targets) == 2

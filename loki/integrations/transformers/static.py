@@ -109,14 +109,17 @@ def static_decode(state, layer, query, key, value, attention_mask, scale: float,
     B, HQ, _, D = query.shape
     S = key.shape[2]
     check = not _compiling()
-    memo = state.intervals_cache if check else None
-    hit = memo.get(("static", id(attention_mask))) if memo is not None else None
+    # the ranges and budgets of one forward are the same for every layer (one mask object): computed once, also
+    # inside a compiled graph (dynamo follows the forward's dict), checked once (one host sync) when eager
+    memo = state.intervals_cache
+    hit = memo.get("static") if memo is not None else None
     if hit is not None and hit[0] is attention_mask:
-        starts, lengths = hit[1]
+        starts, lengths, counts = hit[1]
     else:
         starts, lengths = static_intervals(attention_mask, B, S, query.device, check)
+        counts = resolve_k(cfg.k, lengths.long() - starts.long(), S)
         if memo is not None:
-            memo[("static", id(attention_mask))] = (attention_mask, (starts, lengths))
+            memo["static"] = (attention_mask, (starts, lengths, counts))
     dd = resolve_d(cfg.d, D)
     from loki.kernels.decode import selection_bound
 
@@ -124,7 +127,6 @@ def static_decode(state, layer, query, key, value, attention_mask, scale: float,
     k_count, k_fraction = k_arguments(cfg.k)
     if k_count > S:
         k_count = S
-    counts = resolve_k(cfg.k, lengths.long() - starts.long(), S)  # traced: one fused kernel shared by the layers
     q_hat = _rotate_query_rows(query[:, :, 0], layer.loki_P_q)
     prefix = layer.loki_prefix if use_kernels else None
     out = decode_step_op(q_hat, key, value, prefix, lengths, starts, counts, dd, k_count, k_fraction, K,
