@@ -327,7 +327,7 @@ def test_repository_thresholds_name_real_benchmarks():
     sys.path.insert(0, str(ROOT))
     try:
         names, params = {}, {}
-        for mod_name in ("bench_kernels", "bench_accuracy"):
+        for mod_name in ("bench_kernels", "bench_accuracy", "bench_e2e"):
             mod = importlib.import_module(f"benchmarks.{mod_name}")
             for cls_name, cls in vars(mod).items():
                 if not isinstance(cls, type) or cls.__module__ != mod.__name__ or cls_name.startswith("_"):
