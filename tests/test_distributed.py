@@ -192,3 +192,50 @@ def test_basis_follows_the_device_of_each_layer():
     k = torch.randn(1, 2, 3, 16, device="meta")
     cache.update(k, k, 1)
     assert cache.layers[1].loki_P.device.type == "meta" and cache.layers[1].keys.device.type == "meta"
+
+
+def _byte_tokenizer():
+    """A 256-token byte-level tokenizer (no merges) for a tiny model folder the command line can load."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=alphabet[0])
+
+
+def test_calibrate_command_under_torchrun_equals_one_process(tmp_path):
+    """``torchrun --nproc_per_node 2 -m loki.cli calibrate`` (gloo on the CPU) writes the basis a single process
+    writes, bit for bit, from rank 0 only."""
+    import subprocess
+
+    folder = tmp_path / "model"
+    tiny_model(**ARCH).save_pretrained(folder)
+    _byte_tokenizer().save_pretrained(folder)
+    args = ["-m", "loki.cli", "calibrate", "--model", str(folder), "--device", "cpu", "--corpus", "wikitext",
+            "--tokens", "300", "--seq-len", "32", "--max-positions", "64", "--batch-size", "2", "--no-progress",
+            "--threads", "1"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    one = subprocess.run([sys.executable, *args, "--output", str(tmp_path / "one.safetensors")], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                          "--master_port", str(_free_port()), *args, "--output", str(tmp_path / "two.safetensors")],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert two.returncode == 0, two.stderr[-2000:]
+    assert two.stdout.count("Rank@90") == 1, two.stdout  # one writer: rank 0 of a group of two
+    a = PCABasis.load(tmp_path / "one.safetensors")
+    b = PCABasis.load(tmp_path / "two.safetensors")
+    for name, t in _fields(a).items():
+        other = _fields(b)[name]
+        same = torch.equal(t, other) if isinstance(t, torch.Tensor) else t == other
+        assert same, name
+    assert a.num_tokens > 0 and a.query_components is not None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
