@@ -329,3 +329,39 @@ def test_compiled_graph_computes_ranges_once_for_all_layers():
     targets = [str(n.target) for n in graphs[0].graph.nodes]
     assert sum("decode_step" in t for t in targets) == 3
     assert sum("argmax" in t for t in targets) == 2
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_prefix", [True, False])
+def test_write_rotated_equals_reference(dtype, with_prefix):
+    """The fused cache write (rotate, store key, value and prefix at the positions) equals rotate_keys +
+    index_copy_, and leaves every other position untouched."""
+    from loki.kernels.cache_write import write_rotated, write_rotated_reference
+    from loki.testing.inputs import random_orthogonal
+
+    if not (INTERPRET or HAS_CUDA):
+        pytest.skip("the Triton kernel needs a GPU or TRITON_INTERPRET=1")
+    dev = "cuda" if HAS_CUDA else "cpu"
+    g = torch.Generator().manual_seed(7)
+    B, HKV, S, D, L, dp = 2, 3, 20, 32, 3, 8
+    P = random_orthogonal(HKV, D, seed=2).to(dev)
+    k = torch.randn(B, HKV, L, D, generator=g).to(dev, dtype)
+    v = torch.randn(B, HKV, L, D, generator=g).to(dev, dtype)
+    pos = torch.tensor([4, 9, 17], device=dev)
+    caches = []
+    for fn in (write_rotated, write_rotated_reference):
+        keys = torch.full((B, HKV, S, D), 3.0, dtype=dtype, device=dev)
+        values = torch.full_like(keys, 5.0)
+        prefix = torch.full((B, HKV, S, dp), 7.0, dtype=dtype, device=dev) if with_prefix else None
+        fn(keys, values, prefix, k, v, P, pos)
+        caches.append((keys, values, prefix))
+    (k1, v1, p1), (k2, v2, p2) = caches
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(k1, k2, **tol)
+    assert torch.equal(v1, v2)
+    others = [i for i in range(S) if i not in pos.tolist()]
+    assert bool((k1[:, :, others] == 3.0).all()) and bool((v1[:, :, others] == 5.0).all())
+    if with_prefix:
+        torch.testing.assert_close(p1, p2, **tol)
+        torch.testing.assert_close(p1[:, :, pos.tolist()], k1[:, :, pos.tolist(), :dp])

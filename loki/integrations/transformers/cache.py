@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from loki._hf import config_num_layers, text_config
+from loki.kernels.cache_write import write_rotated
 from loki.reference import rotate_keys
 
 from .config import LokiError, LokiState, state_of
@@ -168,15 +169,17 @@ class LokiStaticCacheLayer(LokiCacheLayer):
             )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if self.loki_P is not None:
-            key_states = rotate_keys(key_states, self.loki_P)
         pos = self._positions(key_states.shape[-2], args, kwargs)
         counter = getattr(self, "cumulative_length", None)
         if isinstance(counter, torch.Tensor):
             counter.add_(key_states.shape[-2])
+        prefix = getattr(self, "loki_prefix", None)
+        if self.loki_P is not None:
+            # rotation and the three writes in one kernel (one op in a compiled graph)
+            write_rotated(self.keys, self.values, prefix, key_states, value_states, self.loki_P, pos.long())
+            return self.keys, self.values
         self.keys.index_copy_(2, pos, key_states)
         self.values.index_copy_(2, pos, value_states)
-        prefix = getattr(self, "loki_prefix", None)
         if prefix is not None:
             prefix.index_copy_(2, pos, key_states[..., : prefix.shape[-1]])
         return self.keys, self.values

@@ -1,0 +1,100 @@
+"""Writing new tokens into a static Loki cache in one kernel: each new key rotated into the basis (``K P``, fp32
+accumulation) and stored with its value and its key prefix (the first dp rotated dims) at the token's position.
+
+Without it a compiled decode step spends four kernels per layer on this (the rotation's small fp32 product, its
+cast, and one ``index_copy_`` each for keys, values and prefix) and their launch gaps in the CUDA graph.  The
+op ``torch.ops.loki.write_rotated`` mutates the cache tensors in place (declared, so ``torch.compile`` keeps it a
+mutation of the static buffers); on tensors the Triton kernel cannot take it runs the PyTorch reference
+(``write_rotated_reference``), whose rounding it matches up to the order of the fp32 sum.
+
+Shape letters: B batch, HKV key/value heads, L new tokens, S = max cache length, D head dim, dp prefix dims.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import interpreting
+from .launch import launch
+
+__all__ = ["write_rotated", "write_rotated_reference"]
+
+
+@triton.jit
+def _write_rotated_kernel(
+    k_ptr, v_ptr, p_ptr, pos_ptr, keys_ptr, values_ptr, prefix_ptr,
+    L, HKV, dp,
+    stride_kb, stride_kh, stride_kl,
+    stride_vb, stride_vh, stride_vl,
+    stride_cb, stride_ch, stride_cs,
+    stride_wb, stride_wh, stride_ws,
+    stride_xb, stride_xh, stride_xs,
+    D: tl.constexpr, BLOCK_J: tl.constexpr, HAS_PREFIX: tl.constexpr,
+):
+    """keys[b, h, pos[l]] = k[b, h, l] @ P[h]; values[b, h, pos[l]] = v[b, h, l]; prefix[.., :dp] = keys[.., :dp]."""
+    pid = tl.program_id(0).to(tl.int64)
+    l_idx = tl.program_id(1).to(tl.int64)
+    b = pid // HKV
+    h = pid % HKV
+    p = tl.load(pos_ptr + l_idx).to(tl.int64)
+    offs_i = tl.arange(0, D)
+    k = tl.load(k_ptr + b * stride_kb + h * stride_kh + l_idx * stride_kl + offs_i).to(tl.float32)
+    v = tl.load(v_ptr + b * stride_vb + h * stride_vh + l_idx * stride_vl + offs_i)
+    tl.store(values_ptr + b * stride_cb + h * stride_ch + p * stride_cs + offs_i, v)
+    key_row = keys_ptr + b * stride_wb + h * stride_wh + p * stride_ws
+    pre_row = prefix_ptr + b * stride_xb + h * stride_xh + p * stride_xs
+    for j0 in tl.static_range(0, D, BLOCK_J):
+        offs_j = j0 + tl.arange(0, BLOCK_J)
+        P = tl.load(p_ptr + h * D * D + offs_i[:, None] * D + offs_j[None, :])  # [D, BLOCK_J] fp32
+        y = tl.sum(k[:, None] * P, axis=0)
+        tl.store(key_row + offs_j, y.to(keys_ptr.dtype.element_ty))
+        if HAS_PREFIX:
+            tl.store(pre_row + offs_j, y.to(prefix_ptr.dtype.element_ty), mask=offs_j < dp)
+
+
+def write_rotated_reference(keys, values, prefix, k_new, v_new, P, pos) -> None:
+    """The same writes in PyTorch: ``K P`` in fp32 (``loki.reference.rotate_keys``), then ``index_copy_``."""
+    from loki.reference import rotate_keys
+
+    k_hat = rotate_keys(k_new, P)
+    keys.index_copy_(2, pos, k_hat)
+    values.index_copy_(2, pos, v_new)
+    if prefix is not None:
+        prefix.index_copy_(2, pos, k_hat[..., : prefix.shape[-1]])
+
+
+def _kernel_fits(keys, values, prefix, k_new, v_new, P) -> bool:
+    D = keys.shape[-1]
+    ok = (keys.is_cuda or interpreting()) and D >= 16 and D & (D - 1) == 0 and P.dtype == torch.float32
+    ok = ok and all(t.stride(-1) == 1 for t in (keys, values, k_new, v_new)) and P.is_contiguous()
+    return ok and (prefix is None or prefix.stride(-1) == 1)
+
+
+@torch.library.custom_op("loki::write_rotated", mutates_args=("keys", "values", "prefix"))
+def write_rotated(keys: torch.Tensor, values: torch.Tensor, prefix: torch.Tensor | None, k_new: torch.Tensor,
+                  v_new: torch.Tensor, P: torch.Tensor, pos: torch.Tensor) -> None:
+    """Write L new tokens into a static cache in place.
+
+    keys, values: [B, HKV, S, D]; prefix: [B, HKV, S, dp] or None; k_new, v_new: [B, HKV, L, D] (keys in their
+    own coordinates); P: [HKV, D, D] fp32, the basis; pos: [L] int64, the positions written.
+    """
+    if not _kernel_fits(keys, values, prefix, k_new, v_new, P):
+        write_rotated_reference(keys, values, prefix, k_new, v_new, P, pos)
+        return
+    B, HKV, L, D = k_new.shape
+    if B == 0 or L == 0:
+        return
+    pre = prefix if prefix is not None else keys
+    launch(_write_rotated_kernel, (B * HKV, L), [
+        k_new, v_new, P, pos, keys, values, pre, L, HKV, pre.shape[-1] if prefix is not None else 0,
+        k_new.stride(0), k_new.stride(1), k_new.stride(2), v_new.stride(0), v_new.stride(1), v_new.stride(2),
+        values.stride(0), values.stride(1), values.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
+        pre.stride(0), pre.stride(1), pre.stride(2), D, min(32, D), prefix is not None,
+    ], dict(num_warps=4))
+
+
+@write_rotated.register_fake
+def _(keys, values, prefix, k_new, v_new, P, pos) -> None:
+    return None
