@@ -239,3 +239,28 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_ppl_command_under_torchrun_equals_one_process(tmp_path):
+    """``torchrun --nproc_per_node 2 -m loki.cli ppl`` splits the windows across two gloo processes and prints
+    the single-process perplexity, once (rank 0)."""
+    import re
+    import subprocess
+
+    folder = tmp_path / "model"
+    model = tiny_model(**ARCH)
+    model.save_pretrained(folder)
+    _byte_tokenizer().save_pretrained(folder)
+    calibrate(model, _calib_data(), **CALIB).save(tmp_path / "basis.safetensors")
+    args = ["-m", "loki.cli", "ppl", "--model", str(folder), "--device", "cpu", "--method", "loki", "--k", "0.25",
+            "--dims", "0.5", "--basis", str(tmp_path / "basis.safetensors"), "--windows", "5", "--seq-len", "32",
+            "--no-progress", "--threads", "1"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    one = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                          str(_free_port()), *args], env=env, capture_output=True, text=True, timeout=300)
+    assert two.returncode == 0, two.stderr[-2000:]
+    nums = [re.findall(r"\d+\.\d+", out.stdout) for out in (one, two)]
+    assert nums[0] and nums[0] == nums[1], (one.stdout, two.stdout)
+    assert two.stdout.count("\n") == one.stdout.count("\n"), two.stdout  # printed by rank 0 only

@@ -76,7 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="a local transformers model folder (default: the embedded model)")
     add_device_arguments(parser)
     parser.add_argument("--k", type=_fraction, default=None, help="primary token budget fraction k_f (default: 0.25)")
-    parser.add_argument("--d", type=_fraction, default=None, help="principal-dims fraction d_f (default: 0.25)")
+    parser.add_argument("--d", "--dims", type=_fraction, default=None,
+                        help="principal-dims fraction d_f (default: 0.25)")
     parser.add_argument("--windows", type=_windows, default=None,
                         help="evaluation windows TOKENSxCOUNT[,...], the first is the primary one (default: the "
                         "profile's)")

@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--basis", default=None, help="PCA basis file (required for --method loki / pcaattn)")
     parser.add_argument("--k", type=_count_or_fraction, default=0.25,
                         help="tokens attended: an int count or a float fraction of each sequence (default 0.25)")
-    parser.add_argument("--d", type=_count_or_fraction, default=0.25,
+    parser.add_argument("--d", "--dims", type=_count_or_fraction, default=0.25,
                         help="principal dims for approximate scores: int count or fraction of D (default 0.25)")
     parser.add_argument("--method", default="loki", choices=("loki", "exact_topk", "pcaattn", "dense", "sparq", "h2o"))
     parser.add_argument("--gqa-select", default="query", choices=("query", "kv"))

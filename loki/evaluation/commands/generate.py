@@ -27,7 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--k", type=fraction_or_count, default=0.5,
                         help="token budget (default: %(default)s; at k=d=0.25 this 135M model's text degenerates "
                         "on short prompts, see docs/accuracy.md)")
-    parser.add_argument("--d", type=fraction_or_count, default=0.5, help="principal dims (default: %(default)s)")
+    parser.add_argument("--d", "--dims", type=fraction_or_count, default=0.5,
+                        help="principal dims (default: %(default)s)")
     parser.add_argument("--basis", default=None,
                         help="basis file; default: the cached/calibrated default (score-aware) basis")
     parser.add_argument("--gqa-select", default="query", choices=("query", "kv"))

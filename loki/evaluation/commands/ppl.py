@@ -26,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--method", default="loki", choices=_METHODS, help="default: %(default)s")
     parser.add_argument("--k", type=fraction_or_count, default=0.25, help="token budget: fraction or count")
-    parser.add_argument("--d", type=fraction_or_count, default=0.25,
+    parser.add_argument("--d", "--dims", type=fraction_or_count, default=0.25,
                         help="principal dims (SparQ: r): fraction of D or count")
     parser.add_argument("--basis", default=None, help="basis file (.safetensors); default: calibrate/reuse the "
                         "cached basis of --basis-kind on --calib-corpus (the default recipe: the model's whole "
