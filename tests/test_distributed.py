@@ -261,6 +261,7 @@ def test_ppl_command_under_torchrun_equals_one_process(tmp_path):
     two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                           str(_free_port()), *args], env=env, capture_output=True, text=True, timeout=300)
     assert two.returncode == 0, two.stderr[-2000:]
-    nums = [re.findall(r"\d+\.\d+", out.stdout) for out in (one, two)]
+    pattern = r"perplexity ([\d.]+) \(nll ([\d.]+), (\d+) predictions\), effective density ([\d.]+)"
+    nums = [re.findall(pattern, out.stdout) for out in (one, two)]  # not the elapsed time printed after them
     assert nums[0] and nums[0] == nums[1], (one.stdout, two.stdout)
     assert two.stdout.count("\n") == one.stdout.count("\n"), two.stdout  # printed by rank 0 only
