@@ -19,20 +19,8 @@ evaluation code, the model wheel or the data every benchmark skips and says why.
 
 from __future__ import annotations
 
-try:
-    from asv_runner.benchmarks.mark import SkipNotImplemented
-except ImportError:  # pragma: no cover
-    SkipNotImplemented = NotImplementedError
-
+from ._common import SkipNotImplemented, unit
 from ._shapes import ACCURACY_BASES, ACCURACY_METHODS, ACCURACY_PROFILE
-
-
-def _unit(unit):
-    def deco(fn):
-        fn.unit = unit
-        return fn
-
-    return deco
 
 
 def measure_accuracy(profile: str = ACCURACY_PROFILE) -> dict:
@@ -99,15 +87,15 @@ class Perplexity(_AccuracySuite):
         if method not in cache["ppl"]:
             raise SkipNotImplemented(f"{method} is not part of this commit's accuracy suite")
 
-    @_unit("ratio")
+    @unit("ratio")
     def track_ppl_delta(self, cache, method):
         return cache["ppl_delta"][method]
 
-    @_unit("ppl")
+    @unit("ppl")
     def track_ppl(self, cache, method):
         return cache["ppl"][method]
 
-    @_unit("tokens/s")
+    @unit("tokens/s")
     def track_eval_tokens_per_second(self, cache, method):
         """Evaluation speed: scored tokens per second of the decode-time-semantics perplexity (teacher-forced
         methods run every query row as a decode step by masks; H2O runs token by token)."""
@@ -127,14 +115,14 @@ class TopkAgreement(_AccuracySuite):
         if basis not in cache["agreement"]:
             raise SkipNotImplemented(f"basis {basis} was not measured")
 
-    @_unit("jaccard")
+    @unit("jaccard")
     def track_jaccard(self, cache, basis):
         return cache["agreement"][basis]["jaccard"]
 
-    @_unit("fraction")
+    @unit("fraction")
     def track_attention_mass(self, cache, basis):
         return cache["agreement"][basis]["mass"]
 
-    @_unit("fraction")
+    @unit("fraction")
     def track_attention_mass_exact(self, cache, basis):
         return cache["agreement"][basis]["mass_exact"]

@@ -14,37 +14,14 @@ Parameters (``setting``): ``<model>-B<B>-S<S>`` from ``benchmarks/_shapes.py`` (
 
 from __future__ import annotations
 
-try:
-    from asv_runner.benchmarks.mark import SkipNotImplemented
-except ImportError:  # asv_runner is present wherever ASV runs; this keeps the module importable anyway
-    SkipNotImplemented = NotImplementedError
-
+from ._common import SkipNotImplemented, unit, why_not_runnable_on_gpu
 from ._shapes import E2E_SETTINGS
 
 STEPS = 32
 
 
-def _unit(unit):
-    def deco(fn):
-        fn.unit = unit
-        return fn
-
-    return deco
-
-
 def _why_not_runnable() -> str | None:
-    try:
-        import torch
-    except ImportError as exc:  # pragma: no cover
-        return f"torch is not importable: {exc}"
-    if not torch.cuda.is_available():
-        return "needs a CUDA device"
-    try:
-        import loki.bench.e2e  # noqa: F401
-        import loki.bench.harness  # noqa: F401
-    except ImportError as exc:
-        return f"this commit lacks the end-to-end benchmark: {exc}"
-    return None
+    return why_not_runnable_on_gpu(("loki.bench.e2e", "loki.bench.harness"), "the end-to-end benchmark")
 
 
 def measure(setting_ids=tuple(E2E_SETTINGS), steps: int = STEPS) -> dict:
@@ -111,33 +88,33 @@ class EndToEndDecode:
             raise RuntimeError(f"{key} is missing ({'; '.join(missing) or 'no path ran'})")
         return float(v)
 
-    @_unit("ms")
+    @unit("ms")
     def track_sdpa_eager_ms(self, cache, setting):
         return self._ms("sdpa_eager")
 
-    @_unit("ms")
+    @unit("ms")
     def track_sdpa_compiled_ms(self, cache, setting):
         return self._ms("sdpa_compiled")
 
-    @_unit("ms")
+    @unit("ms")
     def track_loki_eager_ms(self, cache, setting):
         return self._ms("loki_eager")
 
-    @_unit("ms")
+    @unit("ms")
     def track_loki_compiled_ms(self, cache, setting):
         return self._ms("loki_compiled")
 
-    @_unit("x")
+    @unit("x")
     def track_speedup_vs_best_dense(self, cache, setting):
         """The faster Loki path over the faster dense path (target on an H100: 1.35x at both settings)."""
         return self._value("speedup")
 
-    @_unit("x")
+    @unit("x")
     def track_loki_compiled_x_floor(self, cache, setting):
         """Compiled Loki's step time over its byte floor (target: at most 1.25)."""
         return self._value("x_floor", "loki_compiled")
 
-    @_unit("ms")
+    @unit("ms")
     def track_loki_floor_ms(self, cache, setting):
         """The byte floor itself (a bound, not a timing)."""
         return self._value("floor_ms", "loki")

@@ -16,37 +16,14 @@ Parameters (``config``): harness configuration ids, ``<model>-B<B>-S<S>-k<k_f>-d
 
 from __future__ import annotations
 
-try:
-    from asv_runner.benchmarks.mark import SkipNotImplemented
-except ImportError:  # asv_runner is present wherever ASV runs; this keeps the module importable anyway
-    SkipNotImplemented = NotImplementedError
-
+from ._common import SkipNotImplemented, unit, why_not_runnable_on_gpu
 from ._shapes import KERNEL_CONFIGS, SPARQ_CONFIGS, UNAVAILABLE, config_by_id
 
 MIB = 1 << 20
 
 
-def _unit(unit):
-    def deco(fn):
-        fn.unit = unit
-        return fn
-
-    return deco
-
-
 def _why_not_runnable() -> str | None:
-    try:
-        import torch
-    except ImportError as exc:  # pragma: no cover
-        return f"torch is not importable: {exc}"
-    if not torch.cuda.is_available():
-        return "needs a CUDA device"
-    try:
-        import loki.bench.harness  # noqa: F401
-        import loki.kernels  # noqa: F401
-    except ImportError as exc:
-        return f"this commit lacks the kernels or the harness: {exc}"
-    return None
+    return why_not_runnable_on_gpu(("loki.bench.harness", "loki.kernels"), "the kernels or the harness")
 
 
 def _peak_memory_mib(cfg) -> float:
@@ -160,85 +137,85 @@ class DecodeAttention(_HarnessBenchmark):
 
     setup_cache.timeout = 1800
 
-    @_unit("ms")
+    @unit("ms")
     def track_loki_ms(self, cache, config):
         return self._ms("loki")
 
-    @_unit("ms")
+    @unit("ms")
     def track_loki_topk_ms(self, cache, config):
         return self._ms("loki_topk")
 
-    @_unit("ms")
+    @unit("ms")
     def track_loki_torch_ms(self, cache, config):
         return self._ms("loki_torch")
 
-    @_unit("ms")
+    @unit("ms")
     def track_sdpa_ms(self, cache, config):
         return self._ms("sdpa")
 
-    @_unit("ms")
+    @unit("ms")
     def track_eager_ms(self, cache, config):
         return self._ms("eager")
 
-    @_unit("x")
+    @unit("x")
     def track_speedup_vs_sdpa(self, cache, config):
         return self._ms("sdpa") / self._ms("loki")
 
-    @_unit("ms")
+    @unit("ms")
     def track_loki_graph_ms(self, cache, config):
         return self._graph_ms("loki")
 
-    @_unit("ms")
+    @unit("ms")
     def track_sdpa_graph_ms(self, cache, config):
         return self._graph_ms("sdpa")
 
-    @_unit("x")
+    @unit("x")
     def track_speedup_vs_sdpa_graph(self, cache, config):
         """Both sides replayed from CUDA graphs (launch overhead removed)."""
         return self._graph_ms("sdpa") / self._graph_ms("loki")
 
-    @_unit("x")
+    @unit("x")
     def track_speedup_vs_eager(self, cache, config):
         return self._ms("eager") / self._ms("loki")
 
-    @_unit("x")
+    @unit("x")
     def track_speedup_topk_vs_sdpa(self, cache, config):
         return self._ms("sdpa") / self._ms("loki_topk")
 
-    @_unit("GB/s")
+    @unit("GB/s")
     def track_loki_gbps(self, cache, config):
         return float(self._row("loki")["gbps"])
 
-    @_unit("GB/s")
+    @unit("GB/s")
     def track_sdpa_gbps(self, cache, config):
         return float(self._row("sdpa")["gbps"])
 
-    @_unit("%")
+    @unit("%")
     def track_loki_pct_copy_bandwidth(self, cache, config):
         return float(self._row("loki")["pct_copy_bw"])
 
-    @_unit("ms")
+    @unit("ms")
     def track_loki_floor_ms(self, cache, config):
         """The bandwidth floor: bytes Loki must move over the measured copy bandwidth (not a timing)."""
         return float(self.res["loki_floor_ms"])
 
-    @_unit("ms")
+    @unit("ms")
     def track_stage_scores_ms(self, cache, config):
         return self._ms("stage_scores")
 
-    @_unit("ms")
+    @unit("ms")
     def track_selection_ms(self, cache, config):
         return self._ms("stage_select_triton")
 
-    @_unit("ms")
+    @unit("ms")
     def track_selection_topk_ms(self, cache, config):
         return self._ms("stage_select_topk")
 
-    @_unit("ms")
+    @unit("ms")
     def track_stage_attention_ms(self, cache, config):
         return self._ms("stage_attention")
 
-    @_unit("fraction")
+    @unit("fraction")
     def track_selection_share(self, cache, config):
         """Selection time over the whole Loki step (target: under a quarter), both as CUDA-graph replays:
         device time only.  (Version 1 divided plain do_bench times; a standalone select launch through
@@ -248,7 +225,7 @@ class DecodeAttention(_HarnessBenchmark):
 
     track_selection_share.version = "2"
 
-    @_unit("MiB")
+    @unit("MiB")
     def track_peak_memory_mib(self, cache, config):
         """Device memory the Loki step allocates beyond its inputs."""
         return float(self.res["peak_memory_mib"])
@@ -266,19 +243,19 @@ class SparQComparison(_HarnessBenchmark):
 
     setup_cache.timeout = 1800
 
-    @_unit("ms")
+    @unit("ms")
     def track_sparq_ms(self, cache, config):
         return self._ms("sparq")
 
-    @_unit("ms")
+    @unit("ms")
     def track_loki_ms(self, cache, config):
         return self._ms("loki")
 
-    @_unit("x")
+    @unit("x")
     def track_speedup_vs_sparq(self, cache, config):
         return self._ms("sparq") / self._ms("loki")
 
-    @_unit("x")
+    @unit("x")
     def track_sparq_speedup_vs_sdpa(self, cache, config):
         return self._ms("sdpa") / self._ms("sparq")
 
@@ -294,7 +271,7 @@ class Device:
         if why is not None:
             raise SkipNotImplemented(why)
 
-    @_unit("GB/s")
+    @unit("GB/s")
     def track_copy_bandwidth_gbps(self):
         from loki.bench.harness import measure_copy_bandwidth
 

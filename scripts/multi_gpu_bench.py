@@ -160,22 +160,25 @@ def equality(path, device, prompt: int, new_tokens: int, dtypes=(torch.float32, 
     return rows
 
 
-def fill_cache(model, B, S, seed=0):
-    """A cache of S random tokens per sequence, written directly (Loki: a Loki cache, keys rotated on write)."""
+def fill_cache(model, B, S, seed=0, cache=None):
+    """A cache of S random tokens per sequence, written directly (Loki: a Loki cache, keys rotated on write);
+    ``cache``: fill this one (a static cache) instead of a new dynamic one.  Each rank writes its local heads."""
     from transformers import DynamicCache
 
     from loki._hf import text_config
     from loki.integrations.transformers import is_loki_enabled, loki_cache
 
-    cache = loki_cache(model) if is_loki_enabled(model) else DynamicCache(config=text_config(model.config))
+    if cache is None:
+        cache = loki_cache(model) if is_loki_enabled(model) else DynamicCache(config=text_config(model.config))
     g = torch.Generator(device=model.device).manual_seed(seed)
+    pos = torch.arange(S, device=model.device)
     for layer, attn in enumerate(model.model.layers):
         k_proj = attn.self_attn.k_proj.weight
         rows = k_proj.to_local().shape[0] if hasattr(k_proj, "to_local") else k_proj.shape[0]
         shape = (B, rows // model.config.head_dim, S, model.config.head_dim)
         k = torch.randn(shape, generator=g, device=model.device, dtype=k_proj.dtype)
         v = torch.randn(shape, generator=g, device=model.device, dtype=k_proj.dtype)
-        cache.update(k, v, layer)
+        cache.update(k, v, layer, {"cache_position": pos})
     return cache
 
 
@@ -223,17 +226,8 @@ def decode_speed_static(model, B, S, steps) -> dict:
 
     kw = cache_keyword(model)
     n = S + steps
-    cache = (loki_static_cache(model, max_cache_len=n) if is_loki_enabled(model)
-             else StaticCache(config=text_config(model.config), max_cache_len=n))
-    g = torch.Generator(device=model.device).manual_seed(0)
-    pos0 = torch.arange(S, device=model.device)
-    for layer, attn in enumerate(model.model.layers):
-        k_proj = attn.self_attn.k_proj.weight
-        rows = k_proj.to_local().shape[0] if hasattr(k_proj, "to_local") else k_proj.shape[0]
-        shape = (B, rows // model.config.head_dim, S, model.config.head_dim)
-        k = torch.randn(shape, generator=g, device=model.device, dtype=k_proj.dtype)
-        v = torch.randn(shape, generator=g, device=model.device, dtype=k_proj.dtype)
-        cache.update(k, v, layer, {"cache_position": pos0})
+    cache = fill_cache(model, B, S, cache=loki_static_cache(model, max_cache_len=n) if is_loki_enabled(model)
+                       else StaticCache(config=text_config(model.config), max_cache_len=n))
     ids = torch.randint(0, model.config.vocab_size, (B, 1), device=model.device)
     fn = torch.compile(model.forward, mode="reduce-overhead")
     poss = [torch.full((B, 1), S + t, device=model.device) for t in range(steps)]

@@ -33,7 +33,7 @@ from .select import SELECT_METHODS, TRITON_SELECT_MAX_S, resolve_select_method, 
 from .sparse_attention import sparse_attention
 
 __all__ = ["BACKENDS", "DecodeTuning", "clear_decode_plans", "decode_attention", "loki_attention_reference",
-           "loki_decode_step", "selection_bound"]
+           "loki_decode_step", "selection_bound", "selection_width"]
 
 #: Recorded decode steps (``DecodePlan``) by argument signature; False marks a signature that cannot be
 #: replayed.  Bounded: the oldest entry goes first.
@@ -84,6 +84,13 @@ def selection_bound(k: int | float, S: int) -> int:
         return min(int(k), S)
     # a fraction of the valid length: at most the same fraction of S (checked by resolve_k)
     return max(1, min(S, math.ceil(float(k) * S - 1e-9)))
+
+
+def selection_width(k: int | float, S: int) -> int:
+    """The selection width K of a decode step over a cache of S tokens: ``selection_bound`` rounded up to a
+    multiple of 16 (at most S).  Entries past each sequence's count are -1 and never read; a cache that grows by one
+    token per step then keeps the same Triton specialisation of the index rows' stride."""
+    return min(S, -(-selection_bound(k, S) // 16) * 16)
 
 
 def decode_attention(

@@ -170,16 +170,25 @@ class DecodePlan:
             out.append(args)
         return out
 
+    @staticmethod
+    def direct() -> bool:
+        """Whether launches call the compiled kernels directly (raw addresses), not through the interpreter."""
+        return not (interpreting() or _CompiledKernel is None)
+
+    def launch_all(self, arg_lists) -> None:
+        """Launch every recorded kernel with its argument list (as ``bind`` gives them for ``direct()``)."""
+        if not self.direct():
+            for (fn, grid, _, _, opts, _), args in zip(self.launches, arg_lists):
+                fn[grid](*args, **opts)
+            return
+        stream = _driver.active.get_current_stream(self.device_index)
+        enter, exit_ = _knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook
+        for (_fn, grid, _, _, _opts, ck), args in zip(self.launches, arg_lists):
+            meta = ck.launch_metadata(grid, stream, *args) if enter is not None else None
+            ck.run(grid[0], grid[1], grid[2], stream, ck.function, ck.packed_metadata, meta, enter, exit_, *args)
+
     def __call__(self, inputs):
         """Launch the recorded step on new inputs; returns the fresh buffers."""
         buffers = self.new_buffers()
-        if interpreting() or _CompiledKernel is None:
-            for (fn, grid, _, _, opts, _), args in zip(self.launches, self.bind(inputs, buffers, True)):
-                fn[grid](*args, **opts)
-            return buffers
-        stream = _driver.active.get_current_stream(self.device_index)
-        enter, exit_ = _knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook
-        for (_fn, grid, _, _, _opts, ck), args in zip(self.launches, self.bind(inputs, buffers, False)):
-            meta = ck.launch_metadata(grid, stream, *args) if enter is not None else None
-            ck.run(grid[0], grid[1], grid[2], stream, ck.function, ck.packed_metadata, meta, enter, exit_, *args)
+        self.launch_all(self.bind(inputs, buffers, not self.direct()))
         return buffers

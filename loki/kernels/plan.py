@@ -24,7 +24,7 @@ from loki._checks import check_decode_inputs, check_no_grad, resolve_d, resolve_
 from loki.reference.selection import GQA_AGGREGATES, GQA_SELECT_MODES
 
 from . import launch as _launch
-from ._common import check_triton_device, interpreting
+from ._common import check_triton_device
 from .approx_scores import _check_key_prefix
 from .ops import k_arguments
 
@@ -120,7 +120,7 @@ class DecodeRun:
             return res
         self._plan, self._buffers, self._sig = plan, list(rec.buffers), sig
         self._ret = next((j for j, b in enumerate(rec.buffers) if b is res), None)
-        self._bound = plan.bind(inputs, self._buffers, as_tensors=interpreting() or _launch._CompiledKernel is None)
+        self._bound = plan.bind(inputs, self._buffers, as_tensors=not plan.direct())
         # where the changing inputs (q_hat, lengths, starts: inputs 0-2) go in each launch's argument list
         self._patches = [[(pos, i) for pos, is_in, i, *_ in subs if is_in and i < 3]
                          for (_fn, _grid, _t, subs, _o, _c) in plan.launches]
@@ -128,20 +128,12 @@ class DecodeRun:
 
     def _replay(self, q_hat, lengths, starts):
         plan, new = self._plan, (q_hat, lengths, starts)
-        direct = not (interpreting() or _launch._CompiledKernel is None)
-        if direct:
-            stream = _launch._driver.active.get_current_stream(plan.device_index)
-            enter, exit_ = _launch._knobs.runtime.launch_enter_hook, _launch._knobs.runtime.launch_exit_hook
-        for (fn, grid, _t, _s, opts, ck), args, patches in zip(plan.launches, self._bound, self._patches):
+        direct = plan.direct()
+        for args, patches in zip(self._bound, self._patches):
             for pos, i in patches:
                 args[pos] = new[i].data_ptr() if direct else new[i]
-            if direct:
-                meta = ck.launch_metadata(grid, stream, *args) if enter is not None else None
-                ck.run(grid[0], grid[1], grid[2], stream, ck.function, ck.packed_metadata, meta, enter, exit_, *args)
-            else:
-                fn[grid](*args, **opts)
+        plan.launch_all(self._bound)
         return self.out if self._ret is None else self._buffers[self._ret]
-
 
 def plan_decode(
     k_hat: torch.Tensor,
@@ -189,9 +181,9 @@ def plan_decode(
                             or out.device != k_hat.device or not out.is_contiguous()):
         raise ValueError(f"out must be a contiguous {k_hat.dtype} tensor [B, HQ, D]=[{B}, {num_q_heads}, {D}] on "
                          f"{k_hat.device}")
-    from .decode import selection_bound
+    from .decode import selection_width
 
     # rows past the Triton select's length are selected by torch.topk: such a plan takes the normal launch path
     # on every run (``DecodeRun`` finds it cannot replay)
-    K = min(S, -(-selection_bound(k, S) // 16) * 16)
+    K = selection_width(k, S)
     return DecodeRun(k_hat, v_cache, k_prefix, (B, num_q_heads, D), dd, k, K, gqa_select, aggregate, scale, out)

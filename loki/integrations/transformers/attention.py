@@ -133,9 +133,7 @@ def _loki_decode_fast(state, cfg, query, key, value, attention_mask, P_q, scale,
         starts, lengths = st[:, 0].to(torch.int32), ln[:, 0].to(torch.int32)
         any_ = None if any_ is None else any_[:, 0]
         counts = budget(cfg.k, lengths, starts, B, S, query.device)
-        # the selection width rounded up to a multiple of 16 (entries past each count are -1 and never read): a
-        # growing cache then keeps the same Triton specialisation of the index rows' stride
-        K = min(S, -(-kernel_decode.selection_bound(cfg.k, S) // 16) * 16)
+        K = kernel_decode.selection_width(cfg.k, S)
         hit = (attention_mask, starts, lengths, any_, counts, K, resolve_d(cfg.d, D))
         memo[mkey] = hit
     _, starts, lengths, any_, counts, K, dd = hit

@@ -199,25 +199,9 @@ class LokiStaticCacheLayer(LokiCacheLayer):
             self.loki_prefix = fn(prefix)
 
 
-_STATIC_CLASSES: dict[type, type] = {}
-
-
-def loki_static_layer_class(base: type) -> type:
-    """The Loki class of a transformers ``StaticLayer`` class (made once per base class)."""
-    if issubclass(base, LokiStaticCacheLayer):
-        return base
-    cls = _STATIC_CLASSES.get(base)
-    if cls is None:
-        cls = type(f"Loki{base.__name__}", (LokiStaticCacheLayer, base), {"_layer_type": None, "__module__": __name__})
-        _STATIC_CLASSES[base] = cls
-    return cls
-
-
 def convert_static_layer(layer, P, P_q, prefix_d, prefix_always, owner):
     """A Loki copy of a plain ``StaticLayer`` (same tensors; keys already written are rotated in place)."""
-    cls = loki_static_layer_class(type(layer))
-    new = cls.__new__(cls)
-    new.__dict__.update(layer.__dict__)
+    new = _with_class(layer, _loki_layer_class(type(layer), LokiStaticCacheLayer))
     new.loki_owner, new.loki_acc, new.loki_prefix, new.loki_prefix_buf = owner, None, None, None
     new.loki_prefix_d = prefix_d
     new.loki_prefix_always = prefix_always
@@ -230,17 +214,26 @@ def convert_static_layer(layer, P, P_q, prefix_d, prefix_always, owner):
     return new
 
 
-_LOKI_LAYER_CLASSES: dict[type, type] = {}
+_LOKI_LAYER_CLASSES: dict[tuple[type, type], type] = {}
 
 
-def _loki_layer_class(base: type) -> type:
-    if issubclass(base, LokiCacheLayer):
+def _loki_layer_class(base: type, mixin: type = LokiCacheLayer) -> type:
+    """The Loki class of a transformers layer class: ``mixin`` (dynamic or static Loki layer) over ``base``, made
+    once per pair."""
+    if issubclass(base, mixin):
         return base
-    cls = _LOKI_LAYER_CLASSES.get(base)
+    cls = _LOKI_LAYER_CLASSES.get((mixin, base))
     if cls is None:
-        cls = type(f"Loki{base.__name__}", (LokiCacheLayer, base), {"_layer_type": None, "__module__": __name__})
-        _LOKI_LAYER_CLASSES[base] = cls
+        cls = type(f"Loki{base.__name__}", (mixin, base), {"_layer_type": None, "__module__": __name__})
+        _LOKI_LAYER_CLASSES[(mixin, base)] = cls
     return cls
+
+
+def _with_class(layer, cls: type):
+    """A layer of class ``cls`` holding ``layer``'s state (the same tensors)."""
+    new = cls.__new__(cls)
+    new.__dict__.update(layer.__dict__)
+    return new
 
 
 def convert_cache(cache, state: LokiState, num_layers: int) -> None:
@@ -278,10 +271,8 @@ def convert_cache(cache, state: LokiState, num_layers: int) -> None:
                 f"cache_implementation='static'); layer {idx} of the cache is a {type(layer).__name__}. Pass no "
                 f"cache, a DynamicCache, a StaticCache or loki_static_cache(model, ...)."
             )
-        cls = _loki_layer_class(type(layer))
-        new = cls.__new__(cls)
-        new.__dict__.update(layer.__dict__)  # same state, Loki update; the cache keeps its identity
-        layers[idx] = layer = new
+        # same state, Loki update; the cache keeps its identity
+        layers[idx] = layer = _with_class(layer, _loki_layer_class(type(layer)))
         layer.loki_acc = None
         layer.loki_prefix = None
         layer.loki_prefix_buf = None
@@ -325,8 +316,9 @@ def _restore_layer(layer):
     """A plain layer (the transformers class the Loki layer was made from) with the same state and the keys back in
     their own coordinates (``K = K_hat P^-1``, exact up to rounding); Loki's own state is dropped."""
     base = next(c for c in type(layer).__mro__[1:] if not issubclass(c, LokiCacheLayer))
-    new = base.__new__(base)
-    new.__dict__.update({k: v for k, v in layer.__dict__.items() if not k.startswith("loki_")})
+    new = _with_class(layer, base)
+    for name in [k for k in new.__dict__ if k.startswith("loki_")]:
+        del new.__dict__[name]
     P_inv = getattr(layer, "loki_P_inv", None)
     keys = getattr(new, "keys", None)
     if P_inv is not None and keys is not None and keys.numel() > 0:

@@ -21,7 +21,9 @@ from __future__ import annotations
 import torch
 
 from loki._checks import resolve_d, resolve_k
+from loki.kernels.decode import selection_width
 from loki.kernels.ops import decode_step_op, k_arguments
+from loki.reference import rotate_query
 
 from .cache import LokiStaticCacheLayer, convert_cache
 from .config import LokiError, state_of
@@ -121,26 +123,13 @@ def static_decode(state, layer, query, key, value, attention_mask, scale: float,
         if memo is not None:
             memo["static"] = (attention_mask, (starts, lengths, counts))
     dd = resolve_d(cfg.d, D)
-    from loki.kernels.decode import selection_bound
-
-    K = min(S, -(-selection_bound(cfg.k, S) // 16) * 16)
+    K = selection_width(cfg.k, S)
     k_count, k_fraction = k_arguments(cfg.k)
     if k_count > S:
         k_count = S
-    q_hat = _rotate_query_rows(query[:, :, 0], layer.loki_P_q)
+    q_hat = rotate_query(query[:, :, 0], layer.loki_P_q)
     prefix = layer.loki_prefix if use_kernels else None
     out = decode_step_op(q_hat, key, value, prefix, lengths, starts, counts, dd, k_count, k_fraction, K,
                          cfg.gqa_select, cfg.aggregate, float(scale), use_kernels)
     return out[:, None]
 
-
-def _rotate_query_rows(q: torch.Tensor, P_q: torch.Tensor) -> torch.Tensor:
-    """q [B, HQ, D] -> q P_q per KV head (query heads of a group share their KV head's basis), in q's dtype."""
-    B, HQ, D = q.shape
-    HKV = P_q.shape[0]
-    G = HQ // HKV
-    # one batched product over the KV heads ([HKV, B*G, D] x [HKV, D, D]): the basis is read once, never
-    # broadcast over the batch (a broadcast matmul copies it B times)
-    x = q.reshape(B, HKV, G, D).transpose(0, 1).reshape(HKV, B * G, D).to(P_q.dtype)
-    y = torch.bmm(x, P_q)
-    return y.reshape(HKV, B, G, D).transpose(0, 1).reshape(B, HQ, D).to(q.dtype)
