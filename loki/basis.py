@@ -52,6 +52,8 @@ __all__ = [
     "ROTARY_CHOICES",
     "BasisError",
     "PCABasis",
+    "constant_heads",
+    "is_basis_file",
     "config_fields",
     "config_fingerprint",
     "config_head_dim",
@@ -214,9 +216,19 @@ class PCABasis:
         """Fit the basis from :class:`~loki.calibration.stats.KeyStatistics` (PCA in float64).
 
         ``config`` (a transformers config) fills ``config_hash``/``config_fields`` and, if ``model_name`` is not
-        given, the model name.
+        given, the model name.  A head whose keys have no variance (constant keys, or a single token) gets the
+        identity basis with zero eigenvalues and a warning naming it; statistics holding NaN or inf, or without
+        variance in any head, raise :class:`BasisError` naming the layer and KV head (:func:`constant_heads`).
         """
+        if centered:
+            constant = constant_heads(stats, "keys")
+        else:  # the uncentred second moment of constant keys still has their direction
+            constant = constant_heads(stats, "keys", rel_tol=-1.0)
         components, eigenvalues, means = pca_from_statistics(stats, centered=centered)
+        if bool(constant.any()):
+            D = components.shape[-1]
+            components[constant] = torch.eye(D, dtype=components.dtype)
+            eigenvalues[constant] = 0.0
         return cls(
             components=components.to(torch.float32).cpu().contiguous(),
             eigenvalues=eigenvalues.cpu().contiguous(),
@@ -303,8 +315,13 @@ class PCABasis:
             named.append(("query_components", qc))
         for name, t in named:
             if not torch.isfinite(t).all():
-                bad = int((~torch.isfinite(t)).sum())
-                raise BasisError(f"basis {name} contain {bad} non-finite values (NaN or inf)")
+                bad = ~torch.isfinite(t)
+                per_head = bad.flatten(2).any(dim=-1) if bad.ndim > 2 else bad  # [L, HKV]
+                l, h = (int(i) for i in per_head.nonzero()[0])
+                heads = int(per_head.sum())
+                more = f" and {heads - 1} more head(s)" if heads > 1 else ""
+                raise BasisError(f"basis {name} contain {int(bad.sum())} non-finite values (NaN or inf): layer {l}, "
+                                 f"KV head {h}{more}")
 
         p = comp.to(torch.float64)
         if qc is None:
@@ -475,6 +492,46 @@ class PCABasis:
         except BasisError as exc:
             raise BasisError(f"{path}: {exc}") from None
         return basis
+
+
+def constant_heads(stats, what: str = "keys", rel_tol: float = 1e-10) -> torch.Tensor:
+    """``[L, HKV]`` bool: the heads of ``stats`` (:class:`~loki.calibration.stats.KeyStatistics`) whose ``what``
+    have no variance (constant vectors, or a single token), where no basis is determined by the data; calibration
+    gives them the identity (any orthonormal basis ranks tokens with equal keys alike) and warns, naming them.
+
+    Raises:
+        BasisError: the statistics hold NaN or inf (naming the first layer and KV head), or no head has any
+            variance (too little calibration data: nothing would be fitted at all).
+    """
+    try:
+        stats.check_finite(what)
+    except ValueError as exc:
+        raise BasisError(str(exc)) from None
+    mask = stats.constant_heads(rel_tol)
+    if bool(mask.all()):
+        raise BasisError(f"no layer or KV head has any variance in its calibration {what} ({stats.num_tokens} "
+                         "token(s) seen, constant in every head): calibrate on more, varied text")
+    if bool(mask.any()):
+        heads = [(int(l), int(h)) for l, h in mask.nonzero()]
+        shown = ", ".join(f"layer {l} KV head {h}" for l, h in heads[:4])
+        more = f" and {len(heads) - 4} more" if len(heads) > 4 else ""
+        warnings.warn(f"constant calibration {what} (no variance) in {shown}{more}: these heads get the identity "
+                      "basis (all their tokens score alike, so any basis selects equally well)", RuntimeWarning,
+                      stacklevel=3)
+    return mask
+
+
+def is_basis_file(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a file written by :meth:`PCABasis.save` (a safetensors file whose metadata carries the
+    basis format); reads the header only.  Model weights and any other file give False."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(os.fspath(path), framework="pt") as f:
+            meta = f.metadata() or {}
+    except Exception:  # not a safetensors file, unreadable, a folder, ...
+        return False
+    return meta.get("loki.format") == _FORMAT or _META_KEY in meta
 
 
 def _dtype_name(dtype: torch.dtype | str | None) -> str | None:

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from loki._hf import config_identity
-from loki.basis import PCABasis
+from loki.basis import PCABasis, constant_heads
 from loki.calibration.collect import collect_statistics
 from loki.calibration.stats import KeyStatistics
 
@@ -43,12 +43,25 @@ def _sym_pow(m: torch.Tensor, power: float, eps: float) -> torch.Tensor:
 
 
 def score_aware_pair(
-    query_moment: torch.Tensor, key_covariance: torch.Tensor, eps: float = 1e-4
+    query_moment: torch.Tensor, key_covariance: torch.Tensor, eps: float = 1e-4,
+    identity: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(P_q, P_k, s)`` for ``query_moment, key_covariance: [..., D, D]`` (float64): ``P_q, P_k [..., D, D]``
-    with ``P_q P_k^T = I`` and the singular values ``s [..., D]`` in decreasing order."""
+    with ``P_q P_k^T = I`` and the singular values ``s [..., D]`` in decreasing order.
+
+    Heads where either matrix is zero (no key variance, no query energy: every score of a row is the same), and
+    those marked in ``identity`` (``[...]`` bool), get the identity pair with ``s = 0``: the inverse square roots
+    would be unbounded there, and any pair ranks equal scores alike."""
     mq = query_moment.to(torch.float64)
     ck = key_covariance.to(torch.float64)
+    D = mq.shape[-1]
+    eye = torch.eye(D, dtype=torch.float64, device=mq.device)
+    flat = (torch.linalg.eigvalsh(mq).amax(dim=-1) <= 0) | (torch.linalg.eigvalsh(ck).amax(dim=-1) <= 0)
+    if identity is not None:
+        flat = flat | identity.to(device=flat.device, dtype=torch.bool)
+    if bool(flat.any()):  # well-conditioned stand-ins; their outputs are replaced below
+        mq = torch.where(flat[..., None, None], eye, mq)
+        ck = torch.where(flat[..., None, None], eye, ck)
     a, a_inv = _sym_pow(mq, 0.5, eps), _sym_pow(mq, -0.5, eps)
     b, b_inv = _sym_pow(ck, 0.5, eps), _sym_pow(ck, -0.5, eps)
     u, s, vh = torch.linalg.svd(a @ b)
@@ -58,7 +71,12 @@ def score_aware_pair(
     # deterministic signs: the largest-|.| entry of each key column positive (the query column flips with it)
     idx = pk.abs().argmax(dim=-2, keepdim=True)
     sign = torch.where(pk.gather(-2, idx) < 0, -1.0, 1.0).to(pk.dtype)
-    return pq * sign, pk * sign, s
+    pq, pk = pq * sign, pk * sign
+    if bool(flat.any()):
+        pq = torch.where(flat[..., None, None], eye, pq)
+        pk = torch.where(flat[..., None, None], eye, pk)
+        s = torch.where(flat[..., None], torch.zeros_like(s), s)
+    return pq, pk, s
 
 
 def collect_score_statistics(
@@ -76,8 +94,15 @@ def collect_score_statistics(
 def score_aware_basis(keys: KeyStatistics, queries: KeyStatistics, *, eps: float = 1e-4, config=None,
                       model_name: str | None = None, corpus: str | None = None, seq_len: int | None = None,
                       model_dtype=None, max_positions: int | None = None):
-    """A :class:`~loki.basis.PCABasis` of kind "score" from post-rotary key and query statistics."""
-    pq, pk, s = score_aware_pair(queries.second_moment(), keys.covariance(centered=True), eps=eps)
+    """A :class:`~loki.basis.PCABasis` of kind "score" from post-rotary key and query statistics.
+
+    A KV head whose keys have no variance (constant keys, or a single token) or whose queries are all zero gets
+    the identity pair with zero singular values, and a warning names it; statistics with NaN or inf, or without
+    key variance in any head, raise :class:`~loki.basis.BasisError` naming the layer and KV head
+    (:func:`loki.basis.constant_heads`).  The result never holds NaN."""
+    flat = constant_heads(keys, "keys")
+    constant_heads(queries, "queries", rel_tol=-1.0)  # NaN or inf; all-zero queries everywhere
+    pq, pk, s = score_aware_pair(queries.second_moment(), keys.covariance(centered=True), eps=eps, identity=flat)
     return PCABasis(
         components=pk.to(torch.float32).contiguous(),
         query_components=pq.to(torch.float32).contiguous(),

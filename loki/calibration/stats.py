@@ -103,6 +103,24 @@ class KeyStatistics:
             cov = cov - mu[..., :, None] * mu[..., None, :]
         return 0.5 * (cov + cov.transpose(-1, -2))
 
+    def check_finite(self, what: str = "keys") -> None:
+        """Raise ``ValueError`` naming the first layer and KV head whose statistics hold NaN or inf (the model
+        produced non-finite ``what``, e.g. an overflow in float16), so that no NaN basis is ever fitted."""
+        bad = ~(torch.isfinite(self.sum).all(dim=-1) & torch.isfinite(self.outer).flatten(2).all(dim=-1))
+        if bool(bad.any()):
+            layer, head = (int(i) for i in bad.nonzero()[0])
+            more = f" (and {int(bad.sum()) - 1} more head(s))" if int(bad.sum()) > 1 else ""
+            raise ValueError(f"the calibration {what} of layer {layer}, KV head {head}{more} contain NaN or inf: "
+                             "the model produced non-finite values on the calibration text (try --dtype float32)")
+
+    def constant_heads(self, rel_tol: float = 1e-10) -> torch.Tensor:
+        """``[L, HKV]`` bool: heads whose vectors have no variance, i.e. are constant (one token, or the same
+        vector every time): the largest eigenvalue of the centred covariance is at most ``rel_tol`` times that
+        of the uncentred second moment (float64 round-off of ``E[k k^T] - mu mu^T`` stays far below that)."""
+        cov = torch.linalg.eigvalsh(self.covariance(centered=True)).amax(dim=-1)
+        scale = torch.linalg.eigvalsh(self.covariance(centered=False)).amax(dim=-1)
+        return cov <= rel_tol * scale
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {"count": self.count, "sum": self.sum, "outer": self.outer}
 
