@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Benchmark gate: fail a commit whose ASV results miss a threshold or regress against the previous commit.
+"""Benchmark gate: fail a commit whose ASV results miss a threshold or regress against recent commits.
 
 ``asv compare`` always exits 0, so this script is the blocking check of the GPU job.  It reads ASV's own
 results files (``<results>/<machine>/<hash8>-<env>.json``, api version 2: one row per benchmark, the columns
@@ -10,31 +10,41 @@ Checks (all listed in one table, then a summary; exit status 1 when any fails):
 
 - ``threshold``: a value outside its limit.  Speed-up limits are in ``ci/thresholds.json`` (``checks``);
   accuracy limits live in ``loki/evaluation/accuracy_thresholds.json`` (owned by the evaluation code, shipped
-  with the package) and are referenced from ``ci/thresholds.json`` by a pointer (``limit_from``), never
-  copied.  A gated benchmark without a value (failed, skipped or absent) fails too, unless ``--allow-missing``.
-- ``regression``: a value worse than the previous commit's result on the same machine by more than the
-  regression factor, in the benchmark's own direction (ms and MiB: higher is worse; x, GB/s, Jaccard:
-  lower is worse; perplexity delta: higher is worse).  Directions come from the unit, overridden by name
-  patterns in ``ci/thresholds.json``; a change smaller than ``min_abs_change`` never counts (noise floor for
-  values near zero).  A benchmark that had a value before and now failed is a regression too.
+  with the package) and are referenced from ``ci/thresholds.json`` by a pointer, never copied.  A gated
+  benchmark without a value (failed, skipped or absent from the results) fails, unless ``--allow-missing``;
+  nothing else excuses it (a known miss excuses a measured value only).
+- ``regression``: a value worse than the baseline by more than the regression factor, in the benchmark's own
+  direction (ms and MiB: higher is worse; x, GB/s, Jaccard: lower is worse; perplexity delta: higher is worse).
+  The baseline is the median of the same benchmark case over the last ``regression.window`` earlier commits
+  with results on the machine (same ASV version of the benchmark), so one noisy past run neither raises nor
+  masks a flag.  Cases whose plain timing is launch-bound (``regression.overrides`` with ``skip``: run-to-run
+  spread up to 2.6x on identical code) are not compared; their CUDA-graph replays (device time) are.
+  Directions come from the unit, overridden by name patterns in ``ci/thresholds.json``; a change smaller than
+  ``min_abs_change`` never counts (noise floor for values near zero).  A benchmark that had a value at the
+  nearest earlier commit and now failed is a regression too.
 
-The previous commit is ``--previous`` if given, else the nearest first-parent ancestor in ``git log`` with
-results on the machine, else (commits unknown to git) the newest results with an earlier commit ``date``.
-With no previous results the regression check is skipped and said so.
+The earlier commits are ``--previous`` if given (that one only), else the nearest first-parent ancestors in
+``git log`` with results on the machine, else (commits unknown to git) the newest results with an earlier commit
+``date``.  With no earlier results the regression check is skipped and said so.
 
 Known misses: ``known_misses`` in ``ci/thresholds.json`` lists failures that are documented, not fixed (a target
 the kernels do not reach, a regression flagged on measurement noise), each with ``kind`` (threshold or
 regression), ``benchmark`` (fnmatch pattern), optional ``params`` and ``commit`` (hash prefix: the entry applies
-to that commit only) and the measured ``reason``.  A failing check an entry matches is still printed as a
-failure (``KNOWN`` in the table, ``FAIL ... [known miss: reason]`` in the summary) and still fails the gate,
-unless ``--allow-known-misses`` is given; then only unlisted failures fail.  An entry that matches no failing
-check of the commit is reported as stale (the target is now met: remove the entry).
+to that commit only), the ``measured`` value and the ``reason``.  A failing check an entry matches is still
+printed as a failure (``KNOWN`` in the table, ``FAIL ... [known miss: reason]`` in the summary) and still fails
+the gate, unless ``--allow-known-misses`` is given; then only unlisted failures fail.  An entry excuses a value
+no worse than its ``measured`` value (by at most ``tolerance``, default ``known_miss_tolerance``): a miss that
+gets worse fails even with ``--allow-known-misses``.  An entry that matches no failing check of the commit is
+reported as stale (the target is now met: remove the entry).
+
+A gate with no checks at all fails (e.g. a ``--bench`` that selects nothing with a value).
 
 Usage::
 
     python ci/gate.py --results .asv/results --machine h100 [--commit HASH] [--previous HASH] [--bench REGEX]
 
-Exit status: 0 pass, 1 a check failed, 2 the inputs could not be read (no results for the commit, ...).
+Exit status: 0 pass, 1 a check failed, 2 the inputs or arguments could not be used (no results for the
+commit, a ``--bench`` that matches no benchmark, ...).
 """
 
 from __future__ import annotations
@@ -47,6 +57,7 @@ import json
 import math
 import os
 import re
+import statistics
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -57,7 +68,8 @@ DEFAULT_THRESHOLDS = HERE / "thresholds.json"
 DEFAULT_ACCURACY_THRESHOLDS = HERE.parent / "loki" / "evaluation" / "accuracy_thresholds.json"
 SKIP_FILES = {"machine.json", "benchmarks.json"}
 
-__all__ = ["GateError", "ResultsFile", "Check", "KnownMiss", "load_known_misses", "load_results", "run_gate", "main"]
+__all__ = ["GateError", "ResultsFile", "Check", "KnownMiss", "asv_regression_exclusions", "load_known_misses",
+           "load_results", "run_gate", "main"]
 
 
 class GateError(Exception):
@@ -216,33 +228,41 @@ def resolve_commit(files, commit: str | None, repo, env: str | None) -> ResultsF
     return _pick_env(found, env, f"commit {commit[:12]}")
 
 
-def resolve_previous(files, current: ResultsFile, previous: str | None, repo) -> tuple[ResultsFile | None, str]:
-    """The results to compare against, and how they were found."""
+def resolve_history(files, current: ResultsFile, previous: str | None, repo,
+                    window: int = 1) -> tuple[list[ResultsFile], str]:
+    """The earlier results to compare against, nearest first (at most ``window``), and how they were found.
+
+    ``previous`` names one commit (only that one is used); otherwise the nearest first-parent ancestors of the
+    commit in ``git log`` with results on the machine, else (commits unknown to git) the newest results with an
+    earlier commit date.  Results of the current commit's environment are preferred."""
     others = [f for f in files if f.commit_hash != current.commit_hash]
     same_env = [f for f in others if f.env_name == current.env_name]
     pool = same_env or others
     if previous:
         found = _match(pool, previous)
         if not found:
-            raise GateError(f"no results for previous commit {previous} on this machine")
-        return _pick_env(found, current.env_name if same_env else None, f"previous {previous}"), "--previous"
+            raise GateError(f"no results for previous commit {previous} on this machine (--previous)")
+        return [_pick_env(found, current.env_name if same_env else None, f"previous {previous}")], "--previous"
     if not pool:
-        return None, "none"
+        return [], "none"
+    by_hash: dict[str, ResultsFile] = {}
+    for f in pool:
+        by_hash.setdefault(f.commit_hash, f)
     log = _git(repo, "rev-list", "--first-parent", current.commit_hash)
     if log:
-        by_hash = {}
-        for f in pool:
-            by_hash.setdefault(f.commit_hash, f)
-        for h in log.split()[1:]:
-            if h in by_hash:
-                return by_hash[h], "git log"
-        return None, "none"
+        found = [by_hash[h] for h in log.split()[1:] if h in by_hash]
+        return found[: max(1, window)], ("git log" if found else "none")
     if current.date is None:
-        return None, "none"
-    earlier = [f for f in pool if f.date is not None and f.date < current.date]
-    if not earlier:
-        return None, "none"
-    return max(earlier, key=lambda f: f.date), "results date"
+        return [], "none"
+    earlier = sorted((f for f in by_hash.values() if f.date is not None and f.date < current.date),
+                     key=lambda f: f.date, reverse=True)
+    return earlier[: max(1, window)], ("results date" if earlier else "none")
+
+
+def resolve_previous(files, current: ResultsFile, previous: str | None, repo) -> tuple[ResultsFile | None, str]:
+    """The nearest earlier results (see :func:`resolve_history`), or None."""
+    found, how = resolve_history(files, current, previous, repo, 1)
+    return (found[0] if found else None), how
 
 
 # --------------------------------------------------------------------------------------------------
@@ -267,7 +287,6 @@ class Rule:
     minimum: float | None
     maximum: float | None
     source: str
-    optional: bool = False  # from the accuracy profile: a case the suite does not measure is not an error
 
     def matches(self, name: str, params: dict[str, str]) -> bool:
         return fnmatch.fnmatchcase(name, self.benchmark) and all(
@@ -312,9 +331,14 @@ def load_rules(thresholds: dict, accuracy: dict | None, thresholds_path: str, ac
             )
         )
     acc_spec = thresholds.get("accuracy")
-    if acc_spec and accuracy is not None:
+    if acc_spec:
+        if accuracy is None:
+            raise GateError(f"{thresholds_path}: the accuracy limits are read from {accuracy_path}, which does not "
+                            "exist (--accuracy-thresholds)")
         profile = acc_spec["profile"]
-        prof = accuracy.get("profiles", {}).get(profile) or {}
+        prof = accuracy.get("profiles", {}).get(profile)
+        if not prof:
+            raise GateError(f"{accuracy_path} has no profile {profile!r} (named by 'accuracy' in {thresholds_path})")
         for lim in acc_spec.get("limits", []):
             section, bound = lim["section"], lim["bound"]
             if bound not in ("min", "max"):
@@ -330,7 +354,6 @@ def load_rules(thresholds: dict, accuracy: dict | None, thresholds_path: str, ac
                         minimum=float(value) if bound == "min" else None,
                         maximum=float(value) if bound == "max" else None,
                         source=f"{acc_name}:profiles/{profile}/{section}/{name}/{bound}",
-                        optional=True,
                     )
                 )
     return rules
@@ -346,14 +369,37 @@ def direction(name: str, unit: str | None, thresholds: dict) -> str | None:
     return None
 
 
-def regression_limits(name: str, thresholds: dict) -> tuple[float, float]:
-    """(factor, min_abs_change) for one benchmark: the default, or the first matching override."""
+def _patterns(spec) -> list[str]:
+    return [spec] if isinstance(spec, str) else list(spec)
+
+
+def _params_match(want: dict, params: dict[str, str]) -> bool:
+    """Every wanted parameter is present and matches (fnmatch pattern on the value's string)."""
+    return all(k in params and fnmatch.fnmatchcase(params[k], str(v)) for k, v in want.items())
+
+
+@dataclass
+class RegressionRule:
+    factor: float
+    floor: float  # min_abs_change
+    skip: str | None = None  # why this case is not compared (e.g. a launch-bound plain timing)
+
+
+def regression_limits(name: str, thresholds: dict, params: dict[str, str] | None = None) -> RegressionRule:
+    """The regression rule of one benchmark case: the default, or the first matching override.
+
+    An override names ``benchmark`` (fnmatch pattern or list of patterns), optional ``params`` (fnmatch patterns
+    on the values) and ``factor``/``min_abs_change``, or ``skip`` (a reason: the case is not compared)."""
     reg = thresholds.get("regression", {})
     factor, floor = float(reg.get("factor", 1.25)), float(reg.get("min_abs_change", 0.0))
     for spec in reg.get("overrides", []):
-        if fnmatch.fnmatchcase(name, spec["benchmark"]):
-            return float(spec.get("factor", factor)), float(spec.get("min_abs_change", floor))
-    return factor, floor
+        if not any(fnmatch.fnmatchcase(name, pat) for pat in _patterns(spec["benchmark"])):
+            continue
+        if spec.get("params") and not _params_match(spec["params"], params or {}):
+            continue
+        return RegressionRule(float(spec.get("factor", factor)), float(spec.get("min_abs_change", floor)),
+                              spec.get("skip"))
+    return RegressionRule(factor, floor)
 
 
 @dataclass
@@ -363,13 +409,39 @@ class KnownMiss:
     params: dict[str, str]
     commit: str | None  # hash prefix, or None: every commit
     reason: str
+    measured: float  # the value the miss was recorded with: a worse value is not excused
+    tolerance: float  # relative slack on ``measured`` (measurement noise)
 
     def applies_to(self, commit_hash: str) -> bool:
         return self.commit is None or commit_hash.lower().startswith(self.commit.lower())
 
     def matches(self, check: Check) -> bool:
+        """The entry names this check (kind, benchmark, parameters).  Whether it excuses the check is
+        :meth:`excuses`: only a measured value no worse than the recorded one."""
         return (check.kind == self.kind and fnmatch.fnmatchcase(check.benchmark, self.benchmark)
                 and all(check.params.get(k) == str(v) for k, v in self.params.items()))
+
+    def limit(self, better: str | None) -> float | None:
+        """The worst value the entry excuses in direction ``better`` (None: no direction known)."""
+        slack = abs(self.measured) * self.tolerance
+        if better == "higher":
+            return self.measured - slack
+        if better == "lower":
+            return self.measured + slack
+        return None
+
+    def excuses(self, check: Check) -> tuple[bool, str]:
+        """(excused, why not): a check with a value no worse than ``measured`` (within ``tolerance``)."""
+        if not _is_number(check.value):
+            return False, f"no value ({_fmt(check.value)}): a known miss excuses a measured value only"
+        worst = self.limit(check.better)
+        if worst is None:
+            return False, "no direction to compare with the recorded value"
+        worse = check.value < worst if check.better == "higher" else check.value > worst
+        if worse:
+            return False, (f"worse than the known miss recorded ({self.measured:.4g}, tolerance "
+                           f"{self.tolerance:.0%}: {'>=' if check.better == 'higher' else '<='} {worst:.4g})")
+        return True, ""
 
     @property
     def label(self) -> str:
@@ -379,18 +451,34 @@ class KnownMiss:
 
 
 def load_known_misses(thresholds: dict, thresholds_path: str = "thresholds.json") -> list[KnownMiss]:
-    """``known_misses`` of the thresholds file: a list of entries (or ``{"entries": [...]}``)."""
+    """``known_misses`` of the thresholds file: a list of entries (or ``{"entries": [...]}``); each needs the
+    ``measured`` value it was recorded with.  ``known_miss_tolerance`` (default 0.05) is the relative slack of
+    every entry without its own ``tolerance``."""
     spec = thresholds.get("known_misses") or []
     if isinstance(spec, dict):
         spec = spec.get("entries", [])
+    default_tol = float(thresholds.get("known_miss_tolerance", 0.05))
     out = []
     for i, e in enumerate(spec):
         if e.get("kind") not in ("threshold", "regression") or not e.get("benchmark") or not e.get("reason"):
             raise GateError(f"{thresholds_path}: known_misses[{i}] needs kind (threshold|regression), "
                             "benchmark and reason")
+        if not _is_number(e.get("measured")):
+            raise GateError(f"{thresholds_path}: known_misses[{i}] ({e['benchmark']}) needs 'measured': the value "
+                            "the miss was recorded with (a worse value then fails)")
+        tol = e.get("tolerance", default_tol)
+        if not _is_number(tol) or tol < 0:
+            raise GateError(f"{thresholds_path}: known_misses[{i}] tolerance must be a number >= 0, got {tol!r}")
         out.append(KnownMiss(e["kind"], e["benchmark"], {k: str(v) for k, v in e.get("params", {}).items()},
-                             e.get("commit"), e["reason"]))
+                             e.get("commit"), e["reason"], float(e["measured"]), float(tol)))
     return out
+
+
+def asv_regression_exclusions(meta: dict[str, dict], thresholds: dict) -> list[str]:
+    """Benchmarks ASV's regressions page must not scan: every one whose direction is not "lower" (ASV flags
+    increases only, so a higher-is-better value such as a speed-up or a Jaccard index would list its
+    improvements), and the baselines that are not this project's code (direction "none")."""
+    return sorted(name for name, m in meta.items() if direction(name, m.get("unit"), thresholds) != "lower")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -406,7 +494,8 @@ class Check:
     limit: str
     ok: bool
     note: str = ""
-    known: str = ""  # the reason of the known-miss entry a failing check matches ("" when none)
+    known: str = ""  # the reason of the known-miss entry that excuses this failing check ("" when none)
+    better: str | None = None  # "lower" or "higher": the direction of the limit
 
     @property
     def label(self) -> str:
@@ -423,6 +512,15 @@ def _fmt(value) -> str:
     if isinstance(value, (int, float)):
         return f"{value:.4g}"
     return str(value)
+
+
+def _compile_bench(bench: str | None):
+    if not bench:
+        return None
+    try:
+        return re.compile(bench)
+    except re.error as exc:
+        raise GateError(f"--bench {bench!r} is not a regular expression: {exc}") from None
 
 
 def run_gate(
@@ -442,25 +540,30 @@ def run_gate(
 ) -> tuple[bool, list[Check]]:
     """Run every check; print the table and the summary to ``out``; return (passed, checks).
 
-    ``bench``: a regular expression; only benchmarks whose name it matches (``re.search``) are checked.
-    ``allow_known_misses``: failures listed in ``known_misses`` (marked in ``Check.known``) do not fail the
-    gate; they are reported all the same."""
+    ``bench``: a regular expression; only benchmarks whose name it matches (``re.search``) are checked (a
+    pattern that matches no benchmark is an error).  ``allow_missing``: gated benchmarks without a value do not
+    fail.  ``allow_known_misses``: failures listed in ``known_misses`` (marked in ``Check.known``) whose value
+    is no worse than recorded do not fail the gate; they are reported all the same.  No checks at all fails."""
+    pattern = _compile_bench(bench)
     thresholds_path, accuracy_path = Path(thresholds_path), Path(accuracy_path)
     thresholds = json.loads(thresholds_path.read_text(encoding="utf-8"))
     accuracy = json.loads(accuracy_path.read_text(encoding="utf-8")) if accuracy_path.is_file() else None
     rules = load_rules(thresholds, accuracy, str(thresholds_path), str(accuracy_path))
     known_misses = load_known_misses(thresholds, str(thresholds_path))
+    window = int(thresholds.get("regression", {}).get("window", 5))
 
     files = load_results(results_dir, machine)
     meta = load_benchmark_meta(results_dir)
     current = resolve_commit(files, commit, repo, env)
-    prev, how = resolve_previous(files, current, previous, repo)
-    if bench:
-        pattern = re.compile(bench)
+    history, how = resolve_history(files, current, previous, repo, window)
+    if pattern is not None:
+        names = set(current.values) | set(meta) | {r.benchmark for r in rules}
+        if not any(pattern.search(n) for n in names):
+            raise GateError(f"--bench {bench!r} matches no benchmark in the results, in benchmarks.json or in the "
+                            "thresholds")
         rules = [r for r in rules if pattern.search(r.benchmark)]
-        for f in (current, prev):
-            if f is not None:
-                f.values = {k: v for k, v in f.values.items() if pattern.search(k)}
+        for f in (current, *history):
+            f.values = {k: v for k, v in f.values.items() if pattern.search(k)}
 
     def param_names(name):
         return meta.get(name, {}).get("param_names")
@@ -470,10 +573,9 @@ def run_gate(
     # (a), (c): thresholds.  Every rule must match at least one case with a value.
     for rule in rules:
         hits = 0
-        known = False  # the benchmark exists in the results (under any parameters)
+        better = "higher" if rule.minimum is not None and rule.maximum is None else (
+            "lower" if rule.maximum is not None and rule.minimum is None else None)
         for name in sorted(current.values):
-            if fnmatch.fnmatchcase(name, rule.benchmark):
-                known = True
             for params, value in current.cases(name, param_names(name)):
                 if not rule.matches(name, params):
                     continue
@@ -488,76 +590,95 @@ def run_gate(
                     ok = ok and value <= rule.maximum
                 note = rule.source
                 if not _is_number(value):
-                    note = f"no value ({_fmt(value)}); {rule.source}"
+                    note = f"no value ({_fmt(value)}); {rule.source}" + ("" if allow_missing else
+                                                                          "; --allow-missing accepts it")
                     ok = ok or allow_missing
-                checks.append(Check("threshold", name, params, value, " and ".join(bound), ok, note))
-        if hits == 0 and rule.optional and known:
-            continue  # an accuracy-file entry the ASV suite does not measure (e.g. a method it skips)
+                checks.append(Check("threshold", name, params, value, " and ".join(bound), ok, note, better=better))
         if hits == 0:
             want = rule.benchmark + (f" {rule.params}" if rule.params else "")
             checks.append(
                 Check("threshold", rule.benchmark, rule.params, "absent", "present", allow_missing,
-                      f"no results match {want}; {rule.source}")
+                      f"no results match {want}; {rule.source}"
+                      + ("" if allow_missing else "; --allow-missing accepts it"), better=better)
             )
 
-    # (b): regressions against the previous commit.
-    if prev is not None:
+    # (b): regressions against the median of recent commits.
+    not_compared: dict[str, int] = {}
+    if history:
+        nearest = history[0]
         for name in sorted(current.values):
-            if name not in prev.values:
-                continue
             unit = meta.get(name, {}).get("unit")
             d = direction(name, unit, thresholds)
             if d not in ("lower", "higher"):
                 continue  # no direction (e.g. "none"): not checked for regressions
-            v_now, v_before = current.versions.get(name), prev.versions.get(name)
-            if v_now and v_before and v_now != v_before:
-                continue  # the benchmark changed (ASV version): its values are not comparable
-            factor, floor = regression_limits(name, thresholds)
-            before = {tuple(sorted(p.items())): v for p, v in prev.cases(name, param_names(name))}
+            v_now = current.versions.get(name)
+            # earlier results of the same benchmark version (a changed version means other numbers)
+            same = [f for f in history if name in f.values
+                    and not (v_now and f.versions.get(name) and f.versions.get(name) != v_now)]
+            if not same:
+                continue
+            before = [{tuple(sorted(p.items())): v for p, v in f.cases(name, param_names(name))} for f in same]
             for params, value in current.cases(name, param_names(name)):
-                old = before.get(tuple(sorted(params.items())))
-                if not _is_number(old):
+                key = tuple(sorted(params.items()))
+                rule = regression_limits(name, thresholds, params)
+                if rule.skip:
+                    not_compared[rule.skip] = not_compared.get(rule.skip, 0) + 1
+                    continue
+                olds = [b.get(key) for b in before]
+                olds = [v for v in olds if _is_number(v)]
+                if not olds:
                     continue
                 if not _is_number(value):
-                    if value is None:  # failed now, measured before
-                        checks.append(Check("regression", name, params, value, f"was {old:.4g}", False,
-                                            "benchmark failed; it had a value at the previous commit"))
+                    last = before[0].get(key) if same[0] is nearest else None
+                    if value is None and _is_number(last):  # failed now, measured at the nearest commit
+                        checks.append(Check("regression", name, params, value, f"was {last:.4g}", False,
+                                            "benchmark failed; it had a value at the previous commit", better=d))
                     continue
+                old = statistics.median(olds)
                 if d == "lower":
-                    allowed = max(abs(old) * (factor - 1.0), floor)
+                    allowed = max(abs(old) * (rule.factor - 1.0), rule.floor)
                     ok = value - old <= allowed
                     limit = f"<= {old + allowed:.4g}"
                 else:
-                    allowed = max(abs(old) * (1.0 - 1.0 / factor), floor)
+                    allowed = max(abs(old) * (1.0 - 1.0 / rule.factor), rule.floor)
                     ok = old - value <= allowed
                     limit = f">= {old - allowed:.4g}"
                 ratio = value / old if old else float("inf")
-                note = f"was {old:.4g} ({ratio:.3g}x, {d} is better, factor {factor:g})"
-                checks.append(Check("regression", name, params, value, limit, ok, note))
+                base = f"median of {len(olds)} earlier" if len(olds) > 1 else "was"
+                note = f"{base} {old:.4g} ({ratio:.3g}x, {d} is better, factor {rule.factor:g})"
+                checks.append(Check("regression", name, params, value, limit, ok, note, better=d))
 
     applicable = [k for k in known_misses if k.applies_to(current.commit_hash)
-                  and (not bench or re.search(bench, k.benchmark))]
+                  and (pattern is None or pattern.search(k.benchmark))]
     used = set()
     for c in checks:
         if c.ok:
             continue
         for i, k in enumerate(applicable):
             if k.matches(c):
-                c.known = k.reason
                 used.add(i)
+                excused, why = k.excuses(c)
+                if excused:
+                    c.known = k.reason
+                else:
+                    c.note = f"{c.note}; known miss does not excuse it: {why}"
                 break
     stale = [k for i, k in enumerate(applicable) if i not in used]
-    _print_report(out, machine, current, prev, how, checks, stale, allow_known_misses)
-    return all(c.ok or (allow_known_misses and c.known) for c in checks), checks
+    _print_report(out, machine, current, history, how, checks, stale, allow_known_misses, not_compared, bench)
+    return bool(checks) and all(c.ok or (allow_known_misses and c.known) for c in checks), checks
 
 
-def _print_report(out, machine, current, prev, how, checks, stale=(), allow_known_misses=False):
+def _print_report(out, machine, current, history, how, checks, stale=(), allow_known_misses=False,
+                  not_compared=None, bench=None):
     p = lambda *a: print(*a, file=out)
     p(f"gate: machine {machine}, commit {current.commit_hash[:12]} ({current.env_name})")
-    if prev is None:
+    if not history:
         p("gate: no previous results on this machine: regression check skipped")
     else:
-        p(f"gate: previous commit {prev.commit_hash[:12]} (found by {how})")
+        p(f"gate: previous commit {history[0].commit_hash[:12]} (found by {how})")
+        if len(history) > 1:
+            p(f"gate: regression baseline: per case, the median over {len(history)} earlier commits ("
+              + ", ".join(f.commit_hash[:8] for f in history) + ")")
     rows = [("status", "check", "benchmark", "value", "limit", "note")]
     for c in checks:
         rows.append(("ok" if c.ok else ("KNOWN" if c.known else "FAIL"), c.kind, c.label, _fmt(c.value), c.limit,
@@ -571,6 +692,8 @@ def _print_report(out, machine, current, prev, how, checks, stale=(), allow_know
     n_reg = sum(c.kind == "regression" for c in checks)
     p(f"gate: {len(checks)} checks ({n_thr} threshold, {n_reg} regression), {len(failed)} failed"
       + (f" ({len(known)} of them known misses listed in known_misses)" if known else ""))
+    for why, n in (not_compared or {}).items():
+        p(f"gate: {n} regression cases not compared: {why}")
     for c in failed:
         tag = f" [known miss: {c.known}]" if c.known else ""
         if c.kind == "threshold":
@@ -580,14 +703,17 @@ def _print_report(out, machine, current, prev, how, checks, stale=(), allow_know
     for k in stale:
         p(f"gate: known miss no longer fails (remove it from known_misses): {k.label}")
     unknown = [c for c in failed if not c.known]
-    if not failed:
+    if not checks:
+        what = f"--bench {bench!r} selects no benchmark with a check" if bench else "nothing to check"
+        p(f"gate: FAILED: no checks ran ({what}); a gate that checks nothing does not pass")
+    elif not failed:
         p("gate: PASSED")
     elif not unknown and allow_known_misses:
         p(f"gate: PASSED with {len(known)} known misses (--allow-known-misses); the targets above are still missed")
     elif not unknown:
         p(f"gate: FAILED: only known misses ({len(known)}); --allow-known-misses accepts them")
     else:
-        p(f"gate: FAILED ({len(unknown)} failures not in known_misses)")
+        p(f"gate: FAILED ({len(unknown)} failures not excused by known_misses)")
 
 
 def main(argv=None) -> int:
@@ -603,9 +729,10 @@ def main(argv=None) -> int:
     ap.add_argument("--bench", default=None, metavar="REGEX",
                     help="check only benchmarks whose name matches REGEX (e.g. bench_accuracy on a CPU machine)")
     ap.add_argument("--allow-missing", action="store_true",
-                    help="do not fail gated benchmarks that have no value (e.g. a partial run)")
+                    help="do not fail gated benchmarks that have no value: failed, skipped or absent (a partial run)")
     ap.add_argument("--allow-known-misses", action="store_true",
-                    help="do not fail on failures listed in known_misses of the thresholds file (still reported)")
+                    help="do not fail on failures listed in known_misses of the thresholds file whose value is no "
+                    "worse than recorded (still reported); an absent result is never a known miss")
     args = ap.parse_args(argv)
     try:
         ok, _ = run_gate(
