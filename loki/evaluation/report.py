@@ -3,8 +3,8 @@
 ``results`` is the JSON-able dict of :func:`loki.evaluation.suite.run_suite` with the keys ``settings``,
 ``perplexity`` (rows of :class:`~loki.evaluation.perplexity.PerplexityResult` with ``seq_len``, ``windows`` and
 the increase over full attention with its 95% interval), ``paper_protocol``, ``comparisons``, ``exactness``,
-``agreement``, ``rank``, ``retrieval``, ``generalization``, ``downstream``, ``gates`` and ``plots`` (any may be
-missing).
+``agreement``, ``rank``, ``retrieval``, ``generalization``, ``downstream``, ``gates``, ``plots`` and
+``provenance`` (:func:`loki.provenance.provenance`: commit, package versions, device; any may be missing).
 """
 
 from __future__ import annotations
@@ -105,6 +105,17 @@ def markdown_report(results: dict) -> str:
             f"- wall time: {_fmt(results.get('seconds'), 1)} s, torch threads: {s.get('threads')}",
             "",
         ]
+    prov = results.get("provenance")
+    if prov:
+        commit = prov.get("commit")
+        code = "not a git checkout"
+        if commit:
+            code = f"commit {commit[:12]}" + (" with local changes" if prov.get("dirty") else "")
+        versions = ", ".join(f"{k} {v}" for k, v in (prov.get("versions") or {}).items() if v)
+        dev = prov.get("device") or {}
+        if out[-1] == "":
+            out.pop()
+        out += [f"- code: {code}; {versions}; device: {dev.get('type')} ({dev.get('name')})", ""]
     gates = results.get("gates")
     if gates:
         failed = [g for g in gates if not g["passed"]]
