@@ -32,6 +32,9 @@ def build_parser(load: str | None = None) -> argparse.ArgumentParser:
         description="Loki: low-rank-key sparse attention. Calibrate PCA bases of attention keys, evaluate "
         "sparse attention methods on real models, and benchmark the decode kernels.",
     )
+    from loki._version import __version__
+
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_) in COMMANDS.items():
         p = sub.add_parser(name, help=help_, description=help_)
