@@ -39,15 +39,16 @@ def measure_accuracy(profile: str = ACCURACY_PROFILE) -> dict:
     opts = profile_options(profile, progress=False, log=None, rank=False, retrieval=None, downstream=False)
     res = run_suite(model, tokenizer, opts)
     rows = {r["name"]: r for r in res["perplexity"]}
-    exact = {r["name"]: r for r in res.get("exactness", [])}
-    full_x = exact.get("full", {}).get("ppl")
+    exact = res.get("exactness", [])
+    full_x = next((r["ppl"] for r in exact if _role(r) == "baseline"), None)
+    checks = {r["name"]: r for r in exact if _reproduces(r)}  # Loki with d = D (and k = all)
     ppl_delta = {name: r["increase"] for name, r in rows.items()}
-    ppl_delta.update({name: r["ppl"] / full_x - 1.0 for name, r in exact.items() if "d=D" in name and full_x})
+    ppl_delta.update({name: r["ppl"] / full_x - 1.0 for name, r in checks.items() if full_x})
     return {
         "settings": res["settings"],
         "profile": profile,
         "device": str(model.device),
-        "ppl": {name: r["ppl"] for name, r in {**rows, **{n: r for n, r in exact.items() if "d=D" in n}}.items()},
+        "ppl": {name: r["ppl"] for name, r in {**rows, **checks}.items()},
         "ppl_delta": ppl_delta,
         "tokens_per_second": {name: r["tokens"] / r["seconds"] for name, r in rows.items()},
         "agreement": {
@@ -55,6 +56,22 @@ def measure_accuracy(profile: str = ACCURACY_PROFILE) -> dict:
             for basis, a in res.get("agreement", {}).items()
         },
     }
+
+
+def _role(row: dict) -> str:
+    """A row's role (``loki.evaluation.perplexity.METHOD_ROLES``), read from its fields, not its display name;
+    results of commits before the ``role`` field: from the method."""
+    return row.get("role") or {"full": "baseline", "exact_topk": "oracle"}.get(row["method"], row["method"])
+
+
+def _reproduces(row: dict) -> str | None:
+    """What an exactness row must reproduce (``reproduces``; before that field: Loki with the fraction d = 1.0)."""
+    if "reproduces" in row:
+        return row["reproduces"]
+    d, k = row.get("d"), row.get("k")
+    if row.get("method") == "loki" and isinstance(d, float) and d == 1.0:
+        return "baseline" if k == 1.0 else "oracle"
+    return None
 
 
 class _AccuracySuite:

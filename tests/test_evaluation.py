@@ -282,7 +282,15 @@ def test_long_thresholds_and_retrieval_gates(tmp_path):
     data = gates.update_thresholds({"wikitext": only}, path, "long", long_length=8192)
     assert set(data["profiles"]["long"]["ppl_delta_max"]) == {"loki-score[query]@T8192,k0.125"}
     assert data["profiles"]["long"]["retrieval_min"]["all@8192:loki-score[query]"]["min"] == pytest.approx(0.6)
+    # a retrieval-only run says so (settings["parts"]): its perplexity and agreement limits are not run ...
+    only["settings"] = dict(res["settings"], parts={"perplexity": False, "agreement": False, "retrieval": True})
     assert not _failed(only, gates.load_thresholds(path), "long")
+    # ... while results that should hold perplexity and agreement rows but hold none fail, unless allow_missing
+    bare = dict(only, settings=dict(res["settings"]))
+    assert {"results: perplexity rows", "exactness: d = D rows", "regression: jaccard (post basis)"} <= _failed(
+        bare, gates.load_thresholds(path), "long")
+    assert not [g for g in gates.evaluate_gates(bare, gates.load_thresholds(path), "long", allow_missing=True)
+                if not g["passed"]]
 
 
 def test_downstream_thresholds_recorded_and_gated(tmp_path):
@@ -323,6 +331,133 @@ def test_markdown_report(tmp_path):
     res["perplexity"] += [_row("loki-post[query]", "loki", 21.0, T=4096)]
     assert report.write_length_plot(res, tmp_path) == {"ppl_vs_length": "ppl_vs_length.png"}
     assert (tmp_path / "ppl_vs_length.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def _renamed(res: dict) -> dict:
+    """The same run with every setting renamed (new-format rows: role, reproduces, comparison kinds)."""
+    res = json.loads(json.dumps(res))
+    new = {}
+
+    def rename(name):
+        return new.setdefault(name, f"setting {len(new)}")
+
+    roles = {"full": "baseline", "exact_topk": "oracle", "loki": "loki", "h2o": "competitor"}
+    for r in res["perplexity"] + res["exactness"]:
+        r["role"] = roles[r["method"]]
+        r["name"] = rename(r["name"])
+    res["exactness"][2]["reproduces"], res["exactness"][3]["reproduces"] = "baseline", "oracle"
+    kinds = ["oracle_vs_baseline", "loki_vs_oracle", "loki_vs_oracle", "loki_vs_oracle", "loki_vs_h2o",
+             "default_vs_basis", "default_vs_basis"]
+    for c, kind in zip(res["comparisons"], kinds):
+        c.update(a=rename(c["a"]), b=rename(c["b"]), kind=kind)
+    return res
+
+
+def test_gates_choose_rows_by_role_not_by_display_name():
+    """Renaming every setting keeps every gate (and its verdict): rows are chosen by role, basis, GQA mode and
+    the exactness row's ``reproduces``, comparisons by ``kind``."""
+    res = _results()
+    before = gates.evaluate_gates(res, THRESH, "tests")
+    after = gates.evaluate_gates(_renamed(res), THRESH, "tests")
+    prefix = lambda gs: sorted(g["name"].split(":")[0].split(" (")[0] for g in gs)  # noqa: E731
+    assert prefix(after) == prefix(before)
+    assert [g["passed"] for g in after] == [g["passed"] for g in before]
+    for kind in ("exactness", "ordering", "fidelity", "Loki best basis"):
+        assert any(g["name"].startswith(kind) for g in after), kind
+    bad = _renamed(res)
+    bad["exactness"][2]["ppl"] = 20.1  # the renamed d = D, k = all row no longer reproduces full attention
+    assert [g["name"] for g in gates.evaluate_gates(bad, THRESH, "tests") if not g["passed"]] == [
+        "exactness: Loki d=D, k=all == full (setting 6)"]
+
+
+def test_a_run_with_nothing_to_check_fails():
+    settings = _results()["settings"]
+    empty = {"settings": settings, "perplexity": [], "comparisons": []}
+    gs = gates.evaluate_gates(empty, THRESH, "tests")
+    assert {g["name"] for g in gs if not g["passed"]} >= {"results: perplexity rows", "exactness: d = D rows"}
+    assert gates.verdict(gs) == (False, gates.verdict(gs)[1]) and "FAILED" in gates.verdict(gs)[1]
+    assert gates.verdict([]) == (False, "FAILED: no gates ran (the results hold nothing to check)")
+    assert gates.verdict(gates.evaluate_gates(empty, THRESH, "tests", allow_missing=True))[0]
+    assert gates.verdict(gates.evaluate_gates({}, THRESH, "tests"))[0] is False  # no settings at all
+
+
+def _long_run(increase, lo, hi, diff=None):
+    """A long-profile run holding the default Loki row at 1024-token windows (and a retrieval cell at 8k)."""
+    thr = gates.load_thresholds()
+    settings = dict(thr["profiles"]["long"]["settings"], default_basis="score",
+                    parts={"perplexity": False, "agreement": False, "retrieval": diff is not None})
+    row = _row("loki-score[query]", "loki", 20.0 * (1 + increase), basis="score", T=1024)
+    row.update(increase=increase, increase_lo=lo, increase_hi=hi)
+    res = {"settings": settings, "perplexity": [row], "comparisons": []}
+    if diff is not None:
+        res["retrieval"] = {"cells": [{"task": "all", "context_len": 8192, "name": "loki-score[query]",
+                                       "method": "loki", "basis": "score", "gqa_select": "query", "k": 0.125, "n": 96,
+                                       "accuracy": 0.58, "ci": [0.48, 0.68], "reference": "exact_topk[query]",
+                                       "diff": {"diff": diff[0], "lo": diff[1], "hi": diff[2]}}]}
+    return res, thr
+
+
+def test_target_at_1024_tokens_is_the_readme_target_with_a_recorded_known_miss():
+    """The shipped 1024-token target is +8% (the README's), not +15%; the default configuration's miss is a
+    known miss recorded with its measured value: reported, failing unless allowed, failing when worse."""
+    from loki.evaluation.targets import load_targets
+
+    ppl, ret = load_targets(gates.load_thresholds())
+    t1024 = next(t for t in ppl if (t.window, t.k) == (1024, 0.25))
+    assert t1024.max == 0.08 and t1024.known_misses["long"].measured == pytest.approx(0.1398, abs=1e-4)
+    res, thr = _long_run(0.14, 0.10, 0.18)  # as recorded
+    (g,) = [g for g in gates.evaluate_gates(res, thr, "long") if g["name"].startswith("fidelity")]
+    assert g["name"] == "fidelity: loki-score[query] within 8% of full at T=1024" and not g["passed"] and g["known"]
+    assert gates.verdict([g]) == (False, "FAILED: only known misses (1); --allow-known-misses accepts them")
+    assert gates.verdict([g], allow_known_misses=True)[0]
+    res, thr = _long_run(0.20, 0.16, 0.24)  # significantly worse than recorded: not excused
+    (g,) = [g for g in gates.evaluate_gates(res, thr, "long") if g["name"].startswith("fidelity")]
+    assert not g["passed"] and not g.get("known") and "does not excuse it" in g["note"]
+    assert not gates.verdict([g], allow_known_misses=True)[0]
+    res, thr = _long_run(0.10, 0.07, 0.13)  # the interval reaches the target: no evidence of a miss
+    assert all(g["passed"] for g in gates.evaluate_gates(res, thr, "long") if g["name"].startswith("fidelity"))
+    # the retrieval target: -2 points; the recorded miss excuses -2.1 points, not a significantly worse run
+    res, thr = _long_run(0.02, 0.01, 0.03, diff=(-0.021, -0.066, 0.024))
+    (r,) = [g for g in gates.evaluate_gates(res, thr, "long") if g["name"].startswith("target: retrieval")]
+    assert r["passed"]  # the interval reaches -2 points
+    res, thr = _long_run(0.02, 0.01, 0.03, diff=(-0.12, -0.18, -0.06))
+    (r,) = [g for g in gates.evaluate_gates(res, thr, "long") if g["name"].startswith("target: retrieval")]
+    assert not r["passed"] and not r.get("known")
+
+
+def test_readme_report_and_gates_read_one_set_of_targets(tmp_path):
+    from pathlib import Path
+
+    from loki.evaluation.targets import targets_markdown
+
+    thr = gates.load_thresholds()
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert targets_markdown(thr) in readme, "README's targets table differs from accuracy_thresholds.json"
+    assert "fidelity" not in thr and "ppl_rel_max" not in json.dumps(thr), "a second set of target numbers"
+    res, _ = _long_run(0.14, 0.10, 0.18)
+    md = report.markdown_report(res, thr)
+    assert "## Targets" in md
+    assert ("| default Loki, 1024-token windows, k_f = 0.25: perplexity within +8.0% | +8.0% | +14.0% [+10.0%, +18.0%] "
+            "| missed |") in md
+    assert "| default Loki, 8192-token windows, k_f = 0.25: perplexity within +4.0% | +4.0% | - | not measured |" in md
+
+
+def test_suite_rows_and_comparisons_carry_roles():
+    from types import SimpleNamespace
+
+    from loki.evaluation import suite
+
+    def res(method, basis=None, gqa="query", shift=0.0):
+        return SimpleNamespace(method=method, basis=basis, gqa_select=gqa,
+                               token_nll=torch.full((2, 255), 3.0 + shift, dtype=torch.float64))
+
+    measured = {"A": res("full"), "B": res("exact_topk", shift=0.1), "C": res("loki", "score", shift=0.2),
+                "D": res("loki", "post", shift=0.3), "E": res("h2o", shift=0.4)}
+    opts = suite.profile_options("tests")
+    kinds = {(c["a"], c["b"]): c["kind"] for c in suite._comparisons(measured, 512, 0.25, "decode", opts)}
+    assert kinds == {("B", "A"): "oracle_vs_baseline", ("C", "B"): "loki_vs_oracle", ("D", "B"): "loki_vs_oracle",
+                     ("C", "E"): "loki_vs_h2o", ("D", "E"): "loki_vs_h2o", ("C", "D"): "default_vs_basis"}
+    assert perplexity.method_role("exact_topk") == "oracle" and perplexity.method_role("sparq") == "competitor"
 
 
 def test_basis_cache_path_keys(tiny, tmp_path):

@@ -1,10 +1,16 @@
 """The gates of the accuracy suite, decided on 95% intervals, and the thresholds file they read.
 
 The thresholds ship with the package (``loki/evaluation/accuracy_thresholds.json``): structural tolerances,
-the fidelity bound of the default basis, downstream limits, and per profile (``tests``, ``check``, ``long``) the
+the project's accuracy targets (``targets``, :mod:`loki.evaluation.targets`: the one set of numbers the README,
+the report and the gates read), downstream limits, and per profile (``tests``, ``check``, ``long``) the
 regression limits recorded from measurements on three texts (WikiText-2 and the held-out packaged Wikipedia and
 book passages; :func:`update_thresholds`), each limit the largest of the three measurements plus a margin, so it
 holds on each text.
+
+Rows are chosen by the fields they carry (``role``: baseline, oracle, loki, competitor; ``basis``,
+``gqa_select``, ``k``, ``seq_len``; exactness rows name the row they must ``reproduce``; comparisons their
+``kind``), never by parsing display names.  Results written before these fields existed are read through the
+``method``, ``k`` and ``d`` fields they do carry.
 
 How an interval decides (a gate fails only on evidence):
 
@@ -14,11 +20,16 @@ How an interval decides (a gate fails only on evidence):
   ``-ordering_rel_tol`` (a sparse method significantly better than the dense or oracle one means a bug);
 - Loki's best basis against H2O at the same budget: fails when the interval of Loki over H2O lies entirely
   above 0 (Loki significantly worse);
-- fidelity: the default basis' increase over full attention fails when its interval lies entirely above the
-  bound, and against each PCA basis when the interval lies entirely above 0;
+- targets and fidelity: the default basis' increase over full attention fails when its interval lies entirely
+  above the target (at every window length and k_f the run measures that has a target), and against each PCA
+  basis when the interval lies entirely above 0; a known miss of the profile is reported as such
+  (:mod:`loki.evaluation.targets`);
 - regression: a perplexity increase fails when its interval lies entirely above the recorded limit; Jaccard and
   attention mass (means over thousands of rows and every layer and head) fail below their limits; retrieval
   accuracy fails when its interval lies entirely below the recorded limit.
+
+A part of the run that was switched on (``settings["parts"]``) but left no rows, and a gated setting the run
+lacks, fail unless ``allow_missing``: a run never passes by having nothing to check (:func:`verdict`).
 """
 
 from __future__ import annotations
@@ -26,8 +37,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-__all__ = ["DEFAULT_THRESHOLDS", "evaluate_gates", "load_thresholds", "retrieval_cells", "row_key",
-           "update_thresholds"]
+from loki.evaluation.perplexity import method_role
+
+__all__ = ["DEFAULT_THRESHOLDS", "evaluate_gates", "load_thresholds", "primary_setting", "retrieval_cells",
+           "row_key", "row_role", "update_thresholds", "verdict"]
 
 #: The thresholds file shipped with the package.
 DEFAULT_THRESHOLDS = Path(__file__).resolve().parent / "accuracy_thresholds.json"
@@ -51,6 +64,42 @@ def row_key(row: dict, primary: tuple[int, float]) -> str:
     return f"{row['name']}@T{row['seq_len']},k{row['k']:g}"
 
 
+def row_role(row: dict) -> str:
+    """A row's role (baseline, oracle, loki, competitor): its ``role`` field, or (older results) its method's."""
+    return row.get("role") or method_role(row["method"])
+
+
+def row_reproduces(row: dict) -> str | None:
+    """The role of the row an exactness row must reproduce (``baseline`` for Loki with d = D and k = all,
+    ``oracle`` for d = D at k_f), or None.  Older results: Loki with the fraction d = 1.0."""
+    if "reproduces" in row:
+        return row["reproduces"]
+    d, k = row.get("d"), row.get("k")
+    if row.get("method") == "loki" and isinstance(d, float) and d == 1.0:
+        return "baseline" if isinstance(k, float) and k == 1.0 else "oracle"
+    return None
+
+
+def comparison_kind(c: dict, rows: dict[str, dict]) -> str | None:
+    """A comparison's ``kind`` (oracle_vs_baseline, loki_vs_oracle, loki_vs_h2o, default_vs_basis), or for older
+    results the kind the roles of the two rows it names imply (``loki_vs_loki`` for two Loki rows)."""
+    if "kind" in c:
+        return c["kind"]
+    a, b = rows.get(c["a"]), rows.get(c["b"])
+    if a is None or b is None:
+        return None
+    ra, rb = row_role(a), row_role(b)
+    if (ra, rb) == ("oracle", "baseline"):
+        return "oracle_vs_baseline"
+    if (ra, rb) == ("loki", "oracle"):
+        return "loki_vs_oracle"
+    if ra == "loki" and b.get("method") == "h2o":
+        return "loki_vs_h2o"
+    if (ra, rb) == ("loki", "loki"):
+        return "loki_vs_loki"
+    return None
+
+
 def retrieval_cells(results: dict) -> dict[str, dict]:
     """The pooled retrieval cells of a run (every task on which full attention is above chance, per context
     length and method) by ``all@<length>:<method>``, with ``accuracy``, ``lo``, ``hi`` and ``method``."""
@@ -62,9 +111,19 @@ def retrieval_cells(results: dict) -> dict[str, dict]:
     return out
 
 
-def _primary(results: dict) -> tuple[int, float]:
+def primary_setting(results: dict) -> tuple[int, float]:
+    """(window length, k_f) of the run's primary setting, where the structural gates look."""
     s = results.get("settings", {})
     return int(s["windows"][0][0]), float(s["k"])
+
+
+def run_parts(results: dict) -> dict[str, bool]:
+    """Which parts of the suite the run was asked for (``settings["parts"]``); older results: perplexity and
+    agreement always, retrieval when it is there."""
+    parts = results.get("settings", {}).get("parts")
+    if parts is not None:
+        return {k: bool(v) for k, v in parts.items()}
+    return {"perplexity": True, "agreement": True, "retrieval": bool(results.get("retrieval"))}
 
 
 def _gate(name, value, bound, passed, bound_text=None, note=None) -> dict:
@@ -76,65 +135,122 @@ def _gate(name, value, bound, passed, bound_text=None, note=None) -> dict:
     return g
 
 
+def _missing(name: str, what: str, allow_missing: bool) -> dict:
+    note = f"{what}; " + ("accepted by --allow-missing" if allow_missing else "--allow-missing accepts it")
+    return _gate(name, None, None, allow_missing, bound_text="present", note=note)
+
+
 def _ci(x: dict, pre="increase") -> str:
     lo, hi = (x.get(f"{pre}_lo"), x.get(f"{pre}_hi")) if pre else (x.get("lo"), x.get("hi"))
     return f"[{100 * lo:+.2f}%, {100 * hi:+.2f}%]" if lo is not None else ""
 
 
-def evaluate_gates(results: dict, thresholds: dict, profile: str = "check") -> list[dict]:
-    """The gates of one run (module docstring); each ``{"name", "value", "bound", "passed", ...}``."""
+def _profile_applies(results: dict, thresholds: dict, profile: str) -> tuple[bool, dict]:
+    prof = thresholds.get("profiles", {}).get(profile) or {}
+    settings = results.get("settings", {})
+    mismatch = {k: (settings.get(k), v) for k, v in prof.get("settings", {}).items() if settings.get(k) != v}
+    return bool(prof) and not mismatch, mismatch
+
+
+def evaluate_gates(results: dict, thresholds: dict, profile: str = "check", *,
+                   allow_missing: bool = False) -> list[dict]:
+    """The gates of one run (module docstring); each ``{"name", "value", "bound", "passed", ...}``; a failing
+    target gate excused by a known miss of the profile carries ``"known"`` (the recorded miss)."""
+    from loki.evaluation.targets import load_targets, target_gates
+
     gates: list[dict] = []
-    T0, k0 = _primary(results)
-    rows = {r["name"]: r for r in results.get("perplexity", []) if r.get("seq_len") == T0
-            and (r["method"] == "full" or r["k"] == k0)}
-    comps = {(c["a"], c["b"]): c for c in results.get("comparisons", []) if c["seq_len"] == T0 and c["k"] == k0}
+    if not results.get("settings", {}).get("windows"):
+        return [_missing("results: settings", "the results carry no settings (windows, k_f)", False)]
+    parts = run_parts(results)
+    T0, k0 = primary_setting(results)
+    all_rows = results.get("perplexity", [])
+    rows = {r["name"]: r for r in all_rows if r.get("seq_len") == T0
+            and (row_role(r) == "baseline" or r["k"] == k0)}
+    comps = [c for c in results.get("comparisons", []) if c["seq_len"] == T0 and c["k"] == k0]
     tol = float(thresholds.get("exactness_rel_tol", 1e-4))
     otol = float(thresholds.get("ordering_rel_tol", 1e-6))
 
-    ex = {r["name"]: r for r in results.get("exactness", [])}
-    full_x, exact_x = ex.get("full"), ex.get("exact_topk[query]")
-    for name, r in ex.items():
-        ref = full_x if "k=all" in name else exact_x if "(d=D)" in name else None
-        if ref is not None:
+    if parts.get("perplexity"):
+        if not any(row_role(r) == "baseline" for r in rows.values()) or not any(
+                row_role(r) == "loki" for r in rows.values()):
+            gates.append(_missing("results: perplexity rows", f"no full-attention and Loki rows at T={T0}, "
+                                  f"k_f={k0:g} although the perplexity part ran", allow_missing))
+        ex = results.get("exactness", [])
+        refs = {"baseline": next((r for r in ex if row_role(r) == "baseline"), None),
+                "oracle": next((r for r in ex if row_role(r) == "oracle" and r.get("gqa_select", "query") == "query"),
+                               None)}
+        checked = 0
+        for r in ex:
+            want = row_reproduces(r)
+            if want not in refs:
+                continue
+            what = "Loki d=D, k=all == full" if want == "baseline" else "Loki d=D == exact top-k"
+            ref = refs[want]
+            if ref is None:
+                gates.append(_missing(f"exactness: {what} ({r['name']})", f"no {want} row to compare with",
+                                      allow_missing))
+                continue
             rel = abs(r["ppl"] / ref["ppl"] - 1)
-            what = "Loki d=D, k=all == full" if ref is full_x else "Loki d=D == exact top-k"
-            gates.append(_gate(f"exactness: {what} ({name})", rel, tol, rel <= tol, f"<= {tol:g}"))
+            gates.append(_gate(f"exactness: {what} ({r['name']})", rel, tol, rel <= tol, f"<= {tol:g}"))
+            checked += 1
+        if not checked and not any(g["name"].startswith("exactness:") for g in gates):
+            gates.append(_missing("exactness: d = D rows", "no exactness rows although the perplexity part ran",
+                                  allow_missing))
 
-    def better_than(a, b, label):
-        c = comps.get((a, b))
-        if c is not None:
-            gates.append(_gate(f"ordering: {label}", c["increase"], -otol, c["hi"] >= -otol,
-                               f"interval {_ci(c, None)} not all below {-otol:g}"))
+    def ordering(c):
+        gates.append(_gate(f"ordering: {c['b']} <= {c['a']}", c["increase"], -otol, c["hi"] >= -otol,
+                           f"interval {_ci(c, None)} not all below {-otol:g}"))
 
-    better_than("exact_topk[query]", "full", "full <= exact_topk[query]")
-    for a, b in comps:
-        if a.startswith("loki-") and b.startswith("exact_topk"):
-            better_than(a, b, f"{b} <= {a}")
-    loki_q = [r for n, r in rows.items() if n.startswith("loki-") and n.endswith("[query]")]
-    if "h2o" in rows and loki_q:
+    kinds = [(comparison_kind(c, rows), c) for c in comps]
+    for kind, c in kinds:
+        if kind == "oracle_vs_baseline" and rows.get(c["a"], {}).get("gqa_select", "query") == "query":
+            ordering(c)
+    for kind, c in kinds:
+        if kind == "loki_vs_oracle":
+            ordering(c)
+    loki_q = [r for r in rows.values() if row_role(r) == "loki" and r.get("gqa_select", "query") == "query"]
+    h2o = [r for r in rows.values() if r.get("method") == "h2o"]
+    if h2o and loki_q:
         best = min(loki_q, key=lambda r: r["ppl"])
-        c = comps.get((best["name"], "h2o"))
-        if c is not None:
+        c = next((c for kind, c in kinds if kind == "loki_vs_h2o" and c["a"] == best["name"]), None)
+        if c is None:
+            gates.append(_missing(f"Loki best basis ({best['name']}) not worse than H2O at k={k0:g}",
+                                  "no paired comparison with H2O", allow_missing))
+        else:
             gates.append(_gate(f"Loki best basis ({best['name']}) not worse than H2O at k={k0:g}", c["increase"], 0.0,
                                c["lo"] <= 0.0, f"interval vs h2o {_ci(c, None)} not all above 0"))
-    fid = thresholds.get("fidelity")
+    applies, _ = _profile_applies(results, thresholds, profile)
+    ppl_targets, ret_targets = load_targets(thresholds, (T0, k0))
     default = results.get("settings", {}).get("default_basis", "score")
-    if fid:
-        sc, m = rows.get(f"loki-{default}[query]"), None
-        if sc is not None and "increase_lo" in sc:
-            bounds = fid["ppl_rel_max"]
-            m = bounds.get(str(T0)) if isinstance(bounds, dict) else bounds
-        if sc is not None and "increase_lo" in sc and m is not None:
-            m = float(m)
-            gates.append(_gate(f"fidelity: loki-{default}[query] within {m:.0%} of full at T={T0}", sc["increase"],
-                               m, sc["increase_lo"] <= m, f"interval {_ci(sc)} not all above {m:g}"))
-        for (a, b), c in comps.items():
-            if a.startswith(f"loki-{default}[") and b.startswith("loki-"):
-                gates.append(_gate(f"fidelity: {a} not worse than {b}", c["increase"], 0.0, c["lo"] <= 0.0,
+    if ppl_targets or ret_targets:
+        gates += target_gates(results, thresholds, profile, profile_applies=applies)
+        for kind, c in kinds:
+            a, b = rows.get(c["a"]), rows.get(c["b"])
+            if (kind in ("default_vs_basis", "loki_vs_loki") and a is not None and b is not None
+                    and a.get("basis") == default and b.get("basis") != default):
+                gates.append(_gate(f"fidelity: {c['a']} not worse than {c['b']}", c["increase"], 0.0, c["lo"] <= 0.0,
                                    f"interval {_ci(c, None)} not all above 0"))
     gates += _downstream_gates(results, thresholds)
-    gates += _regression_gates(results, thresholds, profile)
+    gates += _regression_gates(results, thresholds, profile, parts, allow_missing)
     return gates
+
+
+def verdict(gates: list[dict], *, allow_known_misses: bool = False) -> tuple[bool, str]:
+    """(passed, summary) of a run's gates: failures fail, known misses fail unless ``allow_known_misses``, and a
+    run with no gates at all fails (nothing was checked)."""
+    if not gates:
+        return False, "FAILED: no gates ran (the results hold nothing to check)"
+    failed = [g for g in gates if not g["passed"]]
+    known = [g for g in failed if g.get("known")]
+    unknown = [g for g in failed if not g.get("known")]
+    if not failed:
+        return True, "all gates passed"
+    if not unknown and allow_known_misses:
+        return True, (f"all gates passed but {len(known)} known miss(es) (--allow-known-misses): the targets are "
+                      "still missed, no worse than recorded")
+    if not unknown:
+        return False, f"FAILED: only known misses ({len(known)}); --allow-known-misses accepts them"
+    return False, f"FAILED {len(unknown)} gate(s)" + (f" and {len(known)} known miss(es)" if known else "")
 
 
 def _downstream_gates(results, thresholds) -> list[dict]:
@@ -156,39 +272,38 @@ def _downstream_gates(results, thresholds) -> list[dict]:
     return gates
 
 
-def _regression_gates(results, thresholds, profile) -> list[dict]:
+def _regression_gates(results, thresholds, profile, parts=None, allow_missing=False) -> list[dict]:
     prof = thresholds.get("profiles", {}).get(profile)
     if not prof:
         return []
-    settings = results.get("settings", {})
-    mismatch = {k: (settings.get(k), v) for k, v in prof.get("settings", {}).items() if settings.get(k) != v}
-    if mismatch:
+    parts = parts if parts is not None else run_parts(results)
+    applies, mismatch = _profile_applies(results, thresholds, profile)
+    if not applies:
         return [_gate("regression thresholds apply", None, None, True, bound_text="skipped (settings differ)",
                       note=f"skipped: settings differ from profile {profile!r}: {mismatch}")]
     gates = []
-    primary = _primary(results)
+    primary = primary_setting(results)
     rows = {row_key(r, primary): r for r in results.get("perplexity", [])}
-    for name, t in prof.get("ppl_delta_max", {}).items() if results.get("perplexity") else ():
+    for name, t in prof.get("ppl_delta_max", {}).items() if parts.get("perplexity") else ():
         r = rows.get(name)
         if r is None or "increase_lo" not in r:
-            gates.append(_gate(f"regression: {name} ppl increase", None, t["max"], False, note="missing from the run"))
+            gates.append(_missing(f"regression: {name} ppl increase", "missing from the run", allow_missing))
             continue
         gates.append(_gate(f"regression: {name} ppl increase", r["increase"], t["max"], r["increase_lo"] <= t["max"],
                            f"interval {_ci(r)} not all above {t['max']:.4f}"))
-    for kind in ("jaccard", "mass"):
+    for kind in ("jaccard", "mass") if parts.get("agreement") else ():
         for name, t in prof.get(f"{kind}_min", {}).items():
             a = results.get("agreement", {}).get(name)
-            if a is not None:
-                v = a[f"{kind}_mean"]
-                gates.append(_gate(f"regression: {kind} ({name} basis)", v, t["min"], v >= t["min"],
-                                   f">= {t['min']:.4f}"))
+            if a is None:
+                gates.append(_missing(f"regression: {kind} ({name} basis)", "missing from the run", allow_missing))
+                continue
+            v = a[f"{kind}_mean"]
+            gates.append(_gate(f"regression: {kind} ({name} basis)", v, t["min"], v >= t["min"], f">= {t['min']:.4f}"))
     ret = retrieval_cells(results)
-    for name, t in prof.get("retrieval_min", {}).items():
+    for name, t in prof.get("retrieval_min", {}).items() if parts.get("retrieval") else ():
         c = ret.get(name)
-        if c is None and not ret:
-            continue  # a run without the retrieval suite (--no-retrieval)
         if c is None:
-            gates.append(_gate(f"regression: retrieval {name}", None, t["min"], False, note="missing from the run"))
+            gates.append(_missing(f"regression: retrieval {name}", "missing from the run", allow_missing))
             continue
         gates.append(_gate(f"regression: retrieval {name}", c["accuracy"], t["min"], c["hi"] >= t["min"],
                            f"interval [{c['lo']:.3f}, {c['hi']:.3f}] not all below {t['min']:.3f}"))
@@ -209,11 +324,12 @@ def update_thresholds(runs: dict[str, dict], path: str | Path, profile: str, *, 
     path = Path(path)
     data = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     first = next(iter(runs.values()))
-    primary = _primary(first)
+    primary = primary_setting(first)
     prof = {"settings": {k: first["settings"][k] for k in ("k", "d", "k_values", "calibration", "windows", "bases",
                                                             "methods")},
             "measured_on": {t: {"full_ppl": next((round(r["ppl"], 6) for r in res["perplexity"]
-                                                  if r["method"] == "full" and r["seq_len"] == primary[0]), None),
+                                                  if row_role(r) == "baseline" and r["seq_len"] == primary[0]),
+                                                 None),
                                 "eval_origin": res["settings"]["eval_origin"], "card": res["settings"].get("card"),
                                 "torch": res["settings"]["torch"]} for t, res in runs.items()},
             "margins": {"ppl_delta": f"max = max over texts of measured * (1 + {ppl_margin_rel}) + {ppl_margin_abs}",
@@ -223,7 +339,7 @@ def update_thresholds(runs: dict[str, dict], path: str | Path, profile: str, *, 
     measured: dict[str, dict[str, float]] = {}
     for t, res in runs.items():
         for r in res["perplexity"]:
-            if r["method"] == "full" or "increase" not in r:
+            if row_role(r) == "baseline" or "increase" not in r:
                 continue
             if long_length is not None:
                 if r["seq_len"] != long_length:

@@ -30,11 +30,13 @@ from loki._checks import resolve_k
 from loki._hf import cache_keyword
 
 __all__ = [
+    "METHOD_ROLES",
     "PROTOCOLS",
     "MethodSpec",
     "PerplexityResult",
     "effective_density",
     "evaluate_methods",
+    "method_role",
     "nll_per_token",
     "perplexity",
     "standard_methods",
@@ -43,6 +45,19 @@ __all__ = [
 PROTOCOLS = ("decode", "paper")
 #: Method names accepted by :class:`MethodSpec` ("full" = the model's own dense attention, untouched).
 METHOD_NAMES = ("full", "dense", "exact_topk", "loki", "pcaattn", "sparq", "h2o")
+#: The role of each method in the evaluation, carried by every result row (``row["role"]``) so that gates and
+#: reports select rows by it, never by display names: ``baseline`` (dense attention), ``oracle`` (exact top-k,
+#: the best any selection can do), ``loki`` (the method under test), ``competitor`` (other sparse methods).
+METHOD_ROLES = {"full": "baseline", "dense": "baseline", "exact_topk": "oracle", "loki": "loki",
+                "pcaattn": "competitor", "sparq": "competitor", "h2o": "competitor"}
+
+
+def method_role(method: str) -> str:
+    """The role (:data:`METHOD_ROLES`) of a method name."""
+    try:
+        return METHOD_ROLES[method]
+    except KeyError:
+        raise ValueError(f"method must be one of {METHOD_NAMES}, got {method!r}") from None
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ import torch
 from loki.basis import config_fingerprint, config_head_dim
 from loki.evaluation.bases import DEFAULT_RECIPE, CalibrationRecipe, get_bases
 from loki.evaluation.intervals import paired_increase
-from loki.evaluation.perplexity import MethodSpec, perplexity, standard_methods
+from loki.evaluation.perplexity import MethodSpec, method_role, perplexity, standard_methods
 
 __all__ = ["PROFILES", "SuiteOptions", "profile_options", "run_suite", "suite_methods"]
 
@@ -115,9 +115,12 @@ def suite_methods(opts: SuiteOptions, head_dim: int, T: int, k: float) -> list[M
     return [s for s in specs if (s.method != "h2o" or keep_h2o) and (s.method != "sparq" or long)]
 
 
-def _row(r, T: int, N: int, full=None) -> dict:
+def _row(r, T: int, N: int, full=None, default_basis: str | None = None) -> dict:
+    """A result row: the method's fields, ``role`` (baseline, oracle, loki, competitor), ``default`` (the default
+    Loki configuration's basis), the window, and the increase over ``full`` with its paired interval."""
     row = r.to_dict()
-    row.update(seq_len=T, windows=N)
+    row.update(role=method_role(r.method), default=bool(r.method == "loki" and r.basis == default_basis),
+               seq_len=T, windows=N)
     if full is not None:
         inc = paired_increase(r.token_nll, full.token_nll)
         row.update(increase=inc["increase"], increase_lo=inc["lo"], increase_hi=inc["hi"])
@@ -125,27 +128,36 @@ def _row(r, T: int, N: int, full=None) -> dict:
 
 
 def _comparisons(measured: dict, T: int, k: float, protocol: str, opts: SuiteOptions) -> list[dict]:
-    """Paired intervals between the settings the gates compare (same tokens): every Loki row against exact
-    top-k in its GQA mode and against H2O, and the default basis against the PCA bases."""
+    """Paired intervals between the settings the gates compare (same tokens), each with its ``kind``: exact top-k
+    against full attention (``oracle_vs_baseline``), every Loki row against exact top-k in its GQA mode
+    (``loki_vs_oracle``) and against H2O (``loki_vs_h2o``), and the default basis against the PCA bases
+    (``default_vs_basis``).  Rows are chosen by their method, basis and GQA mode, never by their names."""
     out = []
 
-    def add(a, b):
-        if a in measured and b in measured:
-            inc = paired_increase(measured[a].token_nll, measured[b].token_nll)
-            out.append(dict(a=a, b=b, seq_len=T, k=k, protocol=protocol, increase=inc["increase"], lo=inc["lo"],
-                            hi=inc["hi"]))
+    def add(a, b, kind):
+        inc = paired_increase(measured[a].token_nll, measured[b].token_nll)
+        out.append(dict(a=a, b=b, kind=kind, seq_len=T, k=k, protocol=protocol, increase=inc["increase"],
+                        lo=inc["lo"], hi=inc["hi"]))
 
-    add("exact_topk[query]", "full")
-    for name in measured:
-        if name.startswith("loki-"):
-            g = name[name.rindex("[") + 1 : -1]
-            add(name, f"exact_topk[{g}]" if f"exact_topk[{g}]" in measured else "exact_topk[query]")
-            if g == "query":
-                add(name, "h2o")
+    oracle = {r.gqa_select: n for n, r in measured.items() if method_role(r.method) == "oracle"}
+    baseline = next((n for n, r in measured.items() if method_role(r.method) == "baseline"), None)
+    h2o = next((n for n, r in measured.items() if r.method == "h2o"), None)
+    if "query" in oracle and baseline is not None:
+        add(oracle["query"], baseline, "oracle_vs_baseline")
+    loki = {n: r for n, r in measured.items() if method_role(r.method) == "loki"}
+    for name, r in loki.items():
+        ref = oracle.get(r.gqa_select, oracle.get("query"))
+        if ref is not None:
+            add(name, ref, "loki_vs_oracle")
+        if r.gqa_select == "query" and h2o is not None:
+            add(name, h2o, "loki_vs_h2o")
     for g in ("query", "kv"):
-        for b in opts.bases:
-            if b != opts.default_basis:
-                add(f"loki-{opts.default_basis}[{g}]", f"loki-{b}[{g}]")
+        default = [n for n, r in loki.items() if r.basis == opts.default_basis and r.gqa_select == g]
+        for a in default:
+            for b in opts.bases:
+                other = next((n for n, r in loki.items() if r.basis == b and r.gqa_select == g), None)
+                if b != opts.default_basis and other is not None:
+                    add(a, other, "default_vs_basis")
     return out
 
 
@@ -174,6 +186,9 @@ def run_suite(model, tokenizer, opts: SuiteOptions | None = None, out_dir=None) 
             "dtype": str(model.dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
             "torch": torch.__version__,
             "card": torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else "cpu",
+            # the parts the run was asked for: a part that ran and left no rows fails its gates
+            "parts": {"perplexity": opts.perplexity, "agreement": opts.agreement and opts.perplexity,
+                      "retrieval": bool(opts.retrieval), "downstream": opts.downstream},
         },
         "perplexity": [], "paper_protocol": [], "comparisons": [],
     }
@@ -187,7 +202,8 @@ def run_suite(model, tokenizer, opts: SuiteOptions | None = None, out_dir=None) 
         bar.set_postfix_str(f"T={T} full")
         full = perplexity(model, w, MethodSpec("full", "full"), batch_size=opts.batch_size)
         bar.update()
-        results["perplexity"].append(_row(full, T, N) | {"increase": 0.0, "increase_lo": 0.0, "increase_hi": 0.0})
+        results["perplexity"].append(_row(full, T, N, default_basis=opts.default_basis)
+                                     | {"increase": 0.0, "increase_lo": 0.0, "increase_hi": 0.0})
         for k in opts.all_k:
             measured = {"full": full}
             for spec in suite_methods(opts, D, T, k):
@@ -196,14 +212,14 @@ def run_suite(model, tokenizer, opts: SuiteOptions | None = None, out_dir=None) 
                 bs = N if spec.method == "h2o" else opts.batch_size
                 r = perplexity(model, w, spec, bases, batch_size=bs)
                 measured[spec.name] = r
-                results["perplexity"].append(_row(r, T, N, full))
+                results["perplexity"].append(_row(r, T, N, full, opts.default_basis))
                 bar.update()
             results["comparisons"] += _comparisons(measured, T, k, "decode", opts)
             if opts.paper_protocol:
                 for spec in [MethodSpec("exact_topk[query]", "exact_topk", k=k)] + [
                         MethodSpec(f"loki-{b}[query]", "loki", k=k, d=opts.d, basis=b) for b in opts.bases]:
                     r = perplexity(model, w, spec, bases, protocol="paper", batch_size=opts.batch_size)
-                    results["paper_protocol"].append(_row(r, T, N, full))
+                    results["paper_protocol"].append(_row(r, T, N, full, opts.default_basis))
     bar.close()
     if opts.perplexity:
         results["exactness"] = _exactness(model, tokenizer, ev, bases, opts)
@@ -260,10 +276,16 @@ def _exactness(model, tokenizer, ev, bases, opts) -> list[dict]:
     T, N = opts.exactness_window
     w = token_windows(tokenizer, ev, T, N)
     rot = "post" if "post" in bases else next(iter(bases))
-    specs = [MethodSpec("full", "full"), MethodSpec("exact_topk[query]", "exact_topk", k=opts.k),
-             MethodSpec(f"loki-{rot}(d=D,k=all)", "loki", k=1.0, d=1.0, basis=rot),
-             MethodSpec(f"loki-{rot}(d=D)[query]", "loki", k=opts.k, d=1.0, basis=rot)]
-    return [_row(perplexity(model, w, s, bases), T, N) for s in specs]
+    specs = [(MethodSpec("full", "full"), None), (MethodSpec("exact_topk[query]", "exact_topk", k=opts.k), None),
+             (MethodSpec(f"loki-{rot}(d=D,k=all)", "loki", k=1.0, d=1.0, basis=rot), "baseline"),
+             (MethodSpec(f"loki-{rot}(d=D)[query]", "loki", k=opts.k, d=1.0, basis=rot), "oracle")]
+    rows = []
+    for spec, reproduces in specs:
+        row = _row(perplexity(model, w, spec, bases), T, N, default_basis=opts.default_basis)
+        if reproduces:
+            row["reproduces"] = reproduces  # the role of the row this setting must reproduce
+        rows.append(row)
+    return rows
 
 
 def _generalization(model, tokenizer, bases, opts) -> dict:
@@ -304,7 +326,9 @@ def _retrieval(model, tokenizer, bases, opts, out_dir, plots) -> dict:
     for s in methods:
         if s.method == "pcaattn":
             continue
-        if opts.retrieval_methods == "all" or s.name in ("exact_topk[query]", f"loki-{opts.default_basis}[query]"):
+        default = s.gqa_select == "query" and (s.method == "exact_topk" or (s.method == "loki"
+                                                                            and s.basis == opts.default_basis))
+        if opts.retrieval_methods == "all" or default:
             specs.append(s)
     res = retrieval.evaluate_retrieval(model, tokenizer, specs, bases, progress=opts.progress, **opts.retrieval)
     if out_dir is not None:
