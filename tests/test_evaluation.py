@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -426,8 +427,6 @@ def test_target_at_1024_tokens_is_the_readme_target_with_a_recorded_known_miss()
 
 
 def test_readme_report_and_gates_read_one_set_of_targets(tmp_path):
-    from pathlib import Path
-
     from loki.evaluation.targets import targets_markdown
 
     thr = gates.load_thresholds()
@@ -473,6 +472,30 @@ def test_basis_cache_path_keys(tiny, tmp_path):
     assert a != basis_cache_path(model, "packaged:wikipedia/calib", r, "score", tmp_path)
     other = tiny_model("llama", num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=128)
     assert a != basis_cache_path(other, "packaged:wikipedia/calib", r, "post", tmp_path)
+
+
+def test_basis_cache_key_follows_the_calibration_code(tiny, monkeypatch, tmp_path):
+    """A changed calibration (any source file of loki/calibration, loki/basis.py, the evaluation's bases module)
+    gives another cache path: a persistent runner never reads back bases fitted by older code."""
+    from loki.evaluation import bases as bases_mod
+    from loki.evaluation.bases import CalibrationRecipe, basis_cache_path
+
+    root = Path(bases_mod.__file__).resolve().parents[1]
+    assert set(bases_mod.CALIBRATION_SOURCES) == {root / "calibration", root / "basis.py",
+                                                  root / "evaluation" / "bases.py"}
+    code = tmp_path / "code"
+    (code / "calibration").mkdir(parents=True)
+    (code / "calibration" / "pca.py").write_text("def fit(): return 1\n")
+    (code / "basis.py").write_text("FORMAT = 1\n")
+    monkeypatch.setattr(bases_mod, "CALIBRATION_SOURCES", (code / "calibration", code / "basis.py"))
+    r = CalibrationRecipe(num_tokens=4096, seq_len=512, max_positions=1024)
+    a = basis_cache_path(tiny[0], "packaged:wikipedia/calib", r, "post", tmp_path)
+    assert a == basis_cache_path(tiny[0], "packaged:wikipedia/calib", r, "post", tmp_path)
+    (code / "calibration" / "pca.py").write_text("def fit(): return 2\n")
+    b = basis_cache_path(tiny[0], "packaged:wikipedia/calib", r, "post", tmp_path)
+    assert b != a
+    (code / "calibration" / "score_aware.py").write_text("\n")  # a new module counts too
+    assert basis_cache_path(tiny[0], "packaged:wikipedia/calib", r, "post", tmp_path) not in (a, b)
 
 
 def test_get_bases_one_pass_and_cache(tiny, monkeypatch, tmp_path):

@@ -11,7 +11,9 @@ sequence spans several passages: its keys cover every position even where its at
 dependency to follow.
 
 Bases are cached under ``$LOKI_CACHE/bases`` (see :func:`loki.evaluation.models.cache_root`), keyed by the
-model (config fingerprint and weights file), the text, the recipe and the project version.
+model (config fingerprint and weights file), the text, the recipe, the project version and a fingerprint of the
+calibration code (:func:`calibration_code_fingerprint`: the content of :data:`CALIBRATION_SOURCES`), so a
+changed calibration means new bases, never old ones read back.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from loki.basis import PCABasis, config_fingerprint
 from loki.calibration import BASIS_NAMES, fit_bases, model_context_length
 from loki.calibration.calibrate import iter_token_batches
 
-__all__ = ["DEFAULT_RECIPE", "CalibrationRecipe", "basis_cache_path", "get_bases"]
+__all__ = ["CALIBRATION_SOURCES", "DEFAULT_RECIPE", "CalibrationRecipe", "basis_cache_path",
+           "calibration_code_fingerprint", "get_bases"]
 
 
 @dataclass(frozen=True)
@@ -65,13 +68,33 @@ def _model_identity(model) -> str:
     return ident
 
 
+_LOKI = Path(__file__).resolve().parents[1]
+#: The code a cached basis depends on: the calibration package (key collection, statistics, PCA, the
+#: score-aware fit), the basis format and this module (the recipe's token batches).
+CALIBRATION_SOURCES: tuple[Path, ...] = (_LOKI / "calibration", _LOKI / "basis.py", Path(__file__).resolve())
+
+
+def calibration_code_fingerprint(sources=None) -> str:
+    """SHA-256 (16 hex digits) of the Python sources in ``sources`` (files, or folders: every ``*.py`` below;
+    default :data:`CALIBRATION_SOURCES`), names and contents, in a fixed order."""
+    h = hashlib.sha256()
+    files = []
+    for src in CALIBRATION_SOURCES if sources is None else sources:
+        src = Path(src)
+        files += sorted(src.rglob("*.py")) if src.is_dir() else [src]
+    for f in files:
+        h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
 def basis_cache_path(model, corpus_origin: str, recipe: CalibrationRecipe, name: str,
                      cache_dir: str | Path | None = None) -> Path:
     """Where a calibrated basis is cached (the recipe must be :meth:`~CalibrationRecipe.resolved`)."""
     from loki._version import __version__
     from loki.evaluation.models import cache_root
 
-    key = json.dumps([_model_identity(model), corpus_origin, asdict(recipe), __version__], sort_keys=True)
+    key = json.dumps([_model_identity(model), corpus_origin, asdict(recipe), __version__,
+                      calibration_code_fingerprint()], sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     root = Path(cache_dir) if cache_dir is not None else cache_root()
     tag = f"{recipe.num_tokens}t-{recipe.seq_len}s-{recipe.max_positions}p"
