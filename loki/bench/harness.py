@@ -363,11 +363,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models", nargs="+", choices=sorted(set(MODELS) | set(E2E_MODELS)), default=None,
                         help=f"kernels: {', '.join(sorted(MODELS))} (attention shapes); --e2e: "
                         f"{', '.join(E2E_MODELS)} (whole models)")
-    parser.add_argument("--batches", nargs="+", type=int, default=None)
-    parser.add_argument("--seq-lens", nargs="+", type=int, default=None)
+    parser.add_argument("--batches", nargs="+", type=int, default=None,
+                        help="batch sizes B to time (default: the grid's)")
+    parser.add_argument("--seq-lens", nargs="+", type=int, default=None,
+                        help="cache lengths S to time (default: the grid's)")
     parser.add_argument("--budgets", nargs="+", default=None, help="k_f:d_f pairs, e.g. 0.25:0.25 (--e2e: one)")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    parser.add_argument("--providers", nargs="+", default=None)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                        help="dtype of the caches and queries (default: %(default)s)")
+    parser.add_argument("--providers", nargs="+", default=None,
+                        help="the implementations to time: sdpa, eager, loki_torch, sparq, loki, loki_noplan, "
+                        "loki_noprefix, loki_topk, stages (default: all)")
     parser.add_argument("--out", default=".", help="folder for the JSON, markdown and PNG results")
     parser.add_argument("--tag", default=None, help="file name stem (default kernels-<device>-<date>, "
                         "e2e-<device>-<date> with --e2e)")

@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from loki._distributed import is_main_process
+from loki._io import output_folder_problem
 from loki.basis import PCABasis, config_fingerprint
 from loki.calibration import BASIS_NAMES, fit_bases, model_context_length
 from loki.calibration.calibrate import iter_token_batches
@@ -127,6 +129,12 @@ def get_bases(model, tokenizer, names=BASIS_NAMES, recipe: CalibrationRecipe = D
     missing = [n for n in names if n not in bases]
     if bases and log:
         log(f"reusing cached {'/'.join(sorted(bases))} bases: {recipe.describe()}")
+    store = use_cache and bool(missing) and is_main_process()
+    if store:  # checked before calibrating: a basis store that cannot be written must not cost the calibration
+        err = output_folder_problem(next(iter(paths.values())).parent, "basis cache")
+        if err:
+            store = False
+            _warn(log, f"{err}; the calibrated bases will not be cached (set LOKI_CACHE to a writable folder)")
     if missing:
         if log:
             log(f"calibrating {'/'.join(missing)} bases on {src.origin}: {recipe.describe()}")
@@ -137,9 +145,17 @@ def get_bases(model, tokenizer, names=BASIS_NAMES, recipe: CalibrationRecipe = D
                         seq_len=recipe.seq_len, corpus_name=src.origin, progress=progress)
         for n, b in new.items():
             bases[n] = b
-            if use_cache and is_main_process():  # under torchrun every rank has the same basis: one writes
-                paths[n].parent.mkdir(parents=True, exist_ok=True)
-                tmp = paths[n].with_suffix(f".tmp{id(b)}")
-                b.save(tmp)
-                tmp.replace(paths[n])
+            if store:  # under torchrun every rank has the same basis: one writes (PCABasis.save is atomic)
+                try:
+                    paths[n].parent.mkdir(parents=True, exist_ok=True)
+                    b.save(paths[n])
+                except OSError as exc:  # e.g. the disk filled up: the basis in hand is kept, only not cached
+                    _warn(log, f"cannot cache the {n} basis at {paths[n]} ({exc}); it is used uncached")
     return {n: bases[n] for n in names}
+
+
+def _warn(log, msg: str) -> None:
+    if log:
+        log(f"warning: {msg}")
+    else:
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)

@@ -76,7 +76,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--profile", default="check", choices=tuple(PROFILES), help="suite profile (default: check)")
     parser.add_argument("--long", action="store_true", help="the long-context profile (same as --profile long)")
-    parser.add_argument("--out", default="loki-report", help="report folder (default: %(default)s)")
+    parser.add_argument("--out", default="loki-report",
+                        help="report folder, created when missing; the report files in it are replaced "
+                        "(default: %(default)s)")
     parser.add_argument("--model", default=None, help="a local transformers model folder (default: the embedded model)")
     add_device_arguments(parser)
     parser.add_argument("--k", type=_fraction, default=None, help="primary token budget fraction k_f (default: 0.25)")
@@ -156,13 +158,14 @@ def _print_summary(results: dict, gates: list[dict], report: Path, summary: str)
 
 
 def run(args: argparse.Namespace) -> int:
-    from loki.evaluation.commands import check_model_folder, fail, set_threads
+    from loki.evaluation.commands import check_model_folder, check_output_folder, fail, set_threads
     from loki.evaluation.models import load_default_model, load_model, resolve_device
     from loki.evaluation.report import write_report
 
     out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        return fail(f"--out {out} exists and is not a folder")
+    err = check_output_folder(out, "--out")  # a folder that cannot be written must not cost the whole run
+    if err:
+        return fail(err)
     if args.retrieval_only and args.no_retrieval:
         return fail("--retrieval-only and --no-retrieval exclude each other")
     if args.calib_tokens is not None and args.calib_tokens < 1:

@@ -112,32 +112,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "at equal bytes and GQA selection modes; perplexity (WikiText-2, decode-time semantics) and Jaccard / "
         "attention mass against exact top-k. Writes OUT/fidelity.md and OUT/fidelity.json."
     )
-    parser.add_argument("--out", default="loki-report", help="output folder (default: %(default)s)")
-    parser.add_argument("--calib-tokens", type=int, default=8192, help="calibration tokens (default: %(default)s)")
-    parser.add_argument("--windows", type=int, default=8, help="WikiText-2 windows (default: %(default)s)")
-    parser.add_argument("--seq-len", type=int, default=1024, help="tokens per window (default: %(default)s)")
-    from loki.evaluation.commands import add_device_arguments
+    from loki.evaluation.commands import add_device_arguments, positive_int, window_spec
 
+    parser.add_argument("--out", default="loki-report",
+                        help="output folder, created when missing; fidelity.md and fidelity.json in it are replaced "
+                        "(default: %(default)s)")
+    parser.add_argument("--calib-tokens", type=positive_int, default=8192,
+                        help="calibration tokens (default: %(default)s)")
+    parser.add_argument("--windows", type=window_spec, default=(1024, 8), metavar="TOKENSxCOUNT",
+                        help="WikiText-2 evaluation windows, e.g. 1024x8: 8 windows of 1024 tokens (as in loki "
+                        "check; default: 1024x8). A bare COUNT is the deprecated spelling (COUNT windows of "
+                        "--seq-len tokens)")
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help="deprecated: tokens per window for a bare --windows COUNT (default 1024)")
     add_device_arguments(parser)
+    parser.add_argument("--threads", type=positive_int, default=None,
+                        help="torch CPU threads (default: 1 on machines with <= 2 cores, else torch's choice)")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="hide progress bars (the project's and those of transformers)")
 
 
 def run(args: argparse.Namespace) -> int:
+    from loki._io import atomic_write
+    from loki.evaluation.commands import check_output_folder, fail, quiet_progress, resolve_windows, set_threads
     from loki.evaluation.models import load_default_model
 
-    for name in ("calib_tokens", "windows", "seq_len"):
-        if getattr(args, name) < (2 if name == "seq_len" else 1):
-            print(f"loki fidelity: --{name.replace('_', '-')} must be positive", file=sys.stderr)
-            return 2
-    from loki.evaluation.commands import set_threads
-
+    seq_len, windows = resolve_windows(args)
+    err = check_output_folder(args.out, "--out")  # before the study: a bad folder must not cost it
+    if err:
+        return fail(err)
     set_threads(getattr(args, "threads", None))
+    progress = not getattr(args, "no_progress", False)
+    quiet_progress(progress)
     model, tok = load_default_model(device=args.device, dtype=args.dtype)
-    study = run_study(model, tok, calib_tokens=args.calib_tokens, windows=args.windows, seq_len=args.seq_len,
-                      log=lambda m: print(f"[loki fidelity] {m}", file=sys.stderr))
+    study = run_study(model, tok, calib_tokens=args.calib_tokens, windows=windows, seq_len=seq_len,
+                      progress=progress, log=lambda m: print(f"[loki fidelity] {m}", file=sys.stderr))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "fidelity.json").write_text(json.dumps(study, indent=2) + "\n", encoding="utf-8")
+    atomic_write(out / "fidelity.json", json.dumps(study, indent=2) + "\n")
     md = to_markdown(study)
-    (out / "fidelity.md").write_text(md, encoding="utf-8")
+    atomic_write(out / "fidelity.md", md)
     print(md)
     return 0

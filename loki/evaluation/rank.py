@@ -49,9 +49,12 @@ def _figure(figsize):
 
 
 def _save(fig, path: str | os.PathLike) -> Path:
+    from loki._io import atomic_path
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="png")
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png")
     return path
 
 

@@ -13,6 +13,8 @@ import json
 import os
 from pathlib import Path
 
+from loki._io import atomic_path, atomic_write
+
 __all__ = ["markdown_report", "perplexity_table", "write_length_plot", "write_report"]
 
 
@@ -59,6 +61,10 @@ def write_length_plot(results: dict, out_dir) -> dict[str, str]:
     ks = sorted({r["k"] for r in rows}, reverse=True)
     if not rows:
         return {}
+    # one colour and marker per setting in every panel (a setting missing from a panel must not shift the others)
+    cmap = plt.get_cmap("tab20" if len({r["name"] for r in rows}) > 10 else "tab10")
+    style = {name: (cmap(i % cmap.N), "osD^v<>ph*"[i % 10])
+             for i, name in enumerate(sorted({r["name"] for r in rows}))}
     fig, axes = plt.subplots(1, len(ks), figsize=(5 * len(ks), 4), squeeze=False)
     for ax, k in zip(axes[0], ks):
         names = sorted({r["name"] for r in rows if r["k"] == k})
@@ -70,18 +76,22 @@ def write_length_plot(results: dict, out_dir) -> dict[str, str]:
             x = [p[0] for p in pts]
             y = [100 * p[1] for p in pts]
             err = [[100 * (p[1] - p[2]) for p in pts], [100 * (p[3] - p[1]) for p in pts]]
-            ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=name)
+            color, marker = style[name]
+            ax.errorbar(x, y, yerr=err, marker=marker, color=color, capsize=3, label=name)
         ax.set_xscale("log", base=2)
         ax.set_yscale("symlog", linthresh=10)
         ax.set_xlabel("window (tokens)")
         ax.set_ylabel("perplexity increase over full attention (%)")
         ax.set_title(f"k_f = {k:g}")
         ax.grid(True, alpha=0.3)
-    axes[0][0].legend(fontsize=7)
+    for ax in axes[0]:
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
     fig.tight_layout()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_dir / "ppl_vs_length.png", dpi=110)
+    with atomic_path(out_dir / "ppl_vs_length.png") as tmp:
+        fig.savefig(tmp, dpi=110, format="png")
     plt.close(fig)
     return {"ppl_vs_length": "ppl_vs_length.png"}
 
@@ -224,11 +234,13 @@ def _targets_section(results: dict, thresholds: dict | None) -> list[str]:
 
 
 def write_report(results: dict, out_dir: str | os.PathLike, thresholds: dict | None = None) -> dict[str, Path]:
-    """Write ``report.md`` and ``results.json`` into ``out_dir`` (plots are written by the caller)."""
+    """Write ``report.md`` and ``results.json`` into ``out_dir`` (plots are written by the caller), each
+    atomically (:func:`loki._io.atomic_write`): results.json first, so the full results survive a failing
+    report."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     md = out_dir / "report.md"
     js = out_dir / "results.json"
-    md.write_text(markdown_report(results, thresholds), encoding="utf-8")
-    js.write_text(json.dumps(results, indent=2, sort_keys=False, default=str), encoding="utf-8")
+    atomic_write(js, json.dumps(results, indent=2, sort_keys=False, default=str))
+    atomic_write(md, markdown_report(results, thresholds))
     return {"markdown": md, "json": js}

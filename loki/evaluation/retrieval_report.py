@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from loki._io import atomic_path, atomic_write
+
 __all__ = ["markdown_table", "plot_retrieval", "write_report"]
 
 
@@ -81,7 +83,8 @@ def plot_retrieval(result: dict, path) -> None:
         ax.axis("off")
     axes.flat[0].legend(fontsize=6, loc="lower left")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=120, format="png")
     plt.close(fig)
 
 
@@ -90,10 +93,10 @@ def write_report(result: dict, out_dir, stem: str = "retrieval") -> dict:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / f"{stem}.json", "md": out / f"{stem}.md", "png": out / f"{stem}.png"}
-    paths["json"].write_text(json.dumps(result, indent=1))
+    atomic_write(paths["json"], json.dumps(result, indent=1))
     cfg = result["config"]
     head = (f"Retrieval suite: {cfg['samples']} samples per (task, length), seed {cfg['seed']}, model "
             f"{cfg['model']} ({cfg['dtype']}, {cfg['device']}), {cfg['seconds']:.0f} s.\n\n")
-    paths["md"].write_text(head + markdown_table(result))
+    atomic_write(paths["md"], head + markdown_table(result))
     plot_retrieval(result, paths["png"])
     return {k: str(v) for k, v in paths.items()}

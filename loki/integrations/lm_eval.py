@@ -1,11 +1,15 @@
 """lm-evaluation-harness (0.4.13) integration: the ``loki`` model and local offline tasks (the ``loki eval``
 command is :mod:`loki.evaluation.commands.eval`).
 
-* :class:`LokiLM` (registered as ``loki``; also declared as the ``lm_eval.models`` entry point) is lm-eval's
-  ``HFLM`` with :func:`loki.integrations.transformers.enable_loki` applied to its model::
+* :class:`LokiLM` (registered as ``loki`` in lm-eval's model registry when this module is imported) is
+  lm-eval's ``HFLM`` with :func:`loki.integrations.transformers.enable_loki` applied to its model.  lm-eval's
+  own command line never imports it (0.4.13 scans no entry points for models), so run lm-eval through
+  ``loki-lm-eval`` (:func:`lm_eval_main`; it also adds the local tasks to ``--include_path``), or, under
+  ``accelerate launch`` / ``torchrun``, through ``-m loki.integrations.lm_eval``::
 
-      lm_eval --model loki --tasks loki_arc_easy --num_fewshot 0 \
+      loki-lm-eval --model loki --tasks loki_arc_easy --num_fewshot 0 \
           --model_args pretrained=PATH,basis=BASIS,k=0.25,d=0.25,method=loki,gqa_select=query
+      accelerate launch --num_processes 2 -m loki.integrations.lm_eval --model loki --tasks loki_arc_easy ...
 
   ``model_args`` values are parsed by lm-eval: ``k=0.25`` is a fraction, ``k=64`` a count (so ``k=1`` means
   one token; write ``k=1.0`` for all tokens).  Without ``pretrained`` the embedded SmolLM2-135M-Instruct is used.
@@ -67,7 +71,6 @@ _MMLU_TEMPLATE = "_loki_mmlu_template.yaml"
 
 
 # --------------------------------------------------------------------------------------------- the model
-@register_model("loki")
 class LokiLM(HFLM):
     """lm-eval's ``HFLM`` running Loki (or another sparse method) through ``enable_loki``.
 
@@ -113,6 +116,10 @@ class LokiLM(HFLM):
         )
         self.loki_settings = dict(k=k, d=d, method=method, gqa_select=gqa_select, aggregate=aggregate,
                                   semantics=semantics, backend=backend)
+
+
+if __name__ != "__main__":  # run as ``python -m loki.integrations.lm_eval`` this file is also imported under its
+    register_model("loki")(LokiLM)  # own name, and that import registers the model (lm-eval refuses a second class)
 
 
 # --------------------------------------------------------------------------------------------- task helpers
@@ -251,11 +258,16 @@ def task_manager(dest: str | os.PathLike | None = None, data_dir: str | os.PathL
 
 # --------------------------------------------------------------------------------------------- lm-eval's CLI
 def lm_eval_main(argv: list[str] | None = None) -> None:
-    """``loki-lm-eval``: the lm-eval command line with the ``loki`` model registered and the local task
-    folder added to ``--include_path`` (lm-eval 0.4.13 does not scan entry points for models), e.g.
+    """``loki-lm-eval`` (or ``python -m loki.integrations.lm_eval``): the lm-eval command line with the ``loki``
+    model registered and the local task folder added to ``--include_path``, e.g.
     ``loki-lm-eval --model loki --model_args basis=post.safetensors,k=0.25,d=0.25 --tasks loki_copa
-    --num_fewshot 0``."""
+    --num_fewshot 0``.  Plain ``lm_eval --model loki`` cannot work: lm-eval 0.4.13 resolves ``--model`` in its
+    own registry, filled by importing its own model modules only (no entry points are scanned), and finds the
+    loki_* tasks only on ``--include_path``.  Under ``accelerate launch`` or ``torchrun`` use the module form:
+    ``accelerate launch -m loki.integrations.lm_eval --model loki ...``."""
     from lm_eval.__main__ import cli_evaluate
+
+    import loki.integrations.lm_eval  # noqa: F401  (registers ``loki`` also when this file runs as __main__)
 
     args = list(sys.argv[1:] if argv is None else argv)
     flags = [a.split("=", 1)[0] for a in args]
@@ -264,3 +276,6 @@ def lm_eval_main(argv: list[str] | None = None) -> None:
     sys.argv = [sys.argv[0], *args]
     cli_evaluate()
 
+
+if __name__ == "__main__":  # accelerate launch / torchrun -m loki.integrations.lm_eval --model loki ...
+    lm_eval_main()

@@ -7,8 +7,9 @@ import argparse
 import math
 import os
 import sys
-import tempfile
 from pathlib import Path
+
+from loki._io import output_file_problem, output_folder_problem
 
 __all__ = [
     "UsageError",
@@ -17,12 +18,16 @@ __all__ = [
     "check_input_file",
     "check_model_folder",
     "check_output_file",
+    "check_output_folder",
     "fail",
     "fraction_or_count",
     "load_model_from_args",
     "model_device",
     "positive_int",
+    "quiet_progress",
+    "resolve_windows",
     "set_threads",
+    "window_spec",
 ]
 
 
@@ -107,26 +112,20 @@ def check_input_file(path: str | None, option: str) -> str | None:
     return None
 
 
-def check_output_file(path: str | os.PathLike, option: str) -> str | None:
+def check_output_file(path: str | os.PathLike, option: str, *, existing: str = "replace",
+                      force_option: str | None = None) -> str | None:
     """Why a file cannot be written at ``path`` (given with ``option``), or None when it can: checked before any
     long computation, so that its result is not lost at the end.  The folder must exist and accept a new file
-    (a temporary file is created and removed); an existing file must be a writable file, not a folder."""
-    p = Path(path).expanduser()
-    if p.is_dir():
-        return f"{option} {p} is a directory; give a file path"
-    folder = p.parent
-    if not folder.exists():
-        return f"{option}: output folder {folder} does not exist"
-    if not folder.is_dir():
-        return f"{option}: {folder} is not a folder"
-    if p.exists() and not os.access(p, os.W_OK):
-        return f"{option} {p} is not writable"
-    try:
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".loki-write-check-"):
-            pass
-    except OSError as exc:
-        return f"{option}: cannot write into {folder} ({exc.strerror or exc})"
-    return None
+    (a temporary file is created and removed); ``existing`` decides about a file already there: "replace",
+    "refuse" (unless ``force_option``) or "basis" (only a Loki basis file); see
+    :func:`loki._io.output_file_problem`."""
+    return output_file_problem(path, option, existing=existing, force_option=force_option)
+
+
+def check_output_folder(path: str | os.PathLike, option: str) -> str | None:
+    """Why results cannot be written into the folder ``path`` (given with ``option``), or None when they can (it
+    exists and accepts files, or can be created); see :func:`loki._io.output_folder_problem`."""
+    return output_folder_problem(path, option)
 
 
 def check_model_folder(path: str | None, option: str = "--model") -> str | None:
@@ -141,13 +140,78 @@ def check_model_folder(path: str | None, option: str = "--model") -> str | None:
     return None
 
 
+def window_spec(text: str) -> tuple[int, int] | int:
+    """argparse type of ``--windows``: ``TOKENSxCOUNT`` (e.g. ``1024x4``: 4 windows of 1024 tokens, the spelling of
+    ``loki check --windows``) -> ``(tokens, count)``; a bare ``COUNT`` (the deprecated spelling of ``loki ppl``
+    and ``loki fidelity``: COUNT windows of ``--seq-len`` tokens) -> ``count`` (see :func:`resolve_windows`)."""
+    t = text.strip().lower()
+    try:
+        parts = [int(x) for x in t.split("x")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected TOKENSxCOUNT such as 1024x4, got {text!r}") from None
+    if len(parts) == 1:  # the deprecated bare count, checked by resolve_windows
+        return parts[0]
+    if len(parts) != 2 or parts[0] < 2 or parts[1] < 1:
+        raise argparse.ArgumentTypeError(f"expected TOKENSxCOUNT with TOKENS >= 2 and COUNT >= 1, such as 1024x4, "
+                                         f"got {text!r}")
+    return parts[0], parts[1]
+
+
+def resolve_windows(args, default_tokens: int = 1024) -> tuple[int, int]:
+    """``(tokens, count)`` of ``args.windows`` (:func:`window_spec`) and the deprecated ``args.seq_len``: a bare
+    count takes ``--seq-len`` tokens per window (default ``default_tokens``) and prints a deprecation warning;
+    ``--seq-len`` beside a ``TOKENSxCOUNT`` that disagrees is a :class:`UsageError`."""
+    w, seq_len = args.windows, getattr(args, "seq_len", None)
+    if seq_len is not None and seq_len < 2:
+        raise UsageError(f"--seq-len must be >= 2, got {seq_len}")
+    if isinstance(w, int):
+        if w < 1:
+            raise UsageError(f"--windows must be TOKENSxCOUNT with COUNT >= 1 (such as 1024x4), got {w}")
+        tokens = seq_len or default_tokens
+        print(f"warning: --windows COUNT is deprecated; write --windows {tokens}x{w} (TOKENSxCOUNT, as in loki "
+              "check)", file=sys.stderr)
+        return tokens, w
+    if seq_len is not None:
+        if seq_len != w[0]:
+            raise UsageError(f"--seq-len {seq_len} contradicts --windows {w[0]}x{w[1]} (TOKENSxCOUNT); give "
+                             "--windows only")
+        print("warning: --seq-len is deprecated; --windows TOKENSxCOUNT gives the window length", file=sys.stderr)
+    return w
+
+
+def quiet_progress(progress: bool = False) -> None:
+    """With ``progress`` False, switch off the progress bars of transformers, huggingface_hub and datasets too
+    (``--no-progress``); the project's own bars follow the commands' ``progress`` flags."""
+    if progress:
+        return
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        pass
+    try:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+    except ImportError:  # pragma: no cover
+        pass
+    try:
+        import datasets
+
+        datasets.disable_progress_bars()
+    except ImportError:  # datasets comes with the eval extra only
+        pass
+
+
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
                         help="a local transformers model folder (default: the embedded SmolLM2-135M-Instruct)")
     add_device_arguments(parser)
     parser.add_argument("--threads", type=positive_int, default=None,
                         help="torch CPU threads (default: 1 on machines with <= 2 cores, else torch's choice)")
-    parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="hide progress bars (the project's and those of transformers while loading a model)")
 
 
 def load_model_from_args(args):
@@ -156,6 +220,7 @@ def load_model_from_args(args):
     from loki.evaluation.models import load_default_model, load_model
 
     set_threads(getattr(args, "threads", None))
+    quiet_progress(not getattr(args, "no_progress", False))
     kw = dict(device=model_device(args), dtype=getattr(args, "dtype", "float32"))
     if args.model:
         err = check_model_folder(args.model)

@@ -7,7 +7,9 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from . import add_model_arguments, fail, load_model_from_args
+from loki._io import atomic_write
+
+from . import add_model_arguments, check_output_folder, fail, load_model_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,7 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default: %(default)s)")
     parser.add_argument("--v", type=float, action="append", default=None,
                         help="variance percentage(s) for Rank@v (default: 90 and 95)")
-    parser.add_argument("--out", default="loki-analysis", help="output folder (default: %(default)s)")
+    parser.add_argument("--out", default="loki-analysis",
+                        help="output folder, created when missing; rank_summary.json and the plots in it are "
+                        "replaced (default: %(default)s)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -39,6 +43,9 @@ def run(args: argparse.Namespace) -> int:
     for v in vs:
         if not 0 < v <= 100:
             return fail(f"--v must be a percentage in (0, 100], got {v}")
+    err = check_output_folder(args.out, "--out")  # before any calibration: a bad folder must not cost it
+    if err:
+        return fail(err)
     bases: dict[str, PCABasis] = {}
     for item in args.basis:
         name, _, path = item.rpartition("=")
@@ -59,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     summary = rank_summary(bases, vs)
-    (out / "rank_summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
+    atomic_write(out / "rank_summary.json", json.dumps(summary, indent=2))
     plots = write_rank_plots(bases, out, vs[0])
     for name, s in summary.items():
         line = ", ".join(f"Rank@{v:g} {s[f'v{v:g}']['mean']:.1f}" for v in vs)

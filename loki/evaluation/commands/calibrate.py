@@ -33,7 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=4, help="sequences per forward (default: %(default)s)")
     parser.add_argument("--rotary", default="post", choices=("pre", "post", "both"),
                         help="keys before or after the rotary embedding (default: %(default)s)")
-    parser.add_argument("--output", "-o", required=True, help="output .safetensors file")
+    parser.add_argument("--output", "-o", required=True,
+                        help="output .safetensors file; an existing Loki basis file there is replaced, any other "
+                        "existing file (model weights, ...) is refused")
 
 
 def _outputs(output: str, rotary: str) -> dict[str, Path]:
@@ -62,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     outputs = _outputs(args.output, args.rotary)
     # every argument is checked before the model loads and calibrates: a bad path must not cost the calibration
     for p in outputs.values():
-        err = check_output_file(p, "--output")
+        err = check_output_file(p, "--output", existing="basis")  # never model weights or any other file
         if err:
             return fail(err)
     err = check_input_file(args.text_file, "--text-file") or check_model_folder(args.model)

