@@ -70,6 +70,34 @@ def test_check_out_below_a_file_is_refused_before_the_run(capsys, tmp_path, no_m
     _one_error_line(capsys, "--out", "exists and is not a folder")
 
 
+def test_check_thresholds_and_record_texts_are_checked_before_the_run(capsys, tmp_path, no_model):
+    (tmp_path / "afile").write_text("x")
+    out = str(tmp_path / "report")
+    assert main(["check", "--out", out, "--update-thresholds", "--thresholds",
+                 str(tmp_path / "afile" / "t.json")]) == 2
+    _one_error_line(capsys, "--thresholds", "is not a folder")
+    assert main(["check", "--out", out, "--update-thresholds", "--record-texts", "bogus"]) == 2
+    _one_error_line(capsys, "--record-texts", "bogus")
+
+
+def test_check_no_progress_hides_transformers_bars_before_loading(tmp_path, monkeypatch):
+    from transformers.utils import logging as hf_logging
+
+    import loki.evaluation.models as models
+
+    def load(**kw):
+        assert not hf_logging.is_progress_bar_enabled()
+        raise KeyboardInterrupt  # stop here: the bars were off when the model started to load
+
+    monkeypatch.setattr(models, "load_default_model", load)
+    hf_logging.enable_progress_bar()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            main(["check", "--out", str(tmp_path / "r"), "--no-progress", "--device", "cpu"])
+    finally:
+        hf_logging.enable_progress_bar()
+
+
 def test_fidelity_out_an_existing_file_is_refused_before_the_study(capsys, tmp_path, no_model):
     (tmp_path / "afile").write_text("x")
     assert main(["fidelity", "--out", str(tmp_path / "afile")]) == 2

@@ -72,7 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "PNG plots, and exits 1 when a gate fails.\n\n"
         "Profiles: check (default; the CPU: 8 x 1024 WikiText-2 tokens, a few minutes on 2 cores), tests (what CI\n"
         "gates: 4 x 512), long (--long; for a GPU: windows of 1024/4096/8192 tokens, k_f 0.25/0.125/0.0625, the\n"
-        "paper's protocol, retrieval at 1k-8k, about 5 minutes on an H100)."
+        "paper's protocol, retrieval at 1k-8k, about 10 minutes on an H200)."
     )
     parser.add_argument("--profile", default="check", choices=tuple(PROFILES), help="suite profile (default: check)")
     parser.add_argument("--long", action="store_true", help="the long-context profile (same as --profile long)")
@@ -113,7 +113,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allow-known-misses", action="store_true",
                         help="do not fail on targets listed as known misses of the profile (still reported; a run "
                         "significantly worse than the recorded miss still fails)")
-    parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="hide progress bars (the project's and those of transformers while loading a model)")
 
 
 def _options(args) -> SuiteOptions:
@@ -158,7 +159,14 @@ def _print_summary(results: dict, gates: list[dict], report: Path, summary: str)
 
 
 def run(args: argparse.Namespace) -> int:
-    from loki.evaluation.commands import check_model_folder, check_output_folder, fail, set_threads
+    from loki.evaluation.commands import (
+        check_model_folder,
+        check_output_file,
+        check_output_folder,
+        fail,
+        quiet_progress,
+        set_threads,
+    )
     from loki.evaluation.models import load_default_model, load_model, resolve_device
     from loki.evaluation.report import write_report
 
@@ -180,6 +188,13 @@ def run(args: argparse.Namespace) -> int:
         thresholds = {}
     except ValueError as exc:
         return fail(f"--thresholds: {exc}")
+    texts = [t.strip() for t in args.record_texts.split(",") if t.strip()]
+    if args.update_thresholds:  # the recorded limits are the run's result: their file is checked first too
+        if any(t not in _TEXTS for t in texts) or not texts:
+            return fail(f"--record-texts must name some of {', '.join(_TEXTS)}, got {args.record_texts!r}")
+        err = check_output_file(args.thresholds, "--thresholds")
+        if err:
+            return fail(err)
     try:
         device = resolve_device(args.device)
     except ValueError as exc:
@@ -189,15 +204,12 @@ def run(args: argparse.Namespace) -> int:
         return fail(err)
     opts = _options(args)
     set_threads(args.threads)
+    quiet_progress(not args.no_progress)
     t0 = time.perf_counter()
     _log(f"loading the model on {device} ({args.dtype}); profile {opts.profile!r}")
     kw = dict(device=device, dtype=args.dtype)
     model, tokenizer = load_model(args.model, **kw) if args.model else load_default_model(progress=_log, **kw)
     if args.update_thresholds:
-        texts = [t.strip() for t in args.record_texts.split(",") if t.strip()]
-        bad = [t for t in texts if t not in _TEXTS]
-        if bad or not texts:
-            return fail(f"--record-texts must name some of {', '.join(_TEXTS)}, got {args.record_texts!r}")
         long_len = max(w[0] for w in opts.windows) if opts.profile == "long" else None
         runs = {args.eval_corpus: run_suite(model, tokenizer, opts, out_dir=out)}
         for text in texts if opts.perplexity else ():
