@@ -109,6 +109,12 @@ class EndToEndDecode:
         """The faster Loki path over the faster dense path (target on an H100: 1.35x at both settings)."""
         return self._value("speedup")
 
+    @unit("ratio")
+    def track_time_ratio_vs_best_dense(self, cache, setting):
+        """The faster Loki path's step time over the faster dense path's, the inverse of
+        ``track_speedup_vs_best_dense``: lower is better, the direction ASV's regressions page assumes."""
+        return 1.0 / self._value("speedup")
+
     @unit("x")
     def track_loki_compiled_x_floor(self, cache, setting):
         """Compiled Loki's step time over its byte floor (target: at most 1.25)."""

@@ -174,6 +174,17 @@ class DecodeAttention(_HarnessBenchmark):
         """Both sides replayed from CUDA graphs (launch overhead removed)."""
         return self._graph_ms("sdpa") / self._graph_ms("loki")
 
+    @unit("ratio")
+    def track_time_ratio_vs_sdpa(self, cache, config):
+        """Loki's step time over SDPA's, the inverse of ``track_speedup_vs_sdpa``: lower is better, the direction
+        ASV's regressions page assumes (it lists increases)."""
+        return self._ms("loki") / self._ms("sdpa")
+
+    @unit("ratio")
+    def track_time_ratio_vs_sdpa_graph(self, cache, config):
+        """The same as CUDA-graph replays (device time): the inverse of ``track_speedup_vs_sdpa_graph``."""
+        return self._graph_ms("loki") / self._graph_ms("sdpa")
+
     @unit("x")
     def track_speedup_vs_eager(self, cache, config):
         return self._ms("eager") / self._ms("loki")
@@ -254,6 +265,11 @@ class SparQComparison(_HarnessBenchmark):
     @unit("x")
     def track_speedup_vs_sparq(self, cache, config):
         return self._ms("sparq") / self._ms("loki")
+
+    @unit("ratio")
+    def track_time_ratio_vs_sparq(self, cache, config):
+        """Loki's time over the SparQ-style kernels' (lower is better): the inverse of ``track_speedup_vs_sparq``."""
+        return self._ms("loki") / self._ms("sparq")
 
     @unit("x")
     def track_sparq_speedup_vs_sdpa(self, cache, config):

@@ -607,3 +607,116 @@ def test_gpu_workflow_gate_step_exits_with_the_gate_status(tmp_path, status):
     proc = subprocess.run([*shell, str(tmp_path / "run.sh")], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert proc.returncode == status, proc.stdout + proc.stderr
     assert "gate output ci/gate.py" in summary.read_text()
+
+
+# ------------------------------------------------------------------------------------------------ ASV as expected
+def _asv_conf() -> dict:
+    return asv_util.load_json(str(ROOT / "asv.conf.json"), js_comments=True)
+
+
+def _load_ci_module(name):
+    spec = importlib.util.spec_from_file_location(f"loki_ci_{name}", ROOT / "ci" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_committed_benchmark_list_is_current():
+    """.asv/results/benchmarks.json is what ASV's discovery of the current suite writes, so `asv run` leaves it
+    unchanged (and the gate reads the current units and parameters); refresh: python ci/asv_benchmark_list.py."""
+    listing = _load_ci_module("asv_benchmark_list")
+    current = listing.discover()
+    assert not listing.stale(listing.DEFAULT_OUT, current), (
+        "stale .asv/results/benchmarks.json: run `python ci/asv_benchmark_list.py` and commit it")
+    assert any(n.startswith("bench_e2e.") for n in current) and any(n.startswith("bench_accuracy.") for n in current)
+
+
+def test_asv_config_launches_with_forkserver_and_loads_the_plugin():
+    conf = _asv_conf()
+    assert conf["launch_method"] == "forkserver"
+    assert ".ci.asv_plugin" in conf["plugins"] and (ROOT / "ci" / "asv_plugin.py").is_file()
+    assert conf["project_url"] != "#" and conf["show_commit_url"] != "#"
+
+
+def test_asv_regressions_page_scans_exactly_the_lower_is_better_benchmarks():
+    """ASV lists increases as regressions: every benchmark the gate does not treat as lower-is-better (speed-ups,
+    GB/s, Jaccard, ...; the baselines) is left out of ASV's regression detection, and every lower-is-better one
+    (times, time ratios, memory, perplexity) is scanned; each gated speed-up has a lower-is-better time ratio."""
+    conf = _asv_conf()
+    meta = gate.load_benchmark_meta(ROOT / ".asv" / "results")
+    thresholds = json.loads((ROOT / "ci" / "thresholds.json").read_text())
+    excluded_by_asv = {n for n in meta if any(re.match(rx, n) and first is None
+                                              for rx, first in conf["regressions_first_commits"].items())}
+    assert excluded_by_asv == set(gate.asv_regression_exclusions(meta, thresholds))
+    for name, m in meta.items():
+        if gate.direction(name, m.get("unit"), thresholds) == "lower":
+            assert name not in excluded_by_asv
+    for speedup, ratio in (("bench_kernels.DecodeAttention.track_speedup_vs_sdpa", "track_time_ratio_vs_sdpa"),
+                           ("bench_kernels.SparQComparison.track_speedup_vs_sparq", "track_time_ratio_vs_sparq"),
+                           ("bench_e2e.EndToEndDecode.track_speedup_vs_best_dense", "track_time_ratio_vs_best_dense")):
+        twin = speedup.rsplit(".", 1)[0] + "." + ratio
+        assert twin in meta and gate.direction(twin, meta[twin]["unit"], thresholds) == "lower"
+
+
+class _Log:
+    def __init__(self):
+        self.warnings = []
+
+    def warning(self, msg):
+        self.warnings.append(msg)
+
+
+def test_asv_plugin_run_without_commit_hash_says_so_and_writes_nothing_under_results(tmp_path):
+    plugin = _load_ci_module("asv_plugin")
+    seen = []
+
+    class Run:
+        @classmethod
+        def run(cls, conf, **kwargs):
+            seen.append(conf.results_dir)
+            return 0
+
+    log = _Log()
+    plugin.wrap_run(Run, log)
+    plugin.wrap_run(Run, log)  # once only
+    conf = type("Conf", (), {"environment_type": "existing", "env_dir": str(tmp_path / "env"),
+                             "results_dir": str(tmp_path / "results")})()
+    assert Run.run(conf=conf, set_commit_hash=None) == 0
+    assert seen == [str(tmp_path / "env" / "unsaved-results")]
+    assert len(log.warnings) == 2 and "saves NO results" in log.warnings[0] and "--set-commit-hash" in log.warnings[0]
+    conf.results_dir = str(tmp_path / "results")
+    Run.run(conf=conf, set_commit_hash="a" * 40)  # a run that saves: untouched, no warning
+    assert seen[-1] == str(tmp_path / "results") and len(log.warnings) == 2
+
+
+def test_asv_plugin_publish_links_the_repository(tmp_path):
+    plugin = _load_ci_module("asv_plugin")
+    assert plugin._web_url("git@github.com:org/loki.git") == "https://github.com/org/loki"
+    assert plugin._web_url("https://token@gitlab.com/org/loki.git\n") == "https://gitlab.com/org/loki"
+    assert plugin._web_url("ssh://git@host.org/org/loki") == "https://host.org/org/loki"
+    assert plugin._web_url("/srv/git/loki") is None
+    seen = []
+
+    class Publish:
+        @classmethod
+        def run(cls, conf, **kwargs):
+            seen.append((conf.project_url, conf.show_commit_url))
+
+    log = _Log()
+    plugin.wrap_publish(Publish, log, environ={"GITHUB_SERVER_URL": "https://github.com",
+                                               "GITHUB_REPOSITORY": "org/loki"})
+    conf = type("Conf", (), {"project_url": "", "show_commit_url": "", "repo": str(ROOT)})()
+    Publish.run(conf=conf)
+    assert seen == [("https://github.com/org/loki", "https://github.com/org/loki/commit/")] and not log.warnings
+    assert plugin.repository_url(environ={"LOKI_ASV_REPO_URL": "https://example.org/loki/"}) == \
+        "https://example.org/loki"
+    # no address anywhere: the command says the pages have no links
+    class Bare:
+        @classmethod
+        def run(cls, conf, **kwargs):
+            return None
+
+    plugin.wrap_publish(Bare, log, environ={})
+    Bare.run(conf=type("Conf", (), {"project_url": "", "show_commit_url": "", "repo": str(tmp_path)})())
+    assert log.warnings and "no repository address" in log.warnings[0]
