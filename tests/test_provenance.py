@@ -74,7 +74,8 @@ def test_check_writes_provenance_into_results_json(tmp_path, monkeypatch):
     monkeypatch.setattr(models, "load_default_model", lambda **kw: (_Model(), None))
     suite = {"settings": {"profile": "tests", "k": 0.25}, "perplexity": []}
     monkeypatch.setattr(check, "run_suite", lambda *a, **k: suite)
-    monkeypatch.setattr(check, "evaluate_gates", lambda *a, **k: [])
+    gate = {"name": "stand-in gate", "passed": True, "value": 0.0, "bound": 1.0}
+    monkeypatch.setattr(check, "evaluate_gates", lambda *a, **k: [gate])
     parser = argparse.ArgumentParser()
     check.add_arguments(parser)
     out = tmp_path / "report"
