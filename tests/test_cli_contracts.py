@@ -439,3 +439,15 @@ def test_score_basis_has_no_nan_for_a_tiny_calibration_through_the_cli(tmp_path,
                      "--no-progress", "-o", str(out)]) == 0
     b = PCABasis.load(out)
     assert torch.isfinite(b.components).all() and torch.equal(b.components[0, 0], torch.eye(16))
+
+
+def test_committed_reports_and_docs_link_only_files_that_exist():
+    import re
+
+    docs = [*(ROOT / "results").rglob("*.md"), *(ROOT / "docs").glob("*.md"), ROOT / "README.md"]
+    broken = []
+    for md in docs:
+        for link in re.findall(r"!?\[[^\]]*\]\(([^)\s]+)\)", md.read_text(encoding="utf-8")):
+            if not link.startswith(("http://", "https://", "#")) and not (md.parent / link.split("#")[0]).exists():
+                broken.append(f"{md.relative_to(ROOT)}: {link}")
+    assert not broken, broken

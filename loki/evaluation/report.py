@@ -61,10 +61,15 @@ def write_length_plot(results: dict, out_dir) -> dict[str, str]:
     ks = sorted({r["k"] for r in rows}, reverse=True)
     if not rows:
         return {}
-    # one colour and marker per setting in every panel (a setting missing from a panel must not shift the others)
-    cmap = plt.get_cmap("tab20" if len({r["name"] for r in rows}) > 10 else "tab10")
-    style = {name: (cmap(i % cmap.N), "osD^v<>ph*"[i % 10])
-             for i, name in enumerate(sorted({r["name"] for r in rows}))}
+    # one colour and marker per setting in every panel (a setting missing from a panel must not shift the others):
+    # a method's GQA modes share a hue and marker, dark for "query" (or none), light for "kv"
+    names = sorted({r["name"] for r in rows})
+    families = sorted({n.split("[")[0] for n in names})
+    cmap = plt.get_cmap("tab20")
+    style = {}
+    for name in names:
+        i = families.index(name.split("[")[0])
+        style[name] = (cmap((2 * i + name.endswith("[kv]")) % cmap.N), "osD^v<>ph*"[i % 10])
     fig, axes = plt.subplots(1, len(ks), figsize=(5 * len(ks), 4), squeeze=False)
     for ax, k in zip(axes[0], ks):
         names = sorted({r["name"] for r in rows if r["k"] == k})
