@@ -98,6 +98,16 @@ def test_check_no_progress_hides_transformers_bars_before_loading(tmp_path, monk
         hf_logging.enable_progress_bar()
 
 
+@pytest.mark.parametrize("e2e", [False, True])
+def test_bench_out_is_checked_before_timing(capsys, tmp_path, monkeypatch, e2e):
+    from loki.bench import harness
+
+    monkeypatch.setattr(harness, "measure_copy_bandwidth", _boom)
+    (tmp_path / "afile").write_text("x")
+    assert main(["bench", "--out", str(tmp_path / "afile"), *(["--e2e"] if e2e else [])]) == 2
+    _one_error_line(capsys, "--out", "exists and is not a folder")
+
+
 def test_fidelity_out_an_existing_file_is_refused_before_the_study(capsys, tmp_path, no_model):
     (tmp_path / "afile").write_text("x")
     assert main(["fidelity", "--out", str(tmp_path / "afile")]) == 2

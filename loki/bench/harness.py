@@ -381,6 +381,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from loki._io import output_folder_problem
+
+    err = output_folder_problem(args.out, "--out")  # before the timings: a bad folder must not cost them
+    if err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     if getattr(args, "e2e", False):
         from .e2e_report import run as run_e2e
 
