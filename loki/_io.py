@@ -53,10 +53,9 @@ def output_file_problem(path: str | os.PathLike, option: str, *, existing: str =
             from loki.basis import is_basis_file
 
             if not is_basis_file(p):
-                what = ("model weights or another safetensors file" if p.suffix == ".safetensors"
-                        else "not a Loki basis file")
-                return (f"{option} {p} exists and is {what}; it is never overwritten (only an existing Loki basis "
-                        "file is replaced): give another path")
+                what = " (model weights?)" if p.suffix == ".safetensors" else ""
+                return (f"{option} {p} exists and is not a Loki basis file{what}; only a basis file is replaced, "
+                        "this one is never overwritten: give another path")
         if not os.access(p, os.W_OK):
             return f"{option} {p} is not writable"
     return _probe(folder, option)
