@@ -372,8 +372,13 @@ def test_repository_thresholds_name_real_benchmarks():
             for pname, pvalue in o.get("params", {}).items():
                 assert any(fnmatch.fnmatchcase(v, pvalue) for n in matched for v in params[n].get(pname, [])), (
                     f"regression override {pat}: no {pname} matches {pvalue}")
+    accuracy = json.loads(gate.DEFAULT_ACCURACY_THRESHOLDS.read_text())
+    profile = accuracy["profiles"][thresholds["accuracy"]["profile"]]
     for lim in thresholds.get("accuracy", {}).get("limits", []):
         assert lim["param"] in params[lim["benchmark"]]
+        # every entry of the profile is a parameter value of its benchmark (else it fails as absent on the GPU)
+        for entry in profile[lim["section"]]:
+            assert entry in params[lim["benchmark"]][lim["param"]], (lim["benchmark"], entry)
     shapes = importlib.import_module("benchmarks._shapes")
     assert thresholds["accuracy"]["profile"] == shapes.ACCURACY_PROFILE, (
         "the gate must hold the accuracy benchmarks to the profile they run with"
