@@ -13,8 +13,12 @@ from numbers import Integral, Real
 import torch
 
 __all__ = [
+    "CacheOverflowError",
     "check_count",
     "check_counts",
+    "budget_bound",
+    "budget_counts",
+    "check_budget",
     "check_decode_inputs",
     "check_no_grad",
     "check_triton_device",
@@ -24,6 +28,11 @@ __all__ = [
     "triton_interpreting",
     "valid_token_mask",
 ]
+
+class CacheOverflowError(IndexError):
+    """New tokens do not fit a preallocated (static) KV cache: positions past ``max_cache_len``, or a batch other
+    than the allocated ``batch_size`` (an ``IndexError``, as transformers' own static cache raises)."""
+
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -150,29 +159,52 @@ def resolve_d(d: int | float, D: int, *, name: str = "d") -> int:
     raise TypeError(f"{name} must be an int count or a float fraction, got {type(d).__name__}")
 
 
-def resolve_k(k: int | float, n_valid: torch.Tensor, S: int, *, name: str = "k") -> torch.Tensor:
-    """Tokens to select per sequence, [B] int64, from each sequence's own valid length ``n_valid``.
-
-    An ``int`` is a count (1 <= k <= S), capped at each sequence's length; a ``float`` in (0, 1] is a
-    fraction of each sequence's length, rounded up, at least 1.
-    """
+def check_budget(k: int | float, *, name: str = "k") -> int | float:
+    """Validate a budget once, where it is set: an ``int`` count >= 1 (any size: a count above a sequence's valid
+    tokens keeps them all) or a ``float`` fraction in (0, 1].  Returns ``k`` as an int or a float."""
     if isinstance(k, bool):
         raise TypeError(f"{name} must be an int count or a float fraction, got bool")
-    n = n_valid.long()
     if isinstance(k, Integral):
-        k = int(k)
-        if k < 1:
+        if int(k) < 1:
             raise ValueError(f"{name}={k} is out of range: at least one token must be selected ({name} >= 1)")
-        if k > S:
-            raise ValueError(f"{name}={k} exceeds the cache length S={S}")
-        return torch.clamp(n, max=k)
+        return int(k)
     if isinstance(k, Real):
         f = float(k)
         if not (0.0 < f <= 1.0) or math.isnan(f):
             raise ValueError(f"{name}={k} as a fraction of the sequence length must lie in (0, 1]")
-        kk = torch.ceil(n.double() * f - 1e-9).long()
-        return torch.clamp(kk, min=1).minimum(n)
+        return f
     raise TypeError(f"{name} must be an int count or a float fraction, got {type(k).__name__}")
+
+
+def budget_counts(k: int | float, n_valid: torch.Tensor) -> torch.Tensor:
+    """The one budget rule: tokens to select per sequence (or row) from its valid length ``n_valid`` (int tensor
+    of any shape), for a budget ``k`` already validated by :func:`check_budget`.
+
+    An int count keeps ``min(k, n)`` tokens (all of them when ``k`` is above the valid tokens); a fraction keeps
+    ``ceil(k * n)`` (fp64, rounded up), at least 1 and at most n.  A row with ``n = 0`` gets 0.  Never raises and
+    never syncs: the kernels, the selection width, the references, the evaluation engine, the static path and
+    the byte floors all count with it.
+    """
+    n = n_valid.long()
+    if isinstance(k, Integral) and not isinstance(k, bool):
+        return torch.clamp(n, max=int(k))
+    kk = torch.ceil(n.double() * float(k) - 1e-9).long()
+    return torch.clamp(kk, min=1).minimum(n)
+
+
+def resolve_k(k: int | float, n_valid: torch.Tensor, S: int | None = None, *, name: str = "k") -> torch.Tensor:
+    """Tokens to select per sequence, [B] int64, from each sequence's own valid length ``n_valid``:
+    :func:`check_budget` then :func:`budget_counts` (``S`` is accepted for compatibility and not used: an int
+    count above the cache keeps every valid token)."""
+    return budget_counts(check_budget(k, name=name), n_valid)
+
+
+def budget_bound(k: int | float, S: int) -> int:
+    """An int >= every count :func:`budget_counts` gives for rows of at most ``S`` valid tokens, known on the
+    host (no device sync)."""
+    if isinstance(k, Integral) and not isinstance(k, bool):
+        return max(1, min(int(k), S))
+    return max(1, min(S, math.ceil(float(k) * S - 1e-9)))
 
 
 def resolve_scale(scale: float | None, D: int, *, name: str = "scale") -> float:

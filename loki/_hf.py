@@ -19,6 +19,7 @@ __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "Architecture",
     "attention_modules",
+    "attention_windows",
     "cache_keyword",
     "config_fields",
     "config_fingerprint",
@@ -28,6 +29,7 @@ __all__ = [
     "config_model_name",
     "config_num_layers",
     "decoder",
+    "forward_argument",
     "expected_shape",
     "text_config",
 ]
@@ -166,3 +168,31 @@ def cache_keyword(module) -> str:
     ``past_key_values``."""
     params = inspect.signature(module.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
+
+
+def attention_windows(model) -> list:
+    """The sliding window of every attention module of ``model``, in layer order (None: full attention): the
+    module's own ``sliding_window`` where it keeps one (Qwen2, Qwen3: per layer type), else the config's for
+    Mistral (all its layers attend through ``config.sliding_window`` when set), else None (Llama)."""
+    config = text_config(model.config)
+    out = []
+    for m in attention_modules(model):
+        if hasattr(m, "sliding_window"):
+            w = m.sliding_window
+        elif getattr(config, "model_type", None) == "mistral":
+            w = getattr(config, "sliding_window", None)
+        else:
+            w = None
+        out.append(int(w) if w else None)
+    return out
+
+
+def forward_argument(module, name: str, args: tuple, kwargs: dict):
+    """The value of ``module.forward``'s argument ``name`` in a call ``(args, kwargs)`` (a forward pre-hook's
+    view), or None when it was not passed."""
+    if name in kwargs:
+        return kwargs[name]
+    params = list(inspect.signature(module.forward).parameters)
+    if name in params and params.index(name) < len(args):
+        return args[params.index(name)]
+    return None

@@ -87,7 +87,7 @@ def sanitize() -> None:
         sparse_attention,
     )
     from loki.kernels import launch as launch_mod
-    from loki.kernels.decode import clear_decode_plans, selection_bound
+    from loki.kernels.decode import selection_bound
     from loki.reference import budget
     from loki.testing.inputs import make_decode_inputs
 
@@ -122,12 +122,10 @@ def sanitize() -> None:
             decode_attention(x.q, x.k_cache, x.v_cache, d=9, k=0.25, lengths=x.lengths, starts=x.starts,
                              backend="triton", gqa_select=mode, k_prefix=kp)
             launch_mod.PDL = True  # programmatic dependent launch through the whole step
-            clear_decode_plans()
             for _ in range(2):
                 decode_attention(x.q, x.k_cache, x.v_cache, d=9, k=0.25, lengths=x.lengths, starts=x.starts,
                                  backend="triton", gqa_select=mode, k_prefix=kp)
             launch_mod.PDL = False
-            clear_decode_plans()
         sparq_attention(x.q, x.k_cache, x.v_cache, r=8, k=0.25, lengths=x.lengths, starts=x.starts)
     torch.cuda.synchronize()
     print("sanitize: all kernels ran")

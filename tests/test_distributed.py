@@ -186,8 +186,8 @@ def test_basis_follows_the_device_of_each_layer():
 
     model = enable_loki(tiny_model(**ARCH), PCABasis.random(2, 2, 16), k=0.25, d=0.25)
     state = state_of(model)
-    assert state.layer_basis(1, torch.device("meta")).device.type == "meta"
-    assert state.layer_basis(1, torch.device("cpu")).device.type == "cpu"
+    assert state.transforms(1, torch.device("meta")).key.device.type == "meta"
+    assert state.transforms(1, torch.device("cpu")).query.device.type == "cpu"
     cache = loki_cache(model)
     k = torch.randn(1, 2, 3, 16, device="meta")
     cache.update(k, k, 1)

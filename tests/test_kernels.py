@@ -358,8 +358,8 @@ def test_decode_attention_errors_name_the_argument():
     x = make_decode_inputs(1, 2, 2, 16, 64)
     with pytest.raises(ValueError, match="d=65"):
         decode_attention(x.q, x.k_cache, x.v_cache, d=65, k=4, backend="triton")
-    with pytest.raises(ValueError, match="k=17"):
-        decode_attention(x.q, x.k_cache, x.v_cache, d=8, k=17, backend="triton")
+    with pytest.raises(ValueError, match="k=1.5"):
+        decode_attention(x.q, x.k_cache, x.v_cache, d=8, k=1.5, backend="triton")
     with pytest.raises(ValueError, match="k=0"):
         decode_attention(x.q, x.k_cache, x.v_cache, d=8, k=0, backend="triton")
     with pytest.raises(ValueError, match="backend"):
@@ -508,96 +508,101 @@ def test_gpu_sparq_attention(B, HQ, HKV, S, D, r, k, dtype):
     assert err <= 2 * base + ATOL[dtype], (err, base)
 
 
-@interp
-@pytest.mark.parametrize("mode,prefix,with_out", [("query", True, False), ("kv", False, True)])
-def test_decode_step_plan_replay(triton_device, mode, prefix, with_out):
-    """The recorded host path (DecodePlan): later calls of a signature replay the compiled kernels on new
-    inputs and fresh buffers, and give what the normal launch path gives."""
-    from loki.kernels.decode import _PLANS, DecodeTuning, clear_decode_plans, loki_decode_step
+def _replay_inputs(x, g, dev, S, K):
+    """New lengths, starts and counts of the planned shapes and dtypes (every input changes between calls)."""
+    B = x.lengths.shape[0]
+    lengths = torch.randint(S // 2, S + 1, (B,), generator=g, dtype=torch.int32).to(dev)
+    starts = torch.stack([torch.randint(0, int(n) // 3 + 1, (1,), generator=g)[0] for n in lengths.cpu()])
+    starts = starts.to(torch.int32).to(dev)
+    counts = torch.minimum(lengths - starts, torch.randint(1, K + 1, (B,), generator=g,
+                                                          dtype=torch.int32).to(dev)).to(torch.int32)
+    return lengths, starts, counts
 
-    B, HQ, HKV, S, D, d, K = 2, 8, 2, 300, 64, 16, 75
-    clear_decode_plans()
-    x = _inputs(B, HQ, HKV, S, D, torch.float32, triton_device, ragged=True, left_pad=True, seed=11)
-    counts = torch.full((B,), 60, dtype=torch.int32, device=triton_device)
+
+def _check_replays(dev, B, HQ, HKV, S, D, d, K, mode, prefix, with_out, dtype, calls=5):
+    """Calls of one signature through a StepReplay (normal, recorded, then replayed), every input new each
+    call, every output kept: each equals the reference for its own inputs and nothing overwrote an earlier one."""
+    from loki.kernels.decode import StepReplay, loki_decode_step
+    from loki.reference.methods import loki_attention
+
+    g = torch.Generator().manual_seed(11)
+    x = _inputs(B, HQ, HKV, S, D, dtype, dev, ragged=True, left_pad=True, seed=11)
     kp = make_key_prefix(x.k_cache, d) if prefix else None
-    kw = dict(d=d, k_max=K, gqa_select=mode, select_method="triton", k_prefix=kp)
-    outs = []
-    for _step in range(3):
-        q = torch.randn_like(x.q)
+    replay = StepReplay()
+    kw = dict(d=d, k_max=K, gqa_select=mode, select_method="triton", k_prefix=kp, replay=replay)
+    kept = []
+    for _call in range(calls):
+        q = torch.randn(x.q.shape, generator=g).to(dev, dtype)
+        lengths, starts, counts = _replay_inputs(x, g, dev, S, K)
         out = torch.empty_like(q) if with_out else None
-        idx, res = loki_decode_step(q, x.k_cache, x.v_cache, x.lengths, x.starts, counts, out=out, **kw)
-        ridx, rres = loki_decode_step(q, x.k_cache, x.v_cache, x.lengths, x.starts, counts,
-                                      tuning=DecodeTuning(use_plan=False), **kw)
-        assert torch.equal(idx, ridx) and (res - rres).abs().max().item() < 1e-5
-        assert not torch.isnan(res).any()
+        idx, res = loki_decode_step(q, x.k_cache, x.v_cache, lengths, starts, counts, out=out, **kw)
         if with_out:
             assert res is out
-        outs.append((idx, res))
-    plans = [p for p in _PLANS.values() if p]
-    assert len(plans) == 1
-    plan = plans[0]
-    assert [len(a) for a in plan.bind((q, x.k_cache, x.v_cache, kp, x.lengths, x.starts, counts, out),
-                                      plan.new_buffers(), True)] == [len(t[2]) for t in plan.launches]
-    # returned tensors are fresh on every call
-    assert outs[0][0].data_ptr() != outs[1][0].data_ptr() or outs[0][0] is not outs[1][0]
+            res = res.clone()  # the caller's buffer is the caller's to reuse
+        kept.append((q, lengths, starts, counts, idx, res))
+    plans = [p for p in replay.plans.values() if p]
+    assert len(plans) == 1, "the signature should be recorded at its second call and replayed after"
+    ptrs = {r.data_ptr() for *_, r in kept}
+    assert with_out or len(ptrs) == len(kept), "replays must return fresh outputs"
+    for q, lengths, starts, counts, idx, res in kept:
+        want = loki_attention(q.float(), x.k_cache.float(), x.v_cache.float(), d=d, counts=counts.long(),
+                              lengths=lengths, starts=starts, gqa_select=mode)
+        assert not torch.isnan(res).any()
+        torch.testing.assert_close(res.float(), want, rtol=2e-2 if dtype != torch.float32 else 1e-4,
+                                   atol=2e-2 if dtype != torch.float32 else 1e-4)
+        rows = idx.shape[0] * idx.shape[1]
+        assert rows and bool(((idx >= 0).sum(-1) == counts.long()[:, None]).all())
+    return plans[0], x, kp
+
+
+@interp
+@pytest.mark.parametrize("mode,prefix,with_out", [("query", True, False), ("kv", False, True)])
+def test_decode_step_replay_changes_every_input_and_keeps_every_output(triton_device, mode, prefix, with_out):
+    """StepReplay: later calls of a signature replay the compiled kernels with the new query, lengths, starts
+    and counts and fresh buffers; every output equals the reference of its own inputs."""
+    plan, x, kp = _check_replays(triton_device, 2, 8, 2, 300, 64, 16, 75, mode, prefix, with_out, torch.float32)
+    q = x.q
+    counts = torch.ones(2, dtype=torch.int32, device=triton_device)
+    inputs = (q, x.k_cache, x.v_cache, kp, x.lengths, x.starts, counts, torch.empty_like(q) if with_out else None)
+    assert [len(a) for a in plan.bind(inputs, plan.new_buffers(), True)] == [len(t[2]) for t in plan.launches]
     # raw addresses (the direct launch) equal the tensor views' addresses
     bufs = plan.new_buffers()
-    inputs = (q, x.k_cache, x.v_cache, kp, x.lengths, x.starts, counts, out)
     for views, ptrs in zip(plan.bind(inputs, bufs, True), plan.bind(inputs, bufs, False)):
         for v, p in zip(views, ptrs):
             if isinstance(v, torch.Tensor):
                 assert v.data_ptr() == p
-    clear_decode_plans()
 
 
 @interp
 def test_decode_step_records_at_the_second_call_only(triton_device):
     """A signature is recorded at its second call; a cache that grows every step (new shapes each call)
-    never pays for a recording."""
-    from loki.kernels.decode import _PLANS, _SEEN, clear_decode_plans, loki_decode_step
+    never pays for a recording; without a StepReplay nothing is recorded at all."""
+    from loki.kernels.decode import StepReplay, loki_decode_step
 
     B, HQ, HKV, D, d = 1, 4, 2, 64, 16
-    clear_decode_plans()
+    replay = StepReplay()
     for S in (100, 101, 102, 103):  # growing cache: each signature once
         x = _inputs(B, HQ, HKV, S, D, torch.float32, triton_device, seed=S)
         counts = torch.full((B,), S // 4, dtype=torch.int32, device=triton_device)
         loki_decode_step(x.q, x.k_cache, x.v_cache, x.lengths, x.starts, counts, d=d, k_max=S // 4,
-                         select_method="triton")
-    assert len(_PLANS) == 0 and len(_SEEN) == 4
+                         select_method="triton", replay=replay)
+    assert len(replay.plans) == 0 and len(replay.seen) == 4
     S = 110
     x = _inputs(B, HQ, HKV, S, D, torch.float32, triton_device, seed=S)
     counts = torch.full((B,), S // 4, dtype=torch.int32, device=triton_device)
     for call in range(3):  # fixed shapes: normal path, then recorded, then replayed
         loki_decode_step(x.q, x.k_cache, x.v_cache, x.lengths, x.starts, counts, d=d, k_max=S // 4,
-                         select_method="triton")
-        assert len(_PLANS) == (0 if call == 0 else 1)
-    clear_decode_plans()
-    assert not _PLANS and not _SEEN
+                         select_method="triton", replay=replay)
+        assert len(replay.plans) == (0 if call == 0 else 1)
+    replay.clear()
+    assert not replay.plans and not replay.seen
 
 
 @gpu
 @pytest.mark.parametrize("mode,HQ,HKV", [("query", 40, 40), ("kv", 32, 8)])
-def test_gpu_decode_step_plan_replay(mode, HQ, HKV):
-    """The direct-launch replay on the GPU matches the normal launch path, poisoned and not."""
-    from loki.kernels.decode import DecodeTuning, clear_decode_plans, loki_decode_step
-
-    dev = torch.device("cuda")
+@pytest.mark.parametrize("poison", ["1", "0"])
+def test_gpu_decode_step_replay(mode, HQ, HKV, poison, monkeypatch):
+    """The direct-launch replay on the GPU: every input new each call, every output kept and right."""
+    monkeypatch.setenv("LOKI_POISON_OUTPUTS", poison)
     B, S, D, d = 3, 4099, 128, 32
-    K = S // 4
-    x = _inputs(B, HQ, HKV, S, D, torch.bfloat16, dev, ragged=True, left_pad=True, seed=5)
-    counts = torch.full((B,), K - 7, dtype=torch.int32, device=dev)
-    kp = make_key_prefix(x.k_cache, d)
-    clear_decode_plans()
-    for poison in ("1", "0"):
-        os.environ["LOKI_POISON_OUTPUTS"] = poison
-        for _step in range(3):
-            q = torch.randn_like(x.q)
-            kw = dict(d=d, k_max=K, gqa_select=mode, k_prefix=kp)
-            idx, res = loki_decode_step(q, x.k_cache, x.v_cache, x.lengths, x.starts, counts, **kw)
-            ridx, rres = loki_decode_step(q, x.k_cache, x.v_cache, x.lengths, x.starts, counts,
-                                          tuning=DecodeTuning(use_plan=False), **kw)
-            torch.cuda.synchronize()
-            assert torch.equal(idx, ridx)
-            assert not torch.isnan(res).any() and torch.equal(res, rres)
-    os.environ["LOKI_POISON_OUTPUTS"] = "1"
-    clear_decode_plans()
+    _check_replays(torch.device("cuda"), B, HQ, HKV, S, D, d, S // 4, mode, True, False, torch.bfloat16)

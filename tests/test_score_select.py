@@ -13,7 +13,7 @@ import torch
 
 import loki.reference as R
 from loki.kernels import make_key_prefix, score_select
-from loki.kernels.decode import DecodeTuning, clear_decode_plans, loki_decode_step
+from loki.kernels.decode import DecodeTuning, StepReplay, loki_decode_step
 from loki.kernels.score_select import FUSED_DEFAULTS, score_select_fusable
 from loki.testing.inputs import make_decode_inputs
 from loki.testing.invariants import check_selection
@@ -69,8 +69,7 @@ def test_decode_step_fused_equals_two_kernels(triton_device, mode):
                            left_pad=True, seed=7)
     counts = R.budget(0.25, x.lengths, x.starts, B, S, triton_device)
     K = int(counts.max())
-    kw = dict(d=d, k_max=K, gqa_select=mode, select_method="triton")
-    clear_decode_plans()
+    kw = dict(d=d, k_max=K, gqa_select=mode, select_method="triton", replay=StepReplay())
     for _step in range(3):  # the second call records a plan, the third replays it
         q = torch.randn_like(x.q)
         i1, o1 = loki_decode_step(q, x.k_cache, x.v_cache, x.lengths, x.starts, counts,
@@ -79,7 +78,6 @@ def test_decode_step_fused_equals_two_kernels(triton_device, mode):
                                   tuning=DecodeTuning(fuse_select=False), **kw)
         assert torch.equal(torch.sort(i1, -1).values, torch.sort(i2, -1).values)
         assert not torch.isnan(o1).any() and (o1 - o2).abs().max().item() < 1e-5
-    clear_decode_plans()
 
 
 @interp
@@ -120,7 +118,6 @@ def test_gpu_fused_decode_step(B, HQ, HKV, S, mode):
     s64 = R.approx_scores(x.q.double(), x.k_cache.double(), 32, x.lengths, x.starts, gqa_select=mode,
                           compute_dtype=torch.float64)
     slack = 1e-4 * s64[torch.isfinite(s64)].abs().max().item()
-    clear_decode_plans()
     for fuse in (True, False):
         idx, out = loki_decode_step(x.q, x.k_cache, x.v_cache, x.lengths, x.starts, counts, d=32, k_max=K,
                                     gqa_select=mode, k_prefix=kp, tuning=DecodeTuning(fuse_select=fuse))
@@ -131,7 +128,6 @@ def test_gpu_fused_decode_step(B, HQ, HKV, S, mode):
             first = out
         else:
             assert (first.float() - out.float()).abs().max().item() < 2e-2
-    clear_decode_plans()
 
 
 @gpu
@@ -147,14 +143,13 @@ def test_gpu_programmatic_dependent_launch(mode, HQ, HKV):
     try:
         for flag in (False, True):
             L.PDL = flag
-            clear_decode_plans()
+            replay = StepReplay()
             for _step in range(3):
                 results.append((flag, loki_decode_step(x.q, x.k_cache, x.v_cache, x.lengths, x.starts, counts,
-                                                       **kw)))
+                                                       replay=replay, **kw)))
             torch.cuda.synchronize()
     finally:
         L.PDL = old
-        clear_decode_plans()
     ref_idx, ref_out = results[0][1]
     for _flag, (idx, out) in results[1:]:
         assert torch.equal(idx, ref_idx) and torch.equal(out, ref_out)

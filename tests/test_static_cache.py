@@ -26,6 +26,7 @@ from loki.integrations.transformers import (  # noqa: E402
 from loki.integrations.transformers import static as lt_static  # noqa: E402
 from loki.kernels import decode_attention, plan_decode  # noqa: E402
 from loki.kernels.ops import decode_step_op  # noqa: E402
+from loki.testing.decode import batch_inputs, decode_logits  # noqa: E402
 from loki.testing.inputs import make_decode_inputs  # noqa: E402
 from loki.testing.models import tiny_model  # noqa: E402
 
@@ -71,24 +72,37 @@ def _spy_static(monkeypatch):
     return calls
 
 
+def _generate_logits(model, ids, mask, **kw):
+    """Greedy ``generate``; returns the tokens and the logits of every step ([NEW, B, V] fp32)."""
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=0,
+                             output_logits=True, return_dict_in_generate=True, **kw)
+    return out.sequences[:, ids.shape[1]:], torch.stack([x.float() for x in out.logits])
+
+
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.interpreter)])
 @pytest.mark.parametrize("gqa_select", ["query", "kv"])
-def test_static_cache_generate_equals_dynamic(backend, gqa_select, monkeypatch):
+@pytest.mark.parametrize("padded", [False, True], ids=["B1-unpadded", "B2-left-padded"])
+def test_static_cache_generate_equals_dynamic(backend, gqa_select, padded, monkeypatch):
     if backend == "triton" and not (INTERPRET or HAS_CUDA):
         pytest.skip("the Triton backend needs a GPU or TRITON_INTERPRET=1")
     dev = "cuda" if backend == "triton" and HAS_CUDA and not INTERPRET else "cpu"
     model = tiny_model(num_heads=4, num_kv_heads=2).to(dev)
     enable_loki(model, _basis(model), k=0.5, d=0.5, backend=backend, gqa_select=gqa_select)
     ids, mask = (t.to(dev) for t in _prompt())
-    dynamic = _generate(model, ids, mask)
+    if not padded:
+        ids, mask = ids[:1], None
+    dyn_tokens, dynamic = _generate_logits(model, ids, mask)
     calls = _spy_static(monkeypatch)
     cache = loki_static_cache(model, max_cache_len=PROMPT + NEW + 3)
-    static = _generate(model, ids, mask, **{_cache_kw(model): cache})
+    tokens, static = _generate_logits(model, ids, mask, **{_cache_kw(model): cache})
     assert len(calls) == model.config.num_hidden_layers * (NEW - 1)  # every decode step took the static path
     assert isinstance(cache.layers[0], LokiStaticCacheLayer)
-    assert torch.equal(static, dynamic)
+    torch.testing.assert_close(static, dynamic, rtol=1e-5, atol=1e-5)
+    assert torch.equal(tokens, dyn_tokens)
     calls.clear()
-    assert torch.equal(_generate(model, ids, mask, cache_implementation="static"), dynamic)
+    tokens, converted = _generate_logits(model, ids, mask, cache_implementation="static")
+    torch.testing.assert_close(converted, dynamic, rtol=1e-5, atol=1e-5)
     assert len(calls) == model.config.num_hidden_layers * (NEW - 1)
 
 
@@ -113,70 +127,87 @@ def test_static_cache_stores_rotated_keys_and_prefix():
     torch.testing.assert_close(restored.keys[:, :, :5], k, rtol=1e-4, atol=1e-4)
 
 
-def test_full_budget_static_generation_equals_dense():
+@pytest.mark.parametrize("padded", [False, True], ids=["B1-unpadded", "B2-left-padded"])
+def test_full_budget_static_generation_equals_dense(padded):
     ref = tiny_model(num_heads=4, num_kv_heads=2)
     model = tiny_model(num_heads=4, num_kv_heads=2)
     ids, mask = _prompt()
-    expected = _generate(ref, ids, mask)
+    if not padded:
+        ids, mask = ids[:1], None
+    tokens, expected = _generate_logits(ref, ids, mask)
     enable_loki(model, _basis(model), k=1.0, d=model.config.head_dim, backend="torch")
     cache = loki_static_cache(model, max_cache_len=PROMPT + NEW)
-    assert torch.equal(_generate(model, ids, mask, **{_cache_kw(model): cache}), expected)
+    got_tokens, got = _generate_logits(model, ids, mask, **{_cache_kw(model): cache})
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got_tokens, tokens)
 
 
-def _decode_loop(model, step, ids, mask, max_len, n=NEW):
-    """Prefill eagerly, then n decode steps through ``step`` (the forward, compiled or not)."""
-    B, P = ids.shape
-    cache = loki_static_cache(model, max_cache_len=max_len, batch_size=B)
-    full = torch.cat([mask, torch.ones(B, max_len - P, dtype=mask.dtype, device=mask.device)], 1)
-    kw = _cache_kw(model)
-    with torch.no_grad():
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = model(ids, attention_mask=mask, position_ids=pos, cache_position=torch.arange(P, device=ids.device),
-                    use_cache=True, **{kw: cache})
-        tok = out.logits[:, -1].argmax(-1, keepdim=True)
-        toks = [tok]
-        for i in range(n):
-            p = P + i
-            o = step(input_ids=tok, attention_mask=full[:, : p + 1], position_ids=pos[:, -1:] + i + 1,
-                     cache_position=torch.tensor([p], device=ids.device), use_cache=True, **{kw: cache})
-            tok = o.logits[:, -1].argmax(-1, keepdim=True)
-            toks.append(tok)
-    return torch.cat(toks, 1)
-
-
-def test_compiled_fullgraph_static_decode_equals_eager():
+@pytest.mark.parametrize("kind", ["B1-unpadded", "B3-ragged"])
+def test_compiled_fullgraph_static_decode_equals_eager(kind):
+    """The decode steps traced whole (``fullgraph=True``, aot_eager: no C++ build) give eager's logits."""
     torch._dynamo.reset()
-    model = tiny_model(num_heads=4, num_kv_heads=2)
-    enable_loki(model, _basis(model), k=0.5, d=0.5, backend="torch")
-    ids, mask = _prompt()
-    eager = _decode_loop(model, model.forward, ids, mask, PROMPT + NEW + 1)
-    compiled = torch.compile(model.forward, fullgraph=True, backend="aot_eager")
-    assert torch.equal(_decode_loop(model, compiled, ids, mask, PROMPT + NEW + 1), eager)
+    batch = batch_inputs(kind, prompt_len=PROMPT, steps=4)
+    logits = []
+    for compiled in (False, True):
+        model = tiny_model(num_heads=4, num_kv_heads=2)
+        enable_loki(model, _basis(model), k=0.5, d=0.5, backend="torch")
+        cache = loki_static_cache(model, max_cache_len=PROMPT + 6)
+        step = torch.compile(model.forward, fullgraph=True, backend="aot_eager") if compiled else None
+        logits.append(decode_logits(model, batch, cache=cache, step=step))
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
 
 
-def test_custom_op_registered_and_traceable():
+def test_custom_op_registered_per_device_and_traceable():
+    """loki::decode_step: one budget input (counts); the CPU registration is the reference."""
     assert hasattr(torch.ops.loki, "decode_step")
     x = make_decode_inputs(2, 4, 2, 40, 16, ragged=True, left_pad=True, seed=3)
     counts = torch.ceil((x.lengths - x.starts).double() * 0.25 - 1e-9).long()
-    args = (x.q, x.k_cache, x.v_cache, None, x.lengths, x.starts, counts, 4, -1, 0.25, 16, "query", "sum", 0.25,
-            False)
+    args = (x.q, x.k_cache, x.v_cache, None, x.lengths, x.starts, counts, 4, 16, "query", "sum", 0.25)
     out = decode_step_op(*args)
     ref = decode_attention(x.q, x.k_cache, x.v_cache, d=4, k=0.25, lengths=x.lengths, starts=x.starts,
                            backend="torch", scale=0.25)
     torch.testing.assert_close(out, ref)
     torch.library.opcheck(torch.ops.loki.decode_step.default, args,
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+    # other budgets through the same input: every token kept (counts = valid lengths) is dense attention
+    full = (x.lengths - x.starts).long()
+    dense = decode_attention(x.q, x.k_cache, x.v_cache, d=16, k=10_000, lengths=x.lengths, starts=x.starts,
+                             backend="torch")
+    torch.testing.assert_close(decode_step_op(x.q, x.k_cache, x.v_cache, None, x.lengths, x.starts, full, 16, 48,
+                                              "kv", "max", 0.25), dense)
 
 
-def test_static_mask_with_holes_is_refused():
-    mask = torch.ones(1, 1, 1, 10, dtype=torch.bool)
-    mask[..., 4] = False
+def test_step_metadata_from_the_2d_mask_and_the_cache():
+    """Ranges are built once per forward from the 2-D mask and the cache's write counter; holes are refused; a
+    missing mask with a static cache sees only the written slots."""
+    from loki.integrations.transformers.metadata import build_forward_metadata
+
+    mask = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])
+    meta = build_forward_metadata(k=0.5, B=2, L=1, device="cpu", cache=None, attention_mask=mask, windows=[None],
+                                  num_layers=1)
+    g = meta.layer(0, 1)  # no cache: one key, the new token
+    assert g.S == 1
+    model = tiny_model(num_heads=4, num_kv_heads=2)
+    enable_loki(model, _basis(model), k=0.5, d=0.5, backend="torch")
+    cache = loki_static_cache(model, max_cache_len=16, batch_size=1)
+    with torch.no_grad():
+        model(torch.randint(1, 256, (1, 5)), use_cache=True, **{_cache_kw(model): cache})
+    meta = build_forward_metadata(k=3, B=1, L=1, device="cpu", cache=cache, attention_mask=None,
+                                  windows=[None, None], num_layers=2)
+    g = meta.layer(1, 16)
+    assert g.dec_starts.tolist() == [0] and g.dec_lengths.tolist() == [6] and g.counts.tolist() == [3]
+    assert g.width == 16
+    holes = torch.tensor([[1, 1, 0, 1, 1, 1]])
     with pytest.raises(LokiError, match="contiguous"):
-        lt_static.static_intervals(mask, 1, 10, "cpu", check=True)
-    starts, lengths = lt_static.static_intervals(torch.arange(10)[None, None, None] >= 3, 1, 10, "cpu", True)
-    assert starts.tolist() == [3] and lengths.tolist() == [10]
-    with pytest.raises(LokiError, match="attention mask"):
-        lt_static.static_intervals(None, 1, 10, "cpu", check=True)
+        build_forward_metadata(k=3, B=1, L=1, device="cpu", cache=cache, attention_mask=holes, windows=[None, None],
+                               num_layers=2)
+    left = torch.tensor([[0, 0, 1, 1, 1, 1]])
+    g = build_forward_metadata(k=0.5, B=1, L=1, device="cpu", cache=cache, attention_mask=left,
+                               windows=[None, None], num_layers=2).layer(0, 16)
+    assert g.dec_starts.tolist() == [2] and g.dec_lengths.tolist() == [6] and g.counts.tolist() == [2]
+    with pytest.raises(LokiError, match="mask covers 4 tokens"):
+        build_forward_metadata(k=3, B=1, L=1, device="cpu", cache=cache, attention_mask=left[:, :4],
+                               windows=[None, None], num_layers=2)
 
 
 def test_static_cache_arguments_and_h2o_refused():
@@ -227,7 +258,7 @@ def test_plan_decode_errors_name_the_argument():
     with pytest.raises(ValueError, match="num_q_heads"):
         plan_decode(x.k_cache, x.v_cache, num_q_heads=3, d=4, k=8)
     with pytest.raises(ValueError, match="k="):
-        plan_decode(x.k_cache, x.v_cache, num_q_heads=4, d=4, k=1000)
+        plan_decode(x.k_cache, x.v_cache, num_q_heads=4, d=4, k=0)
     with pytest.raises(ValueError, match="gqa_select"):
         plan_decode(x.k_cache, x.v_cache, num_q_heads=4, d=4, k=8, gqa_select="heads")
     plan = plan_decode(x.k_cache, x.v_cache, num_q_heads=4, d=4, k=8)
@@ -244,33 +275,21 @@ def test_plan_decode_errors_name_the_argument():
 # -- GPU: inductor + CUDA graphs ------------------------------------------------------------------------------
 
 @pytest.mark.gpu
-def test_gpu_compiled_static_generate_equals_eager():
+@pytest.mark.parametrize("padded", [False, True], ids=["B1-unpadded", "B2-left-padded"])
+def test_gpu_compiled_generate_on_static_cache_equals_dynamic(padded):
+    """transformers' own compiled generate on the Loki static cache: the logits of the eager dynamic cache."""
     torch._dynamo.reset()
     model = tiny_model(num_layers=2, num_heads=8, num_kv_heads=2, head_dim=64).to("cuda")
     enable_loki(model, _basis(model), k=0.5, d=0.25, gqa_select="query")
     ids, mask = _prompt(B=2, n=40)
     ids, mask = ids.cuda(), mask.cuda()
-    eager = _decode_loop(model, model.forward, ids, mask, 64, n=8)
-    compiled = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
-    assert torch.equal(_decode_loop(model, compiled, ids, mask, 64, n=8), eager)
-    # transformers' own compiled generate on the static cache gives the same tokens as the eager dynamic cache
-    dyn = _generate(model, ids, mask)
+    if not padded:
+        ids, mask = ids[:1], None
+    tokens, dyn = _generate_logits(model, ids, mask)
     cache = loki_static_cache(model, max_cache_len=40 + NEW)
-    assert torch.equal(_generate(model, ids, mask, **{_cache_kw(model): cache}), dyn)
-
-
-@pytest.mark.gpu
-def test_gpu_full_budget_compiled_static_equals_dense():
-    torch._dynamo.reset()
-    ref = tiny_model(num_layers=2, num_heads=8, num_kv_heads=2, head_dim=64).cuda()
-    model = tiny_model(num_layers=2, num_heads=8, num_kv_heads=2, head_dim=64).cuda()
-    ids, mask = _prompt(B=2, n=40)
-    ids, mask = ids.cuda(), mask.cuda()
-    expected = _generate(ref, ids, mask)
-    enable_loki(model, _basis(model), k=1.0, d=64)
-    compiled = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
-    got = _decode_loop(model, compiled, ids, mask, 40 + NEW, n=NEW - 1)
-    assert torch.equal(got, expected)
+    got_tokens, got = _generate_logits(model, ids, mask, **{_cache_kw(model): cache})
+    torch.testing.assert_close(got, dyn, rtol=1e-4, atol=1e-4)
+    assert torch.equal(got_tokens, tokens)
 
 
 @pytest.mark.gpu
@@ -296,19 +315,18 @@ def test_gpu_compiled_static_bf16_logits_match_eager():
             kw = {_cache_kw(model): cache}
             with torch.no_grad():
                 pos = (mask.cumsum(-1) - 1).clamp(min=0)
-                model(ids, attention_mask=mask, position_ids=pos, cache_position=torch.arange(40, device="cuda"),
-                      use_cache=True, **kw)
+                model(ids, attention_mask=mask, position_ids=pos, use_cache=True, **kw)
                 full = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype, device="cuda")], 1)
-                o = step(input_ids=ids[:, -1:], attention_mask=full, position_ids=pos[:, -1:] + 1,
-                         cache_position=torch.tensor([40], device="cuda"), use_cache=True, **kw)
+                o = step(input_ids=ids[:, -1:], attention_mask=full, position_ids=pos[:, -1:] + 1, use_cache=True,
+                         **kw)
                 logits.append(o.logits[:, -1].float().clone())
         diffs[name] = max((logits[i] - logits[0]).abs().max().item() for i in (1, 2, 3))
     assert diffs["loki"] <= 2 * diffs["dense"] + 0.05, diffs
 
 
 def test_compiled_graph_computes_ranges_once_for_all_layers():
-    """The traced decode step holds one Loki op per layer and one computation of the mask ranges (two argmax)
-    shared by every layer."""
+    """The traced decode step holds one Loki op per layer and one computation of the mask's span (two argmax)
+    shared by every layer: the step metadata is built once per forward, before the layers."""
     torch._dynamo.reset()
     model = tiny_model(num_layers=3, num_heads=4, num_kv_heads=2)
     enable_loki(model, _basis(model), k=0.5, d=0.5, backend="torch")
@@ -322,10 +340,10 @@ def test_compiled_graph_computes_ranges_once_for_all_layers():
 
     kw = {_cache_kw(model): cache}
     with torch.no_grad():
-        model(ids, cache_position=torch.arange(8), use_cache=True, **kw)
+        model(ids, use_cache=True, **kw)
         step = torch.compile(model.forward, fullgraph=True, backend=backend)
-        step(input_ids=ids[:, :1], cache_position=torch.tensor([8]), position_ids=torch.tensor([[8]]),
-             use_cache=True, **kw)
+        step(input_ids=ids[:, :1], attention_mask=torch.ones(1, 9, dtype=torch.long),
+             position_ids=torch.tensor([[8]]), use_cache=True, **kw)
     targets = [str(n.target) for n in graphs[0].graph.nodes]
     assert sum("decode_step" in t for t in targets) == 3
     assert sum("argmax" in t for t in targets) == 2

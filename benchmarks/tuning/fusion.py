@@ -97,7 +97,7 @@ def main(argv=None) -> int:
     import loki.reference as R
     from loki.bench.harness import _sdpa_fn, make_bench_inputs, measure_copy_bandwidth, time_ms, time_ms_graph
     from loki.kernels import make_key_prefix
-    from loki.kernels.decode import DecodeTuning, clear_decode_plans, loki_decode_step, selection_bound
+    from loki.kernels.decode import DecodeTuning, StepReplay, loki_decode_step, selection_bound
 
     copy = measure_copy_bandwidth()
     shapes = FUSION_SHAPES[:3] if args.quick else FUSION_SHAPES
@@ -132,13 +132,13 @@ def main(argv=None) -> int:
             if previous:  # the kernels' configuration before this round
                 SEL.FEW_ROWS_REGISTER_COMPACT = 0
                 SA.ATTN_DEFAULTS["head"]["splits"]["min_splits_many"] = 4
-            clear_decode_plans()
             tuning = DecodeTuning(fuse_select=fuse, num_splits=num_splits)
+            replay = StepReplay()
             try:
                 def step():
                     return loki_decode_step(x.q, x.k_cache, x.v_cache, x.lengths, x.starts, counts, d=d, k_max=K,
                                             gqa_select=mode, uniform=True, select_method="triton", k_prefix=kp,
-                                            tuning=tuning)
+                                            tuning=tuning, replay=replay)
                 os.environ["LOKI_POISON_OUTPUTS"] = "1"
                 idx, out = step()
                 step()  # the second call of a signature records the plan
@@ -160,7 +160,6 @@ def main(argv=None) -> int:
                 print(name, vname, "ERROR", repr(e)[:300], flush=True)
             finally:
                 L.PDL, SEL.FEW_ROWS_REGISTER_COMPACT, SA.ATTN_DEFAULTS["head"] = old
-                clear_decode_plans()
 
         if args.attn:
             variant("default", None, False)

@@ -28,7 +28,7 @@ def host_us(fn, n=200):
 def main() -> int:
     from loki.bench.harness import _sdpa_fn, make_bench_inputs, time_ms, time_ms_graph
     from loki.kernels import make_key_prefix
-    from loki.kernels.decode import DecodeTuning, loki_decode_step, selection_bound
+    from loki.kernels.decode import DecodeTuning, StepReplay, loki_decode_step, selection_bound
 
     rows = []
     for name in TARGET_SHAPES[:3]:
@@ -45,8 +45,10 @@ def main() -> int:
             return loki_decode_step(x.q, x.k_cache, x.v_cache, x.lengths, x.starts, counts, tuning=noplan,
                                     **common)
 
-        def new(x=x, counts=counts, common=common):
-            return loki_decode_step(x.q, x.k_cache, x.v_cache, x.lengths, x.starts, counts, **common)
+        replay = StepReplay()
+
+        def new(x=x, counts=counts, common=common, replay=replay):
+            return loki_decode_step(x.q, x.k_cache, x.v_cache, x.lengths, x.starts, counts, replay=replay, **common)
         a, b = old()[1], new()[1]
         new()  # the second call of a signature records the plan; the next ones replay it
         a2, b2 = old()[1], new()[1]

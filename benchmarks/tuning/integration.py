@@ -70,7 +70,6 @@ def run_config(name, B, HQ, HKV, S, *, layers, steps, gqa_select, warmup=32):
 
     from loki.basis import PCABasis
     from loki.integrations.transformers import enable_loki
-    from loki.kernels.decode import clear_decode_plans
     from loki.testing.models import tiny_model
 
     D = 128
@@ -121,7 +120,6 @@ def run_config(name, B, HQ, HKV, S, *, layers, steps, gqa_select, warmup=32):
     # Loki with the library's defaults on a copy of the same cache
     basis = PCABasis.random(layers, HKV, D, seed=1)
     enable_loki(model, basis, k=0.25, d=0.25, gqa_select=gqa_select)
-    clear_decode_plans()
     cache = copy.deepcopy(prefill)
     before_warm = _COMPILES[0]
     # warm-up: the first step converts the cache (rotation, key prefix); Triton specialises integer arguments

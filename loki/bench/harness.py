@@ -173,7 +173,7 @@ def bench_config(cfg: BenchConfig, *, copy_gbps: float, providers=None, gqa_sele
     """Time every provider on one configuration; returns a dict of rows (ms, GB/s, % of copy, speed-up)."""
     from loki.kernels import make_key_prefix, select_topk, sparq_attention, sparq_prepare, sparse_attention
     from loki.kernels.approx_scores import _launch_approx_scores
-    from loki.kernels.decode import DecodeTuning, loki_decode_step, selection_bound
+    from loki.kernels.decode import DecodeTuning, StepReplay, loki_decode_step, selection_bound
     from loki.reference import loki_attention
 
     dtype = getattr(torch, cfg.dtype)
@@ -217,9 +217,10 @@ def bench_config(cfg: BenchConfig, *, copy_gbps: float, providers=None, gqa_sele
         add("eager", _eager_fn(q, kc, vc), dense_bytes)
     common = dict(d=d, k_max=K, gqa_select=mode, uniform=True)
     noplan = DecodeTuning(use_plan=False)
+    replay = StepReplay()  # the recorded launches of the "loki" provider, replayed from its third call on
     if "loki" in want:
         add("loki", lambda: loki_decode_step(q, kc, vc, x.lengths, x.starts, counts, select_method="triton",
-                                             k_prefix=kp, **common), loki_bytes)
+                                             k_prefix=kp, replay=replay, **common), loki_bytes)
     if "loki_noplan" in want:  # the same step through Triton's normal launch path (no recorded plan)
         add("loki_noplan", lambda: loki_decode_step(q, kc, vc, x.lengths, x.starts, counts, select_method="triton",
                                                     k_prefix=kp, tuning=noplan, **common), loki_bytes)

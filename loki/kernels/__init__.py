@@ -7,18 +7,22 @@
 - ``sparq_attention``: the SparQ-style baseline kernels the paper compares against;
 - ``decode_attention``: the whole Loki decode step (validated; the PyTorch reference or the kernels), and
   ``loki_decode_step``: the kernels of a step on validated inputs, the integration's hot loop
-  (``DecodeTuning``: launch choices for tuning; ``clear_decode_plans``: forget the recorded launches);
+  (``DecodeTuning``: launch choices for tuning; ``StepReplay``: the caller's record of launches to replay);
 - ``plan_decode``: validate once, then ``DecodeRun.run`` many times with ~no host work (the cheap eager entry);
-- ``decode_step_op`` (``torch.ops.loki.decode_step``): the step as a torch custom op, for ``torch.compile``.
+- ``decode_step_op`` (``torch.ops.loki.decode_step``): the step as a torch custom op, for ``torch.compile``
+  (the kernels on CUDA, the PyTorch reference on the CPU);
+- ``write_rotated`` (``torch.ops.loki.write_rotated``): new tokens rotated and written into a static cache, bounds
+  checked.
 
 Importing this package compiles nothing and probes no device; kernels are built at their first launch.
 """
 
 from .approx_scores import approx_scores, approx_scores_reference, make_key_prefix
+from .cache_write import write_rotated
 from .decode import (
     BACKENDS,
     DecodeTuning,
-    clear_decode_plans,
+    StepReplay,
     decode_attention,
     loki_attention_reference,
     loki_decode_step,
@@ -34,11 +38,11 @@ from .sparse_attention import sparse_attention, sparse_attention_reference
 __all__ = [
     "BACKENDS",
     "SELECT_METHODS",
+    "StepReplay",
     "DecodeRun",
     "DecodeTuning",
     "approx_scores",
     "approx_scores_reference",
-    "clear_decode_plans",
     "decode_attention",
     "decode_step_op",
     "loki_attention_reference",
@@ -54,4 +58,5 @@ __all__ = [
     "sparq_prepare",
     "sparse_attention",
     "sparse_attention_reference",
+    "write_rotated",
 ]

@@ -16,16 +16,18 @@ import torch
 import triton
 import triton.language as tl
 
+from loki._checks import CacheOverflowError
+
 from ._common import interpreting
 from .launch import launch
 
-__all__ = ["write_rotated", "write_rotated_reference"]
+__all__ = ["check_write", "write_rotated", "write_rotated_reference"]
 
 
 @triton.jit
 def _write_rotated_kernel(
     k_ptr, v_ptr, p_ptr, pos_ptr, keys_ptr, values_ptr, prefix_ptr,
-    L, HKV, dp,
+    L, HKV, dp, B_CACHE, S_CACHE,
     stride_kb, stride_kh, stride_kl,
     stride_vb, stride_vh, stride_vl,
     stride_cb, stride_ch, stride_cs,
@@ -33,25 +35,30 @@ def _write_rotated_kernel(
     stride_xb, stride_xh, stride_xs,
     D: tl.constexpr, BLOCK_J: tl.constexpr, HAS_PREFIX: tl.constexpr,
 ):
-    """keys[b, h, pos[l]] = k[b, h, l] @ P[h]; values[b, h, pos[l]] = v[b, h, l]; prefix[.., :dp] = keys[.., :dp]."""
+    """keys[b, h, pos[l]] = k[b, h, l] @ P[h]; values[b, h, pos[l]] = v[b, h, l]; prefix[.., :dp] = keys[.., :dp].
+
+    Every store is masked to the cache's own rows (``0 <= pos < S_CACHE``, ``b < B_CACHE``): whatever it is
+    given, the kernel never writes outside the cache tensors (the host checks raise before launching)."""
     pid = tl.program_id(0).to(tl.int64)
     l_idx = tl.program_id(1).to(tl.int64)
     b = pid // HKV
     h = pid % HKV
     p = tl.load(pos_ptr + l_idx).to(tl.int64)
+    inside = (p >= 0) & (p < S_CACHE) & (b < B_CACHE)
+    p = tl.where(inside, p, 0)
     offs_i = tl.arange(0, D)
     k = tl.load(k_ptr + b * stride_kb + h * stride_kh + l_idx * stride_kl + offs_i).to(tl.float32)
     v = tl.load(v_ptr + b * stride_vb + h * stride_vh + l_idx * stride_vl + offs_i)
-    tl.store(values_ptr + b * stride_cb + h * stride_ch + p * stride_cs + offs_i, v)
+    tl.store(values_ptr + b * stride_cb + h * stride_ch + p * stride_cs + offs_i, v, mask=(offs_i < D) & inside)
     key_row = keys_ptr + b * stride_wb + h * stride_wh + p * stride_ws
     pre_row = prefix_ptr + b * stride_xb + h * stride_xh + p * stride_xs
     for j0 in tl.static_range(0, D, BLOCK_J):
         offs_j = j0 + tl.arange(0, BLOCK_J)
         P = tl.load(p_ptr + h * D * D + offs_i[:, None] * D + offs_j[None, :])  # [D, BLOCK_J] fp32
         y = tl.sum(k[:, None] * P, axis=0)
-        tl.store(key_row + offs_j, y.to(keys_ptr.dtype.element_ty))
+        tl.store(key_row + offs_j, y.to(keys_ptr.dtype.element_ty), mask=(offs_j < D) & inside)
         if HAS_PREFIX:
-            tl.store(pre_row + offs_j, y.to(prefix_ptr.dtype.element_ty), mask=offs_j < dp)
+            tl.store(pre_row + offs_j, y.to(prefix_ptr.dtype.element_ty), mask=(offs_j < dp) & inside)
 
 
 def write_rotated_reference(keys, values, prefix, k_new, v_new, P, pos) -> None:
@@ -72,14 +79,47 @@ def _kernel_fits(keys, values, prefix, k_new, v_new, P) -> bool:
     return ok and (prefix is None or prefix.stride(-1) == 1)
 
 
+def check_write(keys, values, prefix, k_new, v_new, P, pos, *, check_positions: bool = True) -> None:
+    """Refuse a write that does not fit the cache, before anything is written: the batch and heads of the new
+    tokens must equal the cache's, and every position must lie in ``[0, max_cache_len)`` (``check_positions``:
+    one host sync; skipped while a CUDA graph is captured, where the kernel's masked stores still keep every
+    write inside the cache)."""
+    if k_new.dim() != 4 or v_new.shape[:3] != k_new.shape[:3]:
+        raise ValueError(f"new keys and values must be [B, HKV, L, D] of one shape, got {list(k_new.shape)} and "
+                         f"{list(v_new.shape)}")
+    B, HKV, L, D = k_new.shape
+    Bc, Hc, S, Dc = keys.shape
+    if B != Bc:
+        raise CacheOverflowError(f"the batch has {B} sequences but the static cache was allocated for batch_size="
+                                 f"{Bc}: make the cache with batch_size={B} (or let it allocate at its first write)")
+    if HKV != Hc or D != Dc or values.shape[:3] != keys.shape[:3] or (P is not None and P.shape != (HKV, D, D)):
+        raise ValueError(f"new keys [B, HKV, L, D]={list(k_new.shape)} do not match the cache "
+                         f"{list(keys.shape)} / values {list(values.shape)}"
+                         + ("" if P is None else f" / basis {list(P.shape)}"))
+    if prefix is not None and (prefix.shape[:3] != keys.shape[:3] or prefix.shape[-1] > D):
+        raise ValueError(f"the key prefix {list(prefix.shape)} does not match the cache {list(keys.shape)}")
+    if pos.dim() != 1 or pos.shape[0] != L or pos.dtype.is_floating_point:
+        raise ValueError(f"pos must be [L]=[{L}] integer positions, got {pos.dtype} {list(pos.shape)}")
+    capturing = pos.is_cuda and torch.cuda.is_current_stream_capturing()
+    if check_positions and L and not capturing:
+        lo, hi = (int(v) for v in torch.stack([pos.min(), pos.max()]).tolist())
+        if lo < 0 or hi >= S:
+            raise CacheOverflowError(f"writing positions {lo}..{hi} into a static cache of max_cache_len={S}: "
+                                     f"the prompt and the new tokens must fit in max_cache_len (make the cache "
+                                     f"with max_cache_len >= {hi + 1})")
+
+
 @torch.library.custom_op("loki::write_rotated", mutates_args=("keys", "values", "prefix"))
 def write_rotated(keys: torch.Tensor, values: torch.Tensor, prefix: torch.Tensor | None, k_new: torch.Tensor,
-                  v_new: torch.Tensor, P: torch.Tensor, pos: torch.Tensor) -> None:
+                  v_new: torch.Tensor, P: torch.Tensor, pos: torch.Tensor, check_positions: bool = True) -> None:
     """Write L new tokens into a static cache in place.
 
     keys, values: [B, HKV, S, D]; prefix: [B, HKV, S, dp] or None; k_new, v_new: [B, HKV, L, D] (keys in their
-    own coordinates); P: [HKV, D, D] fp32, the basis; pos: [L] int64, the positions written.
+    own coordinates); P: [HKV, D, D] fp32, the basis; pos: [L] int64, the positions written.  Shapes and
+    positions are checked before anything is written (:func:`check_write`; ``check_positions=False`` skips the
+    positions' host sync for a caller that checked them already); the kernel's stores are masked to the cache.
     """
+    check_write(keys, values, prefix, k_new, v_new, P, pos, check_positions=check_positions)
     if not _kernel_fits(keys, values, prefix, k_new, v_new, P):
         write_rotated_reference(keys, values, prefix, k_new, v_new, P, pos)
         return
@@ -89,6 +129,7 @@ def write_rotated(keys: torch.Tensor, values: torch.Tensor, prefix: torch.Tensor
     pre = prefix if prefix is not None else keys
     launch(_write_rotated_kernel, (B * HKV, L), [
         k_new, v_new, P, pos, keys, values, pre, L, HKV, pre.shape[-1] if prefix is not None else 0,
+        keys.shape[0], keys.shape[2],
         k_new.stride(0), k_new.stride(1), k_new.stride(2), v_new.stride(0), v_new.stride(1), v_new.stride(2),
         values.stride(0), values.stride(1), values.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
         pre.stride(0), pre.stride(1), pre.stride(2), D, min(32, D), prefix is not None,
@@ -96,5 +137,5 @@ def write_rotated(keys: torch.Tensor, values: torch.Tensor, prefix: torch.Tensor
 
 
 @write_rotated.register_fake
-def _(keys, values, prefix, k_new, v_new, P, pos) -> None:
+def _(keys, values, prefix, k_new, v_new, P, pos, check_positions=True) -> None:
     return None

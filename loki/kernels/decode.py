@@ -13,14 +13,20 @@ d leading principal dims, K the bound on the per-sequence selection counts.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from numbers import Integral
 
 import torch
 
-from loki._checks import check_count, check_decode_inputs, check_no_grad, resolve_d, resolve_k, resolve_scale
+from loki._checks import (
+    budget_bound,
+    check_budget,
+    check_count,
+    check_decode_inputs,
+    check_no_grad,
+    resolve_d,
+    resolve_scale,
+)
 from loki.reference.methods import loki_attention as loki_attention_reference
 from loki.reference.selection import GQA_AGGREGATES, GQA_SELECT_MODES, budget
 
@@ -32,23 +38,31 @@ from .score_select import score_select, score_select_fusable
 from .select import SELECT_METHODS, TRITON_SELECT_MAX_S, resolve_select_method, select_topk
 from .sparse_attention import sparse_attention
 
-__all__ = ["BACKENDS", "DecodeTuning", "clear_decode_plans", "decode_attention", "loki_attention_reference",
+__all__ = ["BACKENDS", "DecodeTuning", "StepReplay", "decode_attention", "loki_attention_reference",
            "loki_decode_step", "selection_bound", "selection_width"]
 
-#: Recorded decode steps (``DecodePlan``) by argument signature; False marks a signature that cannot be
-#: replayed.  Bounded: the oldest entry goes first.
-_PLANS: dict = {}
-_MAX_PLANS = 32
-#: Signatures seen once and not recorded yet: a plan is recorded at the second call of a signature, so a
-#: caller whose shapes change every step (a cache that grows by one token per step) never pays for it.
-_SEEN: dict = {}
-_MAX_SEEN = 256
+class StepReplay:
+    """Recorded launches of the decode step, owned by the caller (one model forward, one benchmark loop): the
+    explicit replay object of :func:`loki_decode_step`.
 
+    The second call with an argument signature (shapes, strides, dtypes, pointer alignment and options; not the
+    addresses) launches normally while recording a ``DecodePlan``; later calls with that signature call the
+    compiled kernels directly with fresh buffers (~4x less host time per step).  Nothing is shared between
+    owners: a replay object lives as long as its owner keeps it (the transformers integration makes one per
+    forward, so layers 3+ of a step replay and nothing outlives the step), and nothing is recorded or replayed
+    while a CUDA graph is being captured.
+    """
 
-def clear_decode_plans() -> None:
-    """Forget every recorded decode step (a signature is recorded again at its second call)."""
-    _PLANS.clear()
-    _SEEN.clear()
+    __slots__ = ("plans", "seen", "max_plans")
+
+    def __init__(self, max_plans: int = 8):
+        self.plans: dict = {}
+        self.seen: set = set()
+        self.max_plans = max_plans
+
+    def clear(self) -> None:
+        self.plans.clear()
+        self.seen.clear()
 
 
 BACKENDS = ("auto", "torch", "triton")
@@ -79,11 +93,9 @@ _DEFAULT_TUNING = DecodeTuning()
 
 
 def selection_bound(k: int | float, S: int) -> int:
-    """An int K >= every per-sequence count ``budget(k, ...)`` can give, known without a device sync."""
-    if isinstance(k, Integral) and not isinstance(k, bool):
-        return min(int(k), S)
-    # a fraction of the valid length: at most the same fraction of S (checked by resolve_k)
-    return max(1, min(S, math.ceil(float(k) * S - 1e-9)))
+    """An int K >= every per-sequence count ``budget(k, ...)`` can give over a cache of S tokens, known without a
+    device sync (``loki._checks.budget_bound``: an int count above S is capped at S)."""
+    return budget_bound(k, S)
 
 
 def selection_width(k: int | float, S: int) -> int:
@@ -164,11 +176,11 @@ def decode_attention(
             return res
         out.copy_(res[0] if return_indices else res)  # the result is ``out``, as on the triton backend
         return (out, res[1]) if return_indices else out
+    k = check_budget(k)
     uniform = lengths is None and starts is None
     B, HQ, HKV, S, D, lengths, starts = check_decode_inputs(q_hat, k_hat, v_cache, lengths, starts,
                                                             check_values=check_values)
     dd = resolve_d(d, D)
-    resolve_k(k, torch.full((1,), S, dtype=torch.long), S)  # argument errors name k, before any launch
     resolve_scale(scale, D)
     check_triton_device(q_hat, "decode_attention(backend='triton')")
     check_no_grad("decode_attention(backend='triton')", q_hat=q_hat, k_hat=k_hat, v_cache=v_cache,
@@ -203,44 +215,42 @@ def loki_decode_step(
     out: torch.Tensor | None = None,
     k_prefix: torch.Tensor | None = None,
     tuning: DecodeTuning = _DEFAULT_TUNING,
+    replay: StepReplay | None = None,
 ):
     """The three Triton stages on already-validated inputs, with no host sync (for the integration's hot
     loop and the benchmarks; ``decode_attention`` validates and calls this).  Three or four kernel launches
     (scores and select, fused or not; attention splits; merge), all capturable in a CUDA graph.
 
-    lengths, starts, counts: [B] int32/int64 on the device; d: int (1 <= d <= D); k_max: int bound
-    K >= max(counts); ``uniform``: every count equals k_max; ``k_prefix``: optional [B, HKV, S, dp >= d]
-    contiguous copy of the first dims of k_hat (validated by the caller).  ``tuning``: launch choices other
-    than the defaults (:class:`DecodeTuning`).  Returns ``(idx [B, H, K], out [B, HQ, D])``.
+    lengths, starts, counts: [B] int32/int64 on the device, ``0 <= starts[b] < lengths[b] <= S`` and
+    ``1 <= counts[b] <= lengths[b] - starts[b]`` (trusted: they bound the kernels' reads); d: int (1 <= d <= D);
+    k_max: int bound K >= max(counts); ``uniform``: every count equals k_max; ``k_prefix``: optional
+    [B, HKV, S, dp >= d] contiguous copy of the first dims of k_hat (validated by the caller).  ``tuning``:
+    launch choices other than the defaults (:class:`DecodeTuning`).  Returns ``(idx [B, H, K], out [B, HQ, D])``,
+    both freshly allocated on every call (or ``out`` itself when given).
 
-    Host path (``tuning.use_plan``, the default): the second call with a given argument signature (shapes,
-    strides, dtypes, pointer alignment, options; not the addresses) launches normally and records a
-    ``DecodePlan``; later calls with that signature allocate idx, out and the internal buffers and call
-    the compiled kernels directly (~4x less host time per step; ``clear_decode_plans`` forgets them).
-    Signatures seen only once (a cache that grows every step) are never recorded.
-    Calls with ``tuning.attn_options`` always take the normal path.
+    ``replay`` (a :class:`StepReplay` the caller owns): the second call with a given argument signature
+    launches normally and records a ``DecodePlan`` in it; later calls with that signature replay the recorded
+    launches with fresh buffers.  Without one (or with ``tuning.use_plan=False``, ``tuning.attn_options``, or
+    while a CUDA graph is being captured) every call launches normally.
     """
     t = tuning
     num_splits, reuse_scores, attn_options, fuse_select = t.num_splits, t.reuse_scores, t.attn_options, t.fuse_select
-    key = None
-    if t.use_plan and attn_options is None:
+    if (replay is not None and t.use_plan and attn_options is None
+            and not (q_hat.is_cuda and torch.cuda.is_current_stream_capturing())):
         key = (tensor_key(q_hat), tensor_key(k_hat), tensor_key(v_cache), tensor_key(k_prefix),
                tensor_key(lengths), tensor_key(starts), tensor_key(counts), tensor_key(out), d, k_max,
                gqa_select, aggregate, scale, select_method, uniform, num_splits, reuse_scores, fuse_select,
                _launch_mod.PDL)
-        plan = _PLANS.get(key)
+        plan = replay.plans.get(key)
         if plan:
             bufs = plan((q_hat, k_hat, v_cache, k_prefix, lengths, starts, counts, out))
             return bufs[plan.ret_idx], (out if plan.ret_out is None else bufs[plan.ret_out])
         recordable = plan is None and resolve_select_method(select_method, q_hat) == "triton" and \
             k_hat.shape[2] <= TRITON_SELECT_MAX_S
-        if recordable and key not in _SEEN:  # first call of this signature: the normal path, remembered
-            if len(_SEEN) >= _MAX_SEEN:
-                _SEEN.pop(next(iter(_SEEN)))
-            _SEEN[key] = True
+        if recordable and key not in replay.seen:  # first call of this signature: the normal path, remembered
+            replay.seen.add(key)
             recordable = False
-        if recordable:
-            _SEEN.pop(key, None)
+        if recordable and len(replay.plans) < replay.max_plans:
             with recording() as rec:
                 idx, res = _decode_step_launches(q_hat, k_hat, v_cache, lengths, starts, counts, d, k_max,
                                                  gqa_select, aggregate, scale, select_method, uniform, out,
@@ -252,9 +262,7 @@ def loki_decode_step(
             plan.ret_out = ids.index(id(res)) if id(res) in ids else None
             if plan.ret_idx is None or (plan.ret_out is None and res is not out):
                 plan.ok = False
-            if len(_PLANS) >= _MAX_PLANS:
-                _PLANS.pop(next(iter(_PLANS)))
-            _PLANS[key] = plan if plan.ok else False
+            replay.plans[key] = plan if plan.ok else False
             return idx, res
     return _decode_step_launches(q_hat, k_hat, v_cache, lengths, starts, counts, d, k_max, gqa_select, aggregate,
                                  scale, select_method, uniform, out, num_splits, k_prefix, reuse_scores,

@@ -8,8 +8,8 @@ preallocated to its maximum length) and one setting (d, k, GQA mode, scale); eve
 first ``run`` launches the step normally while recording the launches (the budgets of each sequence come from a
 one-program Triton kernel, so the step is launches only); every later ``run`` patches the addresses of the
 query, lengths and starts into the recorded argument lists and calls the compiled kernels directly, with the
-plan's own buffers: no allocation, no torch op, no host sync.  The output is the plan's buffer, overwritten by
-the next run (copy it, or pass ``out=`` to ``plan_decode`` to choose the buffer).
+plan's own scratch buffers: one allocation (the output), no other torch op, no host sync.  Every run returns a
+new output tensor, unless ``out=`` was given to ``plan_decode`` (then every run writes that buffer).
 
 Shape letters: B batch, HQ query heads, HKV key/value heads, S cache length, D head dim.
 """
@@ -20,22 +20,29 @@ import torch
 import triton
 import triton.language as tl
 
-from loki._checks import check_decode_inputs, check_no_grad, resolve_d, resolve_k, resolve_scale
+from loki._checks import check_budget, check_decode_inputs, check_no_grad, resolve_d, resolve_scale
 from loki.reference.selection import GQA_AGGREGATES, GQA_SELECT_MODES
 
 from . import launch as _launch
 from ._common import check_triton_device
 from .approx_scores import _check_key_prefix
-from .ops import k_arguments
 
 __all__ = ["DecodeRun", "plan_decode"]
+
+
+def k_arguments(k: int | float) -> tuple[int, float]:
+    """(k_count, k_fraction) of the budget kernel for a validated budget ``k``: an int count gives (k, -1.0), a
+    fraction (-1, k)."""
+    if isinstance(k, int) and not isinstance(k, bool):
+        return int(k), -1.0
+    return -1, float(k)
 
 
 @triton.jit
 def _budget_kernel(lengths_ptr, starts_ptr, frac_ptr, counts_ptr, B, K_COUNT, IS_FRACTION: tl.constexpr,
                    BLOCK: tl.constexpr):
     """counts[b] = the tokens sequence b attends: min(K_COUNT, n) for a count, else ceil(n * f - 1e-9) in
-    [1, n] for a fraction f (fp64, as ``loki._checks.resolve_k``), with n = lengths[b] - starts[b]."""
+    [1, n] for a fraction f (fp64, as ``loki._checks.budget_counts``), with n = lengths[b] - starts[b]."""
     offs = tl.arange(0, BLOCK)
     m = offs < B
     n = tl.load(lengths_ptr + offs, mask=m, other=1).to(tl.int64) - tl.load(starts_ptr + offs, mask=m,
@@ -52,7 +59,8 @@ def _budget_kernel(lengths_ptr, starts_ptr, frac_ptr, counts_ptr, B, K_COUNT, IS
 class DecodeRun:
     """A decode step planned for one KV cache and one setting (made by :func:`plan_decode`).
 
-    ``run(q_hat, lengths, starts=None)`` -> out [B, HQ, D] (the plan's buffer).  q_hat must have the planned
+    ``run(q_hat, lengths, starts=None)`` -> out [B, HQ, D] (a new tensor per run, or the ``out`` given to
+    ``plan_decode``).  q_hat must have the planned
     shape, dtype, device and strides; lengths and starts ([B] int32 or int64, on the device) must satisfy
     ``0 <= starts[b] < lengths[b] <= S`` (not checked: the kernels trust them to bound their reads).
     """
@@ -121,19 +129,33 @@ class DecodeRun:
         self._plan, self._buffers, self._sig = plan, list(rec.buffers), sig
         self._ret = next((j for j, b in enumerate(rec.buffers) if b is res), None)
         self._bound = plan.bind(inputs, self._buffers, as_tensors=not plan.direct())
-        # where the changing inputs (q_hat, lengths, starts: inputs 0-2) go in each launch's argument list
+        # where the changing inputs (q_hat, lengths, starts: inputs 0-2) go in each launch's argument list, and
+        # where the output buffer goes (a fresh output per run unless the caller gave ``out``)
         self._patches = [[(pos, i) for pos, is_in, i, *_ in subs if is_in and i < 3]
                          for (_fn, _grid, _t, subs, _o, _c) in plan.launches]
+        self._out_patches = [[(pos, off, shape, stride, soff) for pos, is_in, i, off, shape, stride, soff in subs
+                              if not is_in and i == self._ret]
+                             for (_fn, _grid, _t, subs, _o, _c) in plan.launches]
         return res
 
     def _replay(self, q_hat, lengths, starts):
         plan, new = self._plan, (q_hat, lengths, starts)
         direct = plan.direct()
-        for args, patches in zip(self._bound, self._patches):
+        out = None
+        if self._ret is not None:
+            ref = self._buffers[self._ret]
+            out = _launch.new_output(tuple(ref.shape), ref.dtype, ref.device)
+        for args, patches, out_patches in zip(self._bound, self._patches, self._out_patches):
             for pos, i in patches:
                 args[pos] = new[i].data_ptr() if direct else new[i]
+            for pos, off, shape, stride, soff in out_patches:
+                if direct:
+                    args[pos] = out.data_ptr() + off
+                else:
+                    args[pos] = out if (off == 0 and out.shape == shape) else torch.as_strided(out, shape, stride,
+                                                                                              soff)
         plan.launch_all(self._bound)
-        return self.out if self._ret is None else self._buffers[self._ret]
+        return self.out if out is None else out
 
 def plan_decode(
     k_hat: torch.Tensor,
@@ -172,7 +194,7 @@ def plan_decode(
     if k_hat.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("k_hat and v_cache must be contiguous in their last dim (the plan keeps their addresses)")
     dd = resolve_d(d, D)
-    resolve_k(k, torch.full((1,), S, dtype=torch.long), S)
+    k = check_budget(k)
     scale = resolve_scale(scale, D)
     if k_prefix is not None:
         if _check_key_prefix(k_prefix, k_hat, dd) is not k_prefix:

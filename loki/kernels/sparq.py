@@ -24,11 +24,11 @@ import triton
 import triton.language as tl
 
 from loki._checks import (
+    check_budget,
     check_count,
     check_decode_inputs,
     check_no_grad,
     resolve_d,
-    resolve_k,
     resolve_scale,
     valid_token_mask,
 )
@@ -178,7 +178,7 @@ def sparq_attention(
     check_triton_device(q, "sparq_attention")
     check_no_grad("sparq_attention (Triton)", q=q, k_cache=k_cache, v_cache=v_cache)
     rr = resolve_d(r, D, name="r")
-    resolve_k(k, torch.full((1,), S, dtype=torch.long), S)
+    k = check_budget(k)
     sm_scale = resolve_scale(scale, D)
     for name, blk in (("block_s", block_s), ("block_k", block_k)):
         if blk is not None and (check_count(blk, name, minimum=16) & (blk - 1)):

@@ -41,7 +41,7 @@ def loki_attention(
     v_cache: torch.Tensor,
     *,
     d: int | float,
-    k: int | float,
+    k: int | float | None = None,
     lengths: torch.Tensor | None = None,
     starts: torch.Tensor | None = None,
     gqa_select: str = "query",
@@ -49,18 +49,24 @@ def loki_attention(
     scale: float | None = None,
     compute_dtype: torch.dtype = torch.float32,
     return_indices: bool = False,
+    counts: torch.Tensor | None = None,
 ):
     """Loki (Algorithm 1) on keys already stored in the PCA basis.
 
     q_hat: [B, HQ, D] (q P, see ``rotate_query``); k_hat: [B, HKV, S, D] (K P); v_cache: [B, HKV, S, D].
+    The budget is ``k`` (an int count or a fraction, resolved per sequence by ``budget``) or ``counts`` ([B] int,
+    the tokens each sequence attends, already resolved; exactly one of the two).
     Returns out [B, HQ, D] (and ``(idx [B, H, K], counts [B])`` when ``return_indices``).
     ``gqa_select="query"`` (default, as the paper's code) selects per query head; ``"kv"`` shares one
     selection per KV head, from the group's scores combined by ``aggregate``.
     """
     B, HQ, HKV, S, D, lengths, starts = check_decode_inputs(q_hat, k_hat, v_cache, lengths, starts)
+    if (k is None) == (counts is None):
+        raise ValueError("give the budget as exactly one of k (a count or a fraction) and counts ([B] int)")
     s = approx_scores(q_hat, k_hat, d, lengths, starts, gqa_select=gqa_select, aggregate=aggregate,
                       compute_dtype=compute_dtype)
-    counts = budget(k, lengths, starts, B, S, q_hat.device)
+    if counts is None:
+        counts = budget(k, lengths, starts, B, S, q_hat.device)
     idx = select_topk(s, counts)
     out = sparse_attention(q_hat, k_hat, v_cache, idx, counts, scale=scale, compute_dtype=compute_dtype)
     return (out, (idx, counts)) if return_indices else out

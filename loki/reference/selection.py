@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check_counts, check_decode_inputs, resolve_d, resolve_k, valid_token_mask
+from .._checks import budget_counts, check_budget, check_counts, check_decode_inputs, resolve_d, valid_token_mask
 
 __all__ = ["GQA_SELECT_MODES", "GQA_AGGREGATES", "approx_scores", "aggregate_group_scores", "select_topk", "budget",
            "topk_indices"]
@@ -69,11 +69,12 @@ def approx_scores(
 
 def budget(k: int | float, lengths: torch.Tensor | None, starts: torch.Tensor | None, B: int, S: int,
            device: torch.device | None = None) -> torch.Tensor:
-    """Tokens to select per sequence, [B] int64, from a count or a fraction of each valid length."""
+    """Tokens to select per sequence, [B] int64, from a count or a fraction of each valid length
+    (:func:`loki._checks.budget_counts`, the one budget rule: an int count above the valid tokens keeps them all)."""
     n = torch.full((B,), S, dtype=torch.long, device=device) if lengths is None else lengths.long()
     if starts is not None:
         n = n - starts.long()
-    return resolve_k(k, n, S)
+    return budget_counts(check_budget(k), n)
 
 
 def topk_indices(scores: torch.Tensor, K: int, *, sorted: bool = True) -> torch.Tensor:

@@ -18,11 +18,9 @@ H the selection's head axis (HQ for per-query-head selection, HKV for per-KV-hea
 
 from __future__ import annotations
 
-from numbers import Integral
-
 import torch
 
-from .._checks import resolve_d, resolve_k
+from .._checks import budget_counts, check_budget, resolve_d
 from .common import default_scale
 from .selection import aggregate_group_scores
 
@@ -165,9 +163,8 @@ def teacher_forced_rows(
     scale = default_scale(D, scale)
     starts, lengths = starts.long(), lengths.long()
     n_visible = (lengths - starts).clamp_min(0)
-    if isinstance(k_budget, Integral) and not isinstance(k_budget, bool):
-        k_budget = min(int(k_budget), S)  # a count above the cache keeps every token
-    counts = resolve_k(k_budget, n_visible.reshape(-1), S).view(B, L)  # 0 for a row that sees nothing
+    # the one budget rule: an int count above a row's visible tokens keeps them all; 0 for a row that sees nothing
+    counts = budget_counts(check_budget(k_budget), n_visible)
     ends = lengths.amax(dim=0).tolist()  # per row: the last key any sequence's row i sees (one host sync)
     if block_elements is None:
         block_elements = 1 << 27 if q.is_cuda else 1 << 24

@@ -1,7 +1,8 @@
 """Hypothesis strategies for decode-attention shapes (needs the ``test`` extra).
 
 ``decode_shapes()`` draws consistent B, HQ, HKV, S, D, d, k with the element count capped, so property
-tests stay small on a 2-core CPU.
+tests stay small on a 2-core CPU.  Budgets are drawn as every user can give them: an int count up to S, a
+fraction in (0, 1], or an int count above S (which keeps every valid token).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 
 __all__ = ["DecodeShape", "decode_shapes", "HEAD_DIMS", "GQA_GROUPS"]
 
-HEAD_DIMS = (64, 96, 128)
+HEAD_DIMS = (16, 64, 80, 96, 128)
 GQA_GROUPS = (1, 3, 4, 8)
 
 
@@ -24,7 +25,7 @@ class DecodeShape:
     S: int
     D: int
     d: int
-    k: int
+    k: int | float
 
     @property
     def id(self) -> str:
@@ -39,7 +40,7 @@ def decode_shapes(
     max_seq: int = 3000,
     head_dims=HEAD_DIMS,
     groups=GQA_GROUPS,
-    max_kv_heads: int = 2,
+    max_kv_heads: int = 8,
     max_elements: int = 400_000,
 ) -> DecodeShape:
     """Draw a decode shape whose cache holds at most ``max_elements`` elements (B * HKV * S * D)."""
@@ -50,5 +51,5 @@ def decode_shapes(
     cap = max(1, min(max_seq, max_elements // (B * HKV * D)))
     S = draw(st.one_of(st.integers(1, min(cap, 64)), st.integers(1, cap)))
     d = draw(st.integers(1, D))
-    k = draw(st.integers(1, S))
+    k = draw(st.one_of(st.integers(1, S), st.floats(0.01, 1.0, allow_nan=False), st.integers(S + 1, 4 * S + 4)))
     return DecodeShape(B=B, HQ=HKV * G, HKV=HKV, S=S, D=D, d=d, k=k)

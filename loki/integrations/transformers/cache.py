@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from loki._hf import config_num_layers, text_config
-from loki.kernels.cache_write import write_rotated
+from loki.kernels.cache_write import check_write, write_rotated, write_rotated_reference
 from loki.reference import rotate_keys
 
 from .config import LokiError, LokiState, state_of
@@ -174,10 +174,24 @@ class LokiStaticCacheLayer(LokiCacheLayer):
         if isinstance(counter, torch.Tensor):
             counter.add_(key_states.shape[-2])
         prefix = getattr(self, "loki_prefix", None)
+        # inside a model forward the step metadata checked the positions and the batch (eager), or the forward is
+        # compiled (no host sync possible; the kernel's stores stay inside the cache): no sync here
+        inside = owner is not None and owner.in_forward
+        check = not inside and not torch.compiler.is_compiling()
         if self.loki_P is not None:
-            # rotation and the three writes in one kernel (one op in a compiled graph)
-            write_rotated(self.keys, self.values, prefix, key_states, value_states, self.loki_P, pos.long())
+            if self.keys.is_cuda or getattr(self, "loki_prefix_always", False):
+                # rotation and the three writes in one kernel (one op in a compiled graph), bounds checked
+                write_rotated(self.keys, self.values, prefix, key_states, value_states, self.loki_P, pos.long(),
+                              check_positions=check)
+            else:  # the PyTorch backend on the CPU: the reference writes, bounds checked the same way
+                check_write(self.keys, self.values, prefix, key_states, value_states, self.loki_P, pos.long(),
+                            check_positions=check)
+                write_rotated_reference(self.keys, self.values, prefix, key_states, value_states, self.loki_P,
+                                        pos.long())
             return self.keys, self.values
+        if check or key_states.shape[0] != self.keys.shape[0]:
+            check_write(self.keys, self.values, prefix, key_states, value_states, None, pos.long(),
+                        check_positions=check)
         self.keys.index_copy_(2, pos, key_states)
         self.values.index_copy_(2, pos, value_states)
         if prefix is not None:
@@ -199,14 +213,15 @@ class LokiStaticCacheLayer(LokiCacheLayer):
             self.loki_prefix = fn(prefix)
 
 
-def convert_static_layer(layer, P, P_q, prefix_d, prefix_always, owner):
-    """A Loki copy of a plain ``StaticLayer`` (same tensors; keys already written are rotated in place)."""
+def convert_static_layer(layer, transforms, prefix_d, prefix_always, owner):
+    """A Loki copy of a plain ``StaticLayer`` (same tensors; keys already written are rotated in place).
+    ``transforms``: the layer's :class:`~loki.integrations.transformers.config.LayerTransforms`."""
     new = _with_class(layer, _loki_layer_class(type(layer), LokiStaticCacheLayer))
     new.loki_owner, new.loki_acc, new.loki_prefix, new.loki_prefix_buf = owner, None, None, None
     new.loki_prefix_d = prefix_d
     new.loki_prefix_always = prefix_always
-    new.loki_P, new.loki_P_q = P, P_q
-    new.loki_P_inv = None if P is None else P_q.transpose(-1, -2).contiguous()
+    new.loki_P, new.loki_P_q, new.loki_P_inv = transforms
+    P = new.loki_P
     if getattr(new, "is_initialized", False) and getattr(new, "keys", None) is not None:
         if P is not None:
             new.keys.copy_(rotate_keys(new.keys, P.to(new.keys.device)))  # in place: the address stays
@@ -257,13 +272,13 @@ def convert_cache(cache, state: LokiState, num_layers: int) -> None:
                 continue
             # converted under other settings (an earlier enable_loki): back to plain keys, then converted again
             layers[idx] = layer = _restore_layer(layer)
-        P = None if cfg.components is None else cfg.components[idx]
+        tr = state.transforms(idx)
+        P = tr.key
         if _is_static_layer(layer):
             if cfg.method == "h2o":
                 raise LokiError("method='h2o' keeps per-token state that a static cache does not hold: use a "
                                 "DynamicCache (no cache_implementation)")
-            P_q = None if P is None else (P if cfg.query_components is None else cfg.query_components[idx])
-            layers[idx] = convert_static_layer(layer, P, P_q, cfg.prefix_dims, cfg.backend == "triton", state.owner)
+            layers[idx] = convert_static_layer(layer, tr, cfg.prefix_dims, cfg.backend == "triton", state.owner)
             continue
         if not isinstance(layer, DynamicLayer):
             raise LokiError(
@@ -285,9 +300,7 @@ def convert_cache(cache, state: LokiState, num_layers: int) -> None:
                 P = P.to(layer.keys.device)
                 layer.keys = rotate_keys(layer.keys, P)  # tokens cached before enable_loki
             layer.loki_P = P
-            # K = K_hat P^-1: P^T for an orthogonal basis, P_q^T for a score basis (P_q P_k^T = I)
-            inv = P if cfg.query_components is None else cfg.query_components[idx].to(P.device)
-            layer.loki_P_inv = inv.transpose(-1, -2).contiguous()
+            layer.loki_P_inv = tr.inverse  # K = K_hat P_k^-1 = K_hat P_q^T
         else:
             layer.loki_P = None
             layer.loki_P_inv = None

@@ -7,14 +7,18 @@ Shape letters: L decoder layers, HKV key/value heads, D head dim.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+
+from loki._checks import CacheOverflowError
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "BACKENDS",
     "BASIS_METHODS",
+    "CacheOverflowError",
+    "LayerTransforms",
     "METHODS",
     "SEMANTICS",
     "LokiConfig",
@@ -69,14 +73,26 @@ class LokiConfig:
         return self.method in BASIS_METHODS
 
 
+class LayerTransforms(NamedTuple):
+    """The transforms of one layer, [HKV, D, D] fp32 each (None for methods that read keys in their own
+    coordinates): ``key`` P_k (``K_hat = K P_k``, stored in the cache), ``query`` P_q (``q_hat = q P_q``; P_k itself
+    for an orthogonal PCA basis, the dual of P_k for a score-aware pair, ``P_q P_k^T = I``) and ``inverse``
+    (``K = K_hat inverse``: ``P_q^T``, which is ``P_k^T`` for an orthogonal basis)."""
+
+    key: torch.Tensor | None
+    query: torch.Tensor | None
+    inverse: torch.Tensor | None
+
+
 class CacheOwner:
     """Identifies the ``enable_loki`` call whose basis the keys of a cache layer are stored in.  Copies of a cache
     (``copy.deepcopy``) share it, so they learn when Loki was disabled."""
 
-    __slots__ = ("active",)
+    __slots__ = ("active", "in_forward")
 
     def __init__(self):
         self.active = True
+        self.in_forward = False  # set by the decoder's hooks: the step metadata checked this forward's writes
 
     def __copy__(self):
         return self
@@ -91,10 +107,10 @@ class LokiState:
     :class:`LokiConfig` and what changes while it runs."""
 
     config: LokiConfig
-    # Per forward call: the cache being used (set by the pre-hook), or None without a cache, and the row
-    # intervals computed per attention mask.
+    # Per forward call: the cache being used (set by the pre-hook), or None without a cache, and the step
+    # metadata of the forward (``metadata.ForwardMetadata``: every layer's row ranges and budgets).
     current_cache: Any = field(default=None, repr=False)
-    intervals_cache: dict | None = field(default=None, repr=False)
+    forward: Any = field(default=None, repr=False)
     warned_positions: bool = False  # the warning about keys past covered_positions was given
     handles: list = field(default_factory=list, repr=False)
     # The token every cache layer converted under these settings points to (inactive after disable_loki), and
@@ -103,24 +119,21 @@ class LokiState:
     caches: list = field(default_factory=list, repr=False)
     _per_device: dict = field(default_factory=dict, repr=False)
 
-    def layer_basis(self, layer_idx: int, device: torch.device) -> torch.Tensor | None:
-        """P (the key transform) of one layer, [HKV, D, D] fp32 on ``device`` (cached per device)."""
-        return self._on_device("keys", self.config.components, layer_idx, device)
-
-    def layer_query_basis(self, layer_idx: int, device: torch.device) -> torch.Tensor | None:
-        """The query transform of one layer: P_q of a score basis, else P itself (orthogonal)."""
-        if self.config.query_components is None:
-            return self.layer_basis(layer_idx, device)
-        return self._on_device("queries", self.config.query_components, layer_idx, device)
-
-    def _on_device(self, which, tensor, layer_idx, device):
-        if tensor is None:
-            return None
-        comps = self._per_device.get((which, device))
-        if comps is None:
-            comps = tensor.to(device=device, dtype=torch.float32)
-            self._per_device[(which, device)] = comps
-        return comps[layer_idx]
+    def transforms(self, layer_idx: int, device: torch.device | None = None) -> LayerTransforms:
+        """The key, query and inverse transforms of one layer (:class:`LayerTransforms`), fp32 on ``device`` (the
+        config's device when None; cached per device).  The one place every path (dynamic and static caches,
+        torch and Triton, cache conversion and restoration) takes them from."""
+        cfg = self.config
+        if cfg.components is None:
+            return LayerTransforms(None, None, None)
+        dev = cfg.components.device if device is None else torch.device(device)
+        per = self._per_device.get(dev)
+        if per is None:
+            key = cfg.components.to(device=dev, dtype=torch.float32)
+            query = key if cfg.query_components is None else cfg.query_components.to(device=dev, dtype=torch.float32)
+            per = (key, query, query.transpose(-1, -2).contiguous())
+            self._per_device[dev] = per
+        return LayerTransforms(per[0][layer_idx], per[1][layer_idx], per[2][layer_idx])
 
 
 def state_of(model) -> LokiState:

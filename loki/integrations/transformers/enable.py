@@ -5,15 +5,17 @@ KV cache of every forward to it.
 
 from __future__ import annotations
 
+import inspect
 import os
 from numbers import Real
 
 import torch
 
-from loki._checks import check_triton_device, resolve_d, resolve_k
+from loki._checks import check_budget, check_triton_device, resolve_d
 from loki._hf import (
     SUPPORTED_ARCHITECTURES,
     attention_modules,
+    attention_windows,
     cache_keyword,
     config_head_dim,
     config_num_layers,
@@ -35,6 +37,7 @@ from .config import (
     LokiState,
     UnsupportedModelError,
 )
+from .metadata import build_forward_metadata
 from .parallel import local_bases
 
 __all__ = ["disable_loki", "enable_loki", "is_loki_enabled"]
@@ -91,8 +94,8 @@ def enable_loki(
         basis: a :class:`loki.basis.PCABasis` (or a path to one) calibrated on this model; required for
             ``method`` "loki" and "pcaattn", ignored otherwise.  It is validated against ``model.config``:
             a basis of another model raises :class:`loki.basis.BasisError`.
-        k: tokens attended per decode step: an int count or a float fraction (of each sequence's valid length,
-            at least 1).
+        k: tokens attended per decode step: an int count (>= 1; a count above a sequence's valid tokens keeps
+            them all) or a float fraction in (0, 1] (of each sequence's valid length, rounded up, at least 1).
         d: leading principal dims for the approximate scores (SparQ's ``r`` for ``method="sparq"``): an int
             count (<= D) or a float fraction of D.
         method: one of :data:`METHODS`.
@@ -123,7 +126,7 @@ def enable_loki(
     if not 0.0 <= float(h2o_recent_fraction) <= 1.0:
         raise ValueError(f"h2o_recent_fraction={h2o_recent_fraction} must lie in [0, 1]")
     D = config_head_dim(model.config)
-    resolve_k(k, torch.ones(1, dtype=torch.long), 1 << 62, name="k")  # an int count is capped per step
+    k = check_budget(k, name="k")  # validated once, here: an int count above the valid tokens keeps them all
     dd = resolve_d(d, D, name="d")
     if backend == "triton":
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
@@ -170,11 +173,21 @@ def enable_loki(
 
 def _install_hooks(model, state: LokiState) -> None:
     """Hooks on the decoder: before each forward, the cache is converted (one is created when the caller wants
-    a cache and passed none) and handed to the attention function; after it, the per-forward state is reset."""
+    a cache and passed none) and handed to the attention function, and the forward's step metadata is built
+    (:func:`.metadata.build_forward_metadata`: what every query row of every layer sees, the budgets; checked
+    once); after it, the per-forward state is reset."""
     cfg = state.config
     num_layers = config_num_layers(model.config)
     dec = decoder(model)
     cache_param = cache_keyword(dec)
+    windows = attention_windows(model)
+    params = list(inspect.signature(dec.forward).parameters)
+
+    def arg(name, args, kwargs):
+        if name in kwargs:
+            return kwargs[name]
+        i = params.index(name) if name in params else -1
+        return args[i] if 0 <= i < len(args) else None
 
     def pre_hook(module, args, kwargs):
         present = [n for n in ("cache", "past_key_values") if kwargs.get(n) is not None]
@@ -199,13 +212,27 @@ def _install_hooks(model, state: LokiState) -> None:
             kwargs[cache_param] = cache
         if cache is not None and getattr(cache, "loki_owner", None) is not state.owner:
             convert_cache(cache, state, num_layers)  # once per cache (a compiled step traces only the check)
+        x = arg("input_ids", args, kwargs)
+        if x is None:
+            x = arg("inputs_embeds", args, kwargs)
+        if x is None:
+            raise LokiError("the decoder was called without input_ids or inputs_embeds")
+        layers = getattr(cache, "layers", None) or []
+        first = layers[0] if layers else None
+        static_batch = (first.keys.shape[0] if getattr(first, "loki_static", False)
+                        and getattr(first, "is_initialized", False) else None)
         state.current_cache = cache
-        state.intervals_cache = {}
+        state.forward = build_forward_metadata(
+            k=cfg.k, B=x.shape[0], L=x.shape[1], device=x.device, cache=cache,
+            attention_mask=arg("attention_mask", args, kwargs), windows=windows, num_layers=num_layers,
+            static_batch=static_batch)
+        state.owner.in_forward = True
         return args, kwargs
 
     def post_hook(module, args, kwargs, output):
         state.current_cache = None
-        state.intervals_cache = None
+        state.forward = None
+        state.owner.in_forward = False
         return output
 
     state.handles = [

@@ -9,7 +9,7 @@ the rows of the local ``k_proj`` weight (a ``DTensor``'s local shard and its glo
 tensor's rows with the rank in the tensor-parallel group) against ``num_key_value_heads`` of the config.
 
 Layers spread over devices (``device_map="auto"``): the basis of a layer is moved to the device of the tensors
-it meets, once per device (:meth:`~loki.integrations.transformers.config.LokiState.layer_basis`, and the cache
+it meets, once per device (:meth:`~loki.integrations.transformers.config.LokiState.transforms`, and the cache
 layer's ``loki_P`` on its first update), so nothing here is needed for it.
 
 Shape letters: L decoder layers, HQ query heads, HKV key/value heads, D head dim.

@@ -5,9 +5,12 @@ preallocated to ``max_cache_len``) and the decode step that reads it (:func:`sta
 Every tensor of a layer (rotated keys ``K P``, values, the key prefix of the first d rotated dims, the basis)
 is allocated once, at the layer's first write, and then written in place at the positions of the new tokens:
 no concatenation, no host sync, fixed addresses, so a compiled decode step can be replayed as a CUDA graph.
-The decode step computes each sequence's visible range from the attention mask with tensor ops and calls the
-``loki::decode_step`` custom op (the Triton kernels on CUDA, the PyTorch reference elsewhere), which
-``torch.compile(fullgraph=True)`` traces as one opaque op.
+The decode step reads each sequence's visible range and budget from the forward's step metadata (built once by
+the decoder's pre-hook from the 2-D mask and the cache's write counter: slots not yet written are never visible)
+and calls the ``loki::decode_step`` custom op (the Triton kernels on CUDA, the PyTorch reference on the CPU), which
+``torch.compile(fullgraph=True)`` traces as one opaque op.  Writes are bounds-checked: a prompt or generation
+longer than ``max_cache_len``, or a batch other than the allocated one, raises ``CacheOverflowError`` (an
+``IndexError``, as transformers' static cache) before anything is written.
 
 ``generate(..., cache_implementation="static")`` works too: the ``StaticCache`` that ``generate`` builds is
 converted on its first forward (``cache.convert_cache``), and ``generate`` compiles its decode steps on CUDA
@@ -20,29 +23,28 @@ from __future__ import annotations
 
 import torch
 
-from loki._checks import resolve_d, resolve_k
-from loki.kernels.decode import selection_width
-from loki.kernels.ops import decode_step_op, k_arguments
+from loki._checks import resolve_d
+from loki.kernels.decode import loki_decode_step
+from loki.kernels.ops import decode_step_op
 from loki.reference import rotate_query
+from loki.reference.methods import loki_attention as loki_attention_reference
 
 from .cache import LokiStaticCacheLayer, convert_cache
 from .config import LokiError, state_of
+from .rows import triton_backend
 
 __all__ = ["LokiStaticCache", "LokiStaticCacheLayer", "loki_static_cache", "static_decode"]
-
-
-def _compiling() -> bool:
-    return torch.compiler.is_compiling() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
 def loki_static_cache(model, max_cache_len: int, batch_size: int | None = None):
     """A transformers ``StaticCache`` for ``model`` (Loki enabled) whose layers store keys in the model's basis.
 
-    ``max_cache_len``: tokens the cache holds (prompt + new tokens).  ``batch_size``: allocate every layer now
-    (on each attention layer's device, in the model's dtype); default: at the first write.  Pass it to
-    ``generate(..., past_key_values=cache)`` (compiled decode steps on CUDA) or to a manual decode loop
-    (``model(input_ids, past_key_values=cache, cache_position=..., use_cache=True)``, optionally compiled with
-    ``torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)``).
+    ``max_cache_len``: tokens the cache holds (prompt + new tokens; writing past it raises
+    ``CacheOverflowError``).  ``batch_size``: allocate every layer now (on each attention layer's device, in the
+    model's dtype); default: at the first write.  Pass it to ``generate`` under the model's cache keyword
+    (``loki._hf.cache_keyword(model)``: compiled decode steps on CUDA) or to a manual decode loop
+    (``model(input_ids, attention_mask=mask_so_far, <cache keyword>=cache, use_cache=True)``, optionally compiled
+    with ``torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)``).
     """
     from transformers import StaticCache
 
@@ -80,56 +82,36 @@ def loki_static_cache(model, max_cache_len: int, batch_size: int | None = None):
 LokiStaticCache = loki_static_cache
 
 
-def static_intervals(attention_mask, B: int, S: int, device, check: bool):
-    """starts, lengths ([B] int32) of the tokens a decode query sees in a [B, 1, 1, S] mask: the first and one
-    past the last allowed position (a contiguous range: causal with left padding, as ``generate`` builds).
-    ``check`` verifies the range has no holes (one host sync; skipped while compiling or capturing)."""
-    if attention_mask is None:
-        raise LokiError("a Loki static cache needs the attention mask of every decode step (the cache is longer "
-                        "than the tokens written); got attention_mask=None")
-    m = attention_mask
-    if m.dim() == 4:
-        m = m[:, 0]
-    m = m[:, -1, -S:]
-    if m.dtype != torch.bool:
-        m = m == 0  # additive float mask: 0 = attend
-    m = m.expand(B, S)
-    mi = m.to(torch.int32)
-    starts = mi.argmax(-1).to(torch.int32)
-    lengths = (S - mi.flip(-1).argmax(-1)).to(torch.int32)
-    if check:
-        ok = m.any(-1) & (mi.sum(-1) == lengths - starts)
-        if not bool(ok.all()):
-            raise LokiError("Loki needs each decode query's visible tokens to be one contiguous, non-empty range of "
-                            "the cache (causal with left padding); the attention mask has holes or is empty")
-    return starts, lengths
-
-
-def static_decode(state, layer, query, key, value, attention_mask, scale: float, use_kernels: bool):
-    """One decode step (L = 1) of ``method="loki"`` over a Loki static cache layer. Returns [B, 1, HQ, D]."""
+def static_decode(state, layer, query, key, value, ranges, scale: float):
+    """One decode step (L = 1) of ``method="loki"`` over a Loki static cache layer: the query rotated with the
+    layer's query transform, then the ``loki::decode_step`` op with the step metadata's ranges and budgets
+    (``ranges``: the layer's :class:`~loki.integrations.transformers.metadata.LayerRanges`).  Returns
+    [B, 1, HQ, D]."""
     cfg = state.config
-    B, HQ, _, D = query.shape
-    S = key.shape[2]
-    check = not _compiling()
-    # the ranges and budgets of one forward are the same for every layer (one mask object): computed once, also
-    # inside a compiled graph (dynamo follows the forward's dict), checked once (one host sync) when eager
-    memo = state.intervals_cache
-    hit = memo.get("static") if memo is not None else None
-    if hit is not None and hit[0] is attention_mask:
-        starts, lengths, counts = hit[1]
-    else:
-        starts, lengths = static_intervals(attention_mask, B, S, query.device, check)
-        counts = resolve_k(cfg.k, lengths.long() - starts.long(), S)
-        if memo is not None:
-            memo["static"] = (attention_mask, (starts, lengths, counts))
+    D = query.shape[-1]
     dd = resolve_d(cfg.d, D)
-    K = selection_width(cfg.k, S)
-    k_count, k_fraction = k_arguments(cfg.k)
-    if k_count > S:
-        k_count = S
+    use_kernels = triton_backend(cfg.backend, query)
     q_hat = rotate_query(query[:, :, 0], layer.loki_P_q)
-    prefix = layer.loki_prefix if use_kernels else None
-    out = decode_step_op(q_hat, key, value, prefix, lengths, starts, counts, dd, k_count, k_fraction, K,
-                         cfg.gqa_select, cfg.aggregate, float(scale), use_kernels)
+    args = (ranges.dec_lengths, ranges.dec_starts, ranges.counts)
+    if use_kernels and not query.is_cuda:
+        # the Triton interpreter on the CPU (tests): the kernels called directly (the op's CPU registration is the
+        # reference)
+        _, out = loki_decode_step(q_hat, key, value, *args, d=dd, k_max=ranges.width, gqa_select=cfg.gqa_select,
+                                  aggregate=cfg.aggregate, scale=scale, select_method="triton",
+                                  k_prefix=layer.loki_prefix)
+        out = out.to(query.dtype)
+    elif use_kernels or not query.is_cuda:
+        # the custom op: the Triton kernels on CUDA, the PyTorch reference on the CPU (both trace as one op)
+        prefix = layer.loki_prefix if use_kernels else None
+        out = decode_step_op(q_hat, key, value, prefix, *args, dd, ranges.width, cfg.gqa_select, cfg.aggregate,
+                             float(scale))
+    else:
+        # backend="torch" on CUDA: the reference itself (eager; it syncs on the budgets)
+        if torch.compiler.is_compiling():
+            raise LokiError("backend='torch' runs the PyTorch reference, which does not compile on CUDA: enable Loki "
+                            "with backend='auto' or 'triton' for a compiled static cache")
+        out = loki_attention_reference(q_hat, key, value, d=dd, counts=ranges.counts, lengths=ranges.dec_lengths,
+                                       starts=ranges.dec_starts, gqa_select=cfg.gqa_select, aggregate=cfg.aggregate,
+                                       scale=scale).to(query.dtype)
+    out = out.masked_fill(~ranges.any_[:, 0, None, None], 0)
     return out[:, None]
-

@@ -8,8 +8,6 @@ D head dim, R query rows flattened over batch and query positions.
 
 from __future__ import annotations
 
-from numbers import Integral
-
 import torch
 
 from loki.kernels.decode import decode_attention
@@ -24,7 +22,8 @@ from loki.reference import (
 from loki.reference.teacher_forced import teacher_forced_rows
 
 from .config import BASIS_METHODS, METHODS
-from .rows import mask_intervals, rotate_rows, triton_backend
+from .metadata import direct_ranges
+from .rows import rotate_rows, triton_backend
 
 __all__ = ["decode_rows", "loki_decode", "teacher_forced_attention"]
 
@@ -47,7 +46,7 @@ def teacher_forced_attention(
     backend: str = "auto",
     chunk_elements: int | None = None,
     k_prefix: torch.Tensor | None = None,
-    intervals_cache: dict | None = None,
+    ranges: tuple | None = None,
 ) -> torch.Tensor:
     """Attention of every query row with decode-time semantics (teacher forcing).
 
@@ -59,12 +58,13 @@ def teacher_forced_attention(
     query: [B, HQ, L, D] (post-rotary, original coordinates); key, value: [B, HKV, S, D] (post-rotary keys,
     already in the basis when ``keys_rotated``); P: [HKV, D, D] basis of this layer (needed for "loki" and
     "pcaattn"); P_q: the query transform of a score basis (default P, an orthogonal basis);
-    attention_mask: optional [B, 1, L, S] bool (True = attend) or additive float mask, default causal;
-    every row's visible tokens must be one contiguous range.  Returns [B, HQ, L, D] in query's dtype; rows that
+    attention_mask: optional [B, 1, L, S] bool (True = attend) or additive float mask; without it the L rows are
+    the last L of the S keys (causal, every key valid); every row's visible tokens must be one contiguous range.
+    ``ranges``: ``(starts, lengths, any_)`` ([B, L] each), what every row sees, already known (a model forward's
+    step metadata); the mask is not read then.  Returns [B, HQ, L, D] in query's dtype; rows that
     see no token return zeros.  ``method="h2o"`` is not supported (it is sequential by nature).
     ``k_prefix``: optional [B, HKV, S, dp] contiguous copy of the rotated keys' first dims, used by the Triton
-    Loki path on single-row (decode) calls.  ``intervals_cache``: a dict kept for one model forward, in which
-    the rows' visible ranges are computed (and checked, one host sync) once per attention mask, not per layer.
+    Loki path on single-row (decode) calls.
     """
     B, HQ, L, D = query.shape
     _, HKV, S, _ = key.shape
@@ -87,16 +87,17 @@ def teacher_forced_attention(
         k_use = key
     if method == "sparq" and keys_rotated:
         raise ValueError("SparQ works in the keys' own coordinates; pass unrotated keys")
-    starts, lengths, any_ = mask_intervals(attention_mask, B, L, S, query.device, intervals_cache)  # [B, L]
+    if ranges is None:
+        g = direct_ranges(k, B, L, S, query.device, attention_mask)
+        ranges = (g.starts, g.lengths, g.any_)
+    starts, lengths, any_ = ranges  # [B, L]
     if L == 1:  # plain decode step: the cache in place, no row gather, no host sync
         kp = k_prefix[:, :, :S] if k_prefix is not None else None
         o = decode_rows(method, q_use[:, :, 0], k_use, value, k=k, d=d, lengths=lengths[:, 0], starts=starts[:, 0],
                         gqa_select=gqa_select, aggregate=aggregate, scale=scale, backend=backend, k_prefix=kp)
-        o = o.to(query.dtype)[:, :, None]
-        if any_ is not None:
-            o = o.masked_fill(~any_[:, None, :, None], 0)
-        return o
+        return o.to(query.dtype)[:, :, None].masked_fill(~any_[:, None, :, None], 0)
     # rows that see no token come back as zeros
+    starts, lengths = torch.where(any_, starts, 0), torch.where(any_, lengths, 0)
     return teacher_forced_rows(q_use, k_use, value, starts, lengths, method=method, k_budget=k, d=d, scale=scale,
                                gqa_select=gqa_select, aggregate=aggregate, block_elements=chunk_elements)
 
@@ -104,8 +105,7 @@ def teacher_forced_attention(
 def decode_rows(method, q, kc, vc, *, k, d, lengths, starts, gqa_select, aggregate, scale, backend,
                  acc=None, recent_fraction=0.5, k_prefix=None):
     """Dispatch one batch of decode-step rows. q: [R, HQ, D]; kc, vc: [R, HKV, S, D]; lengths, starts: [R]."""
-    S = kc.shape[2]
-    kk = min(int(k), S) if isinstance(k, Integral) else k
+    kk = k  # one budget rule (loki._checks.budget_counts): an int count above the valid tokens keeps them all
     lengths = lengths.to(torch.int32)
     starts = starts.to(torch.int32)
     if method == "loki":
@@ -131,6 +131,6 @@ def loki_decode(q_hat, k_hat, v, *, d, k, lengths, starts, gqa_select, aggregate
     path reads the approximate scores from the cache's contiguous key prefix when one is kept)."""
     backend = "triton" if triton_backend(backend, q_hat) else "torch"
     extra = {"k_prefix": k_prefix} if backend == "triton" and k_prefix is not None else {}
-    # lengths and starts come from _row_intervals (checked there): no second check, no host sync
+    # lengths and starts come from the step metadata (checked there): no second check, no host sync
     return decode_attention(q_hat, k_hat, v, d=d, k=k, lengths=lengths, starts=starts, backend=backend,
                             gqa_select=gqa_select, aggregate=aggregate, scale=scale, check_values=False, **extra)
