@@ -31,7 +31,8 @@ How it plugs in (public transformers APIs only, no model class is patched):
   only).  ``k`` and ``d`` are counts (int) or fractions (float in (0, 1]); a fractional ``k`` is a fraction of
   each sequence's current valid length, at least 1; an int ``k`` larger than the sequence keeps all tokens.
 * Padding: left-padded batches (``generate`` with ``padding_side="left"``) work; the valid tokens of every
-  sequence, ``[starts, lengths)``, are read from the attention mask.  Right padding works for single forwards but
+  sequence, ``[starts, lengths)``, are read once per forward from the 2-D attention mask (none: every token so
+  far is valid; the unwritten slots of a static cache never are).  Right padding works for single forwards but
   not for ``generate``, whose new tokens follow the padding (a mask with holes, refused).
 * ``backend="triton"`` needs CUDA tensors (or ``TRITON_INTERPRET=1`` on the CPU) and no gradient (the kernels
   have no backward; run under ``torch.no_grad()``); ``"auto"`` takes the PyTorch path where either fails.
@@ -39,10 +40,12 @@ How it plugs in (public transformers APIs only, no model class is patched):
 Supported architectures: Llama (incl. SmolLM), Mistral, Qwen2 and Qwen3 (attention modules with rotary
 embeddings and a KV cache of post-rotary keys; ``loki._hf.SUPPORTED_ARCHITECTURES``).
 
-Modules: ``config`` (the frozen settings and the run-time state), ``cache`` (the cache layers and their
-conversion), ``enable`` (enable/disable, the hooks and the architecture check), ``attention`` (the attention
-function: dense prefill, the fast Triton decode path), ``teacher_forced`` (decode-time semantics for every row)
-and ``rows`` (masks and the rows' visible ranges).
+Modules: ``config`` (the frozen settings, the run-time state, each layer's transforms), ``metadata`` (the step
+metadata: what every query row of every layer sees, built once per forward by the decoder's pre-hook from the 2-D
+mask and the cache's write counter, with the decode step's budgets), ``cache`` (the cache layers and their
+conversion), ``static`` (the static cache and its decode step), ``enable`` (enable/disable, the hooks and the
+architecture check), ``attention`` (the attention function: dense prefill, the decode paths), ``teacher_forced``
+(decode-time semantics for every row) and ``rows`` (query rotation, the backend choice).
 
 Shape letters: B batch, HQ query heads, HKV key/value heads, L query length, S key length (cache + new tokens),
 D head dim, R query rows flattened over batch and query positions.
@@ -50,7 +53,8 @@ D head dim, R query rows flattened over batch and query positions.
 
 from __future__ import annotations
 
-from loki._hf import SUPPORTED_ARCHITECTURES
+from loki._checks import CacheOverflowError
+from loki._hf import SUPPORTED_ARCHITECTURES, cache_keyword
 
 from .attention import loki_attention_forward
 from .cache import LokiCacheLayer, LokiStaticCacheLayer, loki_cache
@@ -61,6 +65,7 @@ from .teacher_forced import teacher_forced_attention
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
+    "CacheOverflowError",
     "LokiCacheLayer",
     "LokiConfig",
     "LokiError",
@@ -70,6 +75,7 @@ __all__ = [
     "METHODS",
     "SUPPORTED_ARCHITECTURES",
     "UnsupportedModelError",
+    "cache_keyword",
     "disable_loki",
     "enable_loki",
     "is_loki_enabled",
