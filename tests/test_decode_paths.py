@@ -355,3 +355,92 @@ def test_int_budget_above_the_cache_keeps_every_token(backend, gqa_select):
         decode_attention(x.q, x.k_cache, x.v_cache, d=16, k=0, backend=backend)
     with pytest.raises(ValueError, match="k=1.5"):
         enable_loki(tiny_model(**MODEL), _basis("pca"), k=1.5)
+
+
+# -- more paths and states the matrix does not reach ----------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["B1-unpadded", "B3-ragged"])
+def test_sliding_window_model_at_full_budget_equals_dense(kind):
+    """A Mistral model whose window (6) is shorter than the context: every row sees only its window."""
+    cfg = dict(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, sliding_window=6)
+    batch = batch_inputs(kind, prompt_len=P, steps=T)
+    dense = decode_logits(tiny_model("mistral", **cfg), batch)
+    model = tiny_model("mistral", **cfg)
+    enable_loki(model, _basis("score"), k=1.0, d=D_DIMS, backend="torch")
+    torch.testing.assert_close(decode_logits(model, batch), dense, **TOL)
+    model = tiny_model("mistral", **cfg)
+    enable_loki(model, _basis("pca"), k=0.5, d=D_DIMS, backend="torch")
+    sparse = decode_logits(model, batch)
+    assert (sparse - dense).abs().max() > 1e-3  # the budget binds inside the window
+
+
+def test_static_layer_write_outside_a_forward_is_checked():
+    """A static cache layer written directly (no model forward, so no step metadata) checks its own bounds."""
+    from loki._checks import CacheOverflowError
+
+    model = _static_model()
+    cache = loki_static_cache(model, max_cache_len=6, batch_size=1)
+    layer = cache.layers[0]
+    kv = torch.randn(1, MODEL["num_kv_heads"], 4, MODEL["head_dim"])
+    layer.update(kv, kv)
+    before = layer.keys.clone()
+    with pytest.raises(CacheOverflowError, match="max_cache_len=6"):
+        layer.update(kv, kv)  # positions 4..7 of 6
+    assert torch.equal(layer.keys, before)
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_disable_restores_plain_keys_with_a_score_basis(static):
+    """disable_loki rotates the cached keys back with the layer's inverse (P_q^T for a score-aware pair)."""
+    from loki.integrations.transformers import disable_loki
+
+    batch = batch_inputs("B2-left-padded", prompt_len=P, steps=0)
+    plain = tiny_model(**MODEL)
+    from transformers import DynamicCache
+
+    ref_cache = DynamicCache(config=plain.config)
+    decode_logits(plain, batch, cache=ref_cache)
+    model = tiny_model(**MODEL)
+    enable_loki(model, _basis("score"), k=0.5, d=D_DIMS, backend="torch")
+    cache = loki_static_cache(model, max_cache_len=P + 2) if static else None
+    if cache is None:
+        from loki.integrations.transformers import loki_cache
+
+        cache = loki_cache(model)
+    decode_logits(model, batch, cache=cache)
+    disable_loki(model)
+    for i, layer in enumerate(cache.layers):
+        torch.testing.assert_close(layer.keys[:, :, :P], ref_cache.layers[i].keys, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("with_out", [False, True])
+def test_planned_runs_change_every_input_and_keep_every_output(with_out):
+    """DecodeRun: every run takes the new query, lengths and starts; without ``out`` every run returns a new
+    tensor that later runs leave alone, with ``out`` every run writes the caller's buffer."""
+    from loki.kernels import plan_decode
+    from loki.reference.methods import loki_attention
+    from loki.testing.inputs import make_decode_inputs
+
+    if not INTERPRET:
+        pytest.skip("needs TRITON_INTERPRET=1")
+    B, HQ, HKV, S, D = 3, 4, 2, 90, 32
+    x = make_decode_inputs(B, HQ, HKV, S, D, ragged=True, left_pad=True, seed=4)
+    out = torch.empty(B, HQ, D) if with_out else None
+    plan = plan_decode(x.k_cache, x.v_cache, num_q_heads=HQ, d=8, k=0.3, gqa_select="kv", out=out)
+    g = torch.Generator().manual_seed(5)
+    kept = []
+    for _run in range(5):
+        q = torch.randn(B, HQ, D, generator=g)
+        lengths = torch.randint(S // 2, S + 1, (B,), generator=g, dtype=torch.int32)
+        starts = torch.randint(0, S // 4, (B,), generator=g, dtype=torch.int32)
+        res = plan.run(q, lengths, starts)
+        if with_out:
+            assert res is out
+            res = res.clone()
+        kept.append((q, lengths, starts, res))
+    assert plan._plan, "the plan should replay its recorded launches"
+    for q, lengths, starts, res in kept:
+        want = loki_attention(q, x.k_cache, x.v_cache, d=8, k=0.3, lengths=lengths, starts=starts,
+                              gqa_select="kv")
+        torch.testing.assert_close(res, want, **TOL)
