@@ -45,13 +45,16 @@ def capture_qk(model, input_ids: torch.Tensor) -> dict[int, tuple[torch.Tensor, 
     return store
 
 
-def _group_select(s: torch.Tensor, HKV: int, gqa_select: str, aggregate: str) -> torch.Tensor:
-    """Selection scores [HQ, R, S] -> [H, R, S] (per KV head, combined over the group, for "kv")."""
+def _group_select(s: torch.Tensor, vis: torch.Tensor, HKV: int, gqa_select: str, aggregate: str,
+                  scale: float) -> torch.Tensor:
+    """Selection scores [HQ, R, S] of rows that see ``vis`` [1, R, S] -> [H, R, S] (per KV head, combined over
+    the group, for "kv"), -inf where a row sees nothing."""
+    s = s.masked_fill(~vis, float("-inf"))
     if gqa_select == "query":
         return s
     if gqa_select != "kv":
         raise ValueError(f"gqa_select must be 'query' or 'kv', got {gqa_select!r}")
-    return aggregate_group_scores(s[None], HKV, aggregate)[0]
+    return aggregate_group_scores(s[None], HKV, aggregate, scale=scale)[0].masked_fill(~vis, float("-inf"))
 
 
 @torch.no_grad()
@@ -100,9 +103,9 @@ def selection_agreement(
         c = counts[r0:r1][None]
         s = grouped_scores(qf[:, :, r0:r1], kf[:, :, :r1])[0]  # [HQ, R, S]
         probs = masked_softmax(s / math.sqrt(D), vis)
-        exact = topk_mask(_group_select(s, HKV, gqa_select, aggregate).masked_fill(~vis, float("-inf")), c)
+        exact = topk_mask(_group_select(s, vis, HKV, gqa_select, aggregate, 1 / math.sqrt(D)), c)
         approx = grouped_scores(q_hat[:, :, r0:r1, :dd], k_hat[:, :, :r1, :dd])[0]
-        loki = topk_mask(_group_select(approx, HKV, gqa_select, aggregate).masked_fill(~vis, float("-inf")), c)
+        loki = topk_mask(_group_select(approx, vis, HKV, gqa_select, aggregate, 1 / math.sqrt(D)), c)
         inter, union = (exact & loki).sum(-1).double(), (exact | loki).sum(-1).double()
         jac += (inter / union)[:, rows].sum(-1)
         mass += (probs * per_query_head(loki[None], HQ)[0]).sum(-1)[:, rows].double().sum(-1)

@@ -15,6 +15,11 @@ H2O keeps state across decode steps (accumulated attention), so it is evaluated 
 decode loop with the KV cache (``semantics="generate"``, one token per forward), which has the same
 decode-time semantics.
 
+Budgets ``k`` are fractions (``k_f``: row i keeps ``ceil(k_f (i + 1))`` tokens) or int counts (row i keeps
+``min(k, i + 1)``; the one budget rule, ``loki._checks.budget_counts``).  Every result states the bytes a decode
+step reads relative to dense attention (``bytes_fraction``, :func:`bytes_fractions`), measured from the
+selections the rows actually made (:mod:`loki.reference.accounting`).
+
 Shape letters: N windows, T tokens per window, V vocabulary.
 """
 
@@ -26,14 +31,17 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from loki._checks import resolve_k
-from loki._hf import cache_keyword
+from loki._checks import check_budget, resolve_d, resolve_k
+from loki._hf import cache_keyword, config_head_dim
+from loki.reference.selection import GQA_AGGREGATES, GQA_SELECT_MODES, KERNEL_AGGREGATES
 
 __all__ = [
     "METHOD_ROLES",
     "PROTOCOLS",
     "MethodSpec",
     "PerplexityResult",
+    "budget_label",
+    "bytes_fractions",
     "effective_density",
     "evaluate_methods",
     "method_role",
@@ -76,6 +84,11 @@ class MethodSpec:
     def __post_init__(self):
         if self.method not in METHOD_NAMES:
             raise ValueError(f"method must be one of {METHOD_NAMES}, got {self.method!r}")
+        check_budget(self.k, name=f"k ({self.name})")
+        if self.gqa_select not in GQA_SELECT_MODES:
+            raise ValueError(f"gqa_select must be one of {GQA_SELECT_MODES}, got {self.gqa_select!r} ({self.name})")
+        if self.aggregate not in GQA_AGGREGATES:
+            raise ValueError(f"aggregate must be one of {GQA_AGGREGATES}, got {self.aggregate!r} ({self.name})")
         if self.method in ("loki", "pcaattn") and self.basis is None:
             raise ValueError(f"method {self.method!r} ({self.name}) needs a basis name")
 
@@ -96,9 +109,47 @@ class PerplexityResult:
     seconds: float
     window_nll: list[float]
     token_nll: torch.Tensor | None = field(default=None, repr=False)  # [N, T - 1] fp64, CPU; not in to_dict
+    aggregate: str = "sum"
+    # bytes one decode step reads relative to dense attention (bytes_fractions): score_fraction (the key dims read
+    # to score every visible token) + selected_fraction (distinct tokens read per KV head over the visible ones,
+    # measured from the selections, averaged over rows, KV heads, layers and windows)
+    bytes_fraction: float | None = None
+    score_fraction: float | None = None
+    selected_fraction: float | None = None
 
     def to_dict(self) -> dict:
         return {k: v for k, v in asdict(replace(self, token_nll=None)).items() if k != "token_nll"}
+
+
+def budget_label(k: int | float) -> str:
+    """A budget as the reports write it: ``k_f = 0.25`` for a fraction, ``k = 512`` for a count of tokens."""
+    if isinstance(k, bool) or not isinstance(k, (int, float)):
+        raise TypeError(f"k must be an int count or a float fraction, got {k!r}")
+    return f"k = {k}" if isinstance(k, int) else f"k_f = {k:g}"
+
+
+def bytes_fractions(method: str, d: int | float, D: int, selected: float | None) -> dict:
+    """The bytes one decode step of ``method`` reads relative to dense attention (keys and values of every visible
+    token once): ``{"score_fraction", "selected_fraction", "bytes_fraction"}``.
+
+    Scoring reads ``d/D`` of every visible key, half of the dense bytes times ``d/D``: Loki ``d/(2D)``, SparQ
+    ``r/(2D)``, exact top-k ``1/2`` (every key whole), H2O nothing (its scores are the attention it computed);
+    then the keys and values of the ``u`` distinct tokens read per KV head, ``u/n`` of the ``n`` visible ones
+    (``selected``, measured from the selections: :mod:`loki.reference.accounting`).  Dense attention reads 1;
+    PCAAttn ``d/(2D)`` of the keys and every value, ``d/(2D) + 1/2``.  ``bytes_fraction`` is None when a sparse
+    method's ``selected`` was not measured."""
+    if method in ("full", "dense"):
+        return {"score_fraction": 0.0, "selected_fraction": 1.0, "bytes_fraction": 1.0}
+    if method == "pcaattn":
+        sf = resolve_d(d, D) / (2 * D)
+        return {"score_fraction": sf, "selected_fraction": None, "bytes_fraction": sf + 0.5}
+    if method not in METHOD_NAMES:
+        raise ValueError(f"method must be one of {METHOD_NAMES}, got {method!r}")
+    sf = {"exact_topk": 0.5, "h2o": 0.0}.get(method)
+    if sf is None:
+        sf = resolve_d(d, D, name="r" if method == "sparq" else "d") / (2 * D)
+    return {"score_fraction": sf, "selected_fraction": selected,
+            "bytes_fraction": None if selected is None else sf + selected}
 
 
 def effective_density(k: int | float, T: int, protocol: str = "decode") -> float:
@@ -161,8 +212,10 @@ def method_logits(model, input_ids: torch.Tensor, spec: MethodSpec, bases: dict 
         basis = bases[spec.basis]
     k = _protocol_k(spec.k, T, protocol)
     loop = spec.method == "h2o" if decode_loop is None else decode_loop
+    # the aggregates the Triton kernels lack run on the PyTorch reference (enable_loki refuses them on the kernels)
+    backend = "auto" if spec.aggregate in KERNEL_AGGREGATES else "torch"
     enable_loki(model, basis, k=k, d=spec.d, method=spec.method, gqa_select=spec.gqa_select,
-                aggregate=spec.aggregate, semantics="generate" if loop else "decode")
+                aggregate=spec.aggregate, backend=backend, semantics="generate" if loop else "decode")
     try:
         if loop:
             return _logits_decode_loop(model, input_ids, progress=progress)
@@ -174,22 +227,29 @@ def method_logits(model, input_ids: torch.Tensor, spec: MethodSpec, bases: dict 
 def perplexity(model, windows: torch.Tensor, spec: MethodSpec, bases: dict | None = None, *,
                protocol: str = "decode", batch_size: int = 4, progress: bool = False) -> PerplexityResult:
     """Perplexity of ``model`` on ``windows [N, T]`` under ``spec``: exp of the mean next-token NLL over all
-    N * (T - 1) predictions.
+    N * (T - 1) predictions, and the bytes a decode step reads (:func:`bytes_fractions`, the selections measured
+    on every row, KV head and layer of the windows).
 
     In an initialised ``torch.distributed`` group of several processes (every rank given the same windows), the
     batches of windows are split across ranks and the NLLs gathered: every rank returns the full result."""
     if windows.dim() != 2 or windows.shape[1] < 2:
         raise ValueError(f"windows must be [N, T] with T >= 2, got {list(windows.shape)}")
+    from loki.reference.accounting import tally_selections
+
     from .distributed import map_chunks
 
     t0 = time.perf_counter()
 
-    def chunk_nll(j: int) -> torch.Tensor:
+    def chunk_nll(j: int) -> tuple[torch.Tensor, float, int]:
         chunk = windows[j * batch_size : (j + 1) * batch_size]
-        logits = method_logits(model, chunk, spec, bases, protocol=protocol, progress=progress)
-        return nll_per_token(logits, chunk).cpu()
+        with tally_selections() as tally:
+            logits = method_logits(model, chunk, spec, bases, protocol=protocol, progress=progress)
+        return nll_per_token(logits, chunk).cpu(), float(tally.frac_sum), tally.count
 
-    nll = torch.cat(map_chunks(chunk_nll, -(-windows.shape[0] // batch_size)))  # [N, T - 1]
+    parts = map_chunks(chunk_nll, -(-windows.shape[0] // batch_size))
+    nll = torch.cat([p[0] for p in parts])  # [N, T - 1]
+    rows = sum(p[2] for p in parts)
+    selected = sum(p[1] for p in parts) / rows if rows else None
     mean = float(nll.double().mean())
     T = windows.shape[1]
     density = 1.0 if spec.method in ("full", "dense", "pcaattn") else effective_density(spec.k, T, protocol)
@@ -197,7 +257,8 @@ def perplexity(model, windows: torch.Tensor, spec: MethodSpec, bases: dict | Non
         name=spec.name, method=spec.method, protocol=protocol, k=spec.k, d=spec.d, basis=spec.basis,
         gqa_select=spec.gqa_select, ppl=math.exp(mean), nll=mean, tokens=int(nll.numel()), density=density,
         seconds=time.perf_counter() - t0, window_nll=[float(x) for x in nll.double().mean(1)],
-        token_nll=nll.double(),
+        token_nll=nll.double(), aggregate=spec.aggregate,
+        **bytes_fractions(spec.method, spec.d, config_head_dim(model.config), selected),
     )
 
 

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from loki._checks import check_decode_inputs, check_no_grad, resolve_d
-from loki.reference.selection import GQA_AGGREGATES, GQA_SELECT_MODES
+from loki.reference.selection import GQA_SELECT_MODES, check_kernel_aggregate
 from loki.reference.selection import approx_scores as approx_scores_reference
 
 from ._common import check_triton_device, interpreter_tile, interpreting, key_block
@@ -113,6 +113,7 @@ def _check_key_prefix(k_prefix: torch.Tensor, k_hat: torch.Tensor, dd: int) -> t
 def _launch_approx_scores(q_hat, k_hat, dd, lengths, starts, heads_out, agg_out, aggregate, block_s=None,
                           num_warps=None):
     """Launch the scores kernel; ``k_hat`` is the full [B, HKV, S, D] keys or a prefix buffer [.., dp]."""
+    check_kernel_aggregate(aggregate)  # the kernel sums unless told "max": never another aggregate silently
     B, HQ, _ = q_hat.shape
     _, HKV, S, D = k_hat.shape
     G = HQ // HKV
@@ -165,8 +166,7 @@ def approx_scores(
     """
     if gqa_select not in GQA_SELECT_MODES:
         raise ValueError(f"gqa_select must be one of {GQA_SELECT_MODES}, got {gqa_select!r}")
-    if aggregate not in GQA_AGGREGATES:
-        raise ValueError(f"aggregate must be one of {GQA_AGGREGATES}, got {aggregate!r}")
+    check_kernel_aggregate(aggregate, "approx_scores (Triton)")
     B, HQ, HKV, S, D, lengths, starts = check_decode_inputs(q_hat, k_hat, k_hat, lengths, starts)
     check_triton_device(q_hat, "approx_scores")
     check_no_grad("approx_scores (Triton)", q_hat=q_hat, k_hat=k_hat, k_prefix=k_prefix)

@@ -28,7 +28,7 @@ from loki._checks import (
     resolve_scale,
 )
 from loki.reference.methods import loki_attention as loki_attention_reference
-from loki.reference.selection import GQA_AGGREGATES, GQA_SELECT_MODES, budget
+from loki.reference.selection import GQA_AGGREGATES, GQA_SELECT_MODES, budget, check_kernel_aggregate
 
 from . import launch as _launch_mod
 from ._common import check_triton_device
@@ -176,6 +176,7 @@ def decode_attention(
             return res
         out.copy_(res[0] if return_indices else res)  # the result is ``out``, as on the triton backend
         return (out, res[1]) if return_indices else out
+    check_kernel_aggregate(aggregate, "decode_attention(backend='triton')")
     k = check_budget(k)
     uniform = lengths is None and starts is None
     B, HQ, HKV, S, D, lengths, starts = check_decode_inputs(q_hat, k_hat, v_cache, lengths, starts,

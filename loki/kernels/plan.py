@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from loki._checks import check_budget, check_decode_inputs, check_no_grad, resolve_d, resolve_scale
-from loki.reference.selection import GQA_AGGREGATES, GQA_SELECT_MODES
+from loki.reference.selection import GQA_SELECT_MODES, check_kernel_aggregate
 
 from . import launch as _launch
 from ._common import check_triton_device
@@ -179,8 +179,7 @@ def plan_decode(
     """
     if gqa_select not in GQA_SELECT_MODES:
         raise ValueError(f"gqa_select must be one of {GQA_SELECT_MODES}, got {gqa_select!r}")
-    if aggregate not in GQA_AGGREGATES:
-        raise ValueError(f"aggregate must be one of {GQA_AGGREGATES}, got {aggregate!r}")
+    check_kernel_aggregate(aggregate, "plan_decode (the Triton kernels)")
     if isinstance(num_q_heads, bool) or not isinstance(num_q_heads, int) or num_q_heads < 1:
         raise ValueError(f"num_q_heads must be an int >= 1, got {num_q_heads!r}")
     if not isinstance(k_hat, torch.Tensor) or k_hat.dim() != 4:

@@ -7,10 +7,13 @@ from .methods import exact_topk_attention, h2o_attention, loki_attention, pcaatt
 from .selection import (
     GQA_AGGREGATES,
     GQA_SELECT_MODES,
+    KERNEL_AGGREGATES,
     aggregate_group_scores,
     approx_scores,
     budget,
+    check_kernel_aggregate,
     select_topk,
+    token_ranks,
     topk_indices,
 )
 from .sparse import sparse_attention
@@ -18,9 +21,11 @@ from .sparse import sparse_attention
 __all__ = [
     "GQA_AGGREGATES",
     "GQA_SELECT_MODES",
+    "KERNEL_AGGREGATES",
     "aggregate_group_scores",
     "approx_scores",
     "budget",
+    "check_kernel_aggregate",
     "dense_attention",
     "exact_scores",
     "exact_topk_attention",
@@ -34,5 +39,6 @@ __all__ = [
     "select_topk",
     "sparq_attention",
     "sparse_attention",
+    "token_ranks",
     "topk_indices",
 ]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from .._checks import check_decode_inputs, resolve_d, valid_token_mask
+from .accounting import record_indices, record_selection, tallying
 from .common import default_scale, expand_to_query_heads
 from .dense import dense_attention, exact_scores, masked_values
 from .selection import aggregate_group_scores, approx_scores, budget, select_topk, topk_indices
@@ -58,16 +59,19 @@ def loki_attention(
     the tokens each sequence attends, already resolved; exactly one of the two).
     Returns out [B, HQ, D] (and ``(idx [B, H, K], counts [B])`` when ``return_indices``).
     ``gqa_select="query"`` (default, as the paper's code) selects per query head; ``"kv"`` shares one
-    selection per KV head, from the group's scores combined by ``aggregate``.
+    selection per KV head, from the group's scores combined by ``aggregate`` (one of ``GQA_AGGREGATES``:
+    :func:`~loki.reference.selection.aggregate_group_scores`).
     """
     B, HQ, HKV, S, D, lengths, starts = check_decode_inputs(q_hat, k_hat, v_cache, lengths, starts)
     if (k is None) == (counts is None):
         raise ValueError("give the budget as exactly one of k (a count or a fraction) and counts ([B] int)")
-    s = approx_scores(q_hat, k_hat, d, lengths, starts, gqa_select=gqa_select, aggregate=aggregate,
+    s = approx_scores(q_hat, k_hat, d, lengths, starts, gqa_select=gqa_select, aggregate=aggregate, scale=scale,
                       compute_dtype=compute_dtype)
     if counts is None:
         counts = budget(k, lengths, starts, B, S, q_hat.device)
     idx = select_topk(s, counts)
+    if tallying():  # the bytes accounting (loki.reference.accounting)
+        record_indices(idx, lengths - starts, HKV, S)
     out = sparse_attention(q_hat, k_hat, v_cache, idx, counts, scale=scale, compute_dtype=compute_dtype)
     return (out, (idx, counts)) if return_indices else out
 
@@ -94,11 +98,15 @@ def exact_topk_attention(
     B, HQ, HKV, S, D, lengths, starts = check_decode_inputs(q, k_cache, v_cache, lengths, starts)
     s = exact_scores(q, k_cache, lengths, starts, compute_dtype=compute_dtype)
     if gqa_select == "kv":
-        s = aggregate_group_scores(s, HKV, aggregate)
+        valid = valid_token_mask(lengths, starts, S)
+        s = aggregate_group_scores(s, HKV, aggregate, scale=default_scale(D, scale))
+        s = s.masked_fill(~valid[:, None, :], float("-inf"))
     elif gqa_select != "query":
         raise ValueError(f"gqa_select must be 'query' or 'kv', got {gqa_select!r}")
     counts = budget(k, lengths, starts, B, S, q.device)
     idx = select_topk(s, counts)
+    if tallying():
+        record_indices(idx, lengths - starts, HKV, S)
     out = sparse_attention(q, k_cache, v_cache, idx, counts, scale=scale, compute_dtype=compute_dtype)
     return (out, (idx, counts)) if return_indices else out
 
@@ -164,6 +172,8 @@ def sparq_attention(
     s_hat = torch.softmax(s_hat.masked_fill(~valid[:, None, :], float("-inf")), dim=-1)
     counts = budget(k, lengths, starts, B, S, q.device)
     idx = select_topk(s_hat, counts)
+    if tallying():
+        record_indices(idx, lengths - starts, HKV, S)
     keep = idx >= 0
     alpha = (torch.gather(s_hat, -1, idx.clamp(min=0)) * keep).sum(-1)  # [B, HQ]
     y = sparse_attention(q, k_cache, v_cache, idx, counts, scale=scale, compute_dtype=compute_dtype)
@@ -219,5 +229,7 @@ def h2o_attention(
         top = topk_indices(cand, hmax)  # [B, H, hmax], ties to the earliest token
         keep = torch.arange(hmax, device=q.device)[None, None, :] < heavy[:, None, None]
         mask.scatter_(-1, top, keep | mask.gather(-1, top))
+    if tallying():
+        record_selection(mask[:, :, None], (lengths - starts).reshape(B, 1), HKV)
     return dense_attention(q, k_cache, v_cache, lengths, starts, scale=scale, mask=mask,
                            compute_dtype=compute_dtype, return_weights=return_weights)

@@ -9,16 +9,26 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import budget_counts, check_budget, check_counts, check_decode_inputs, resolve_d, valid_token_mask
+from .._checks import (
+    budget_counts,
+    check_budget,
+    check_counts,
+    check_decode_inputs,
+    resolve_d,
+    resolve_scale,
+    valid_token_mask,
+)
 
-__all__ = ["GQA_SELECT_MODES", "GQA_AGGREGATES", "approx_scores", "aggregate_group_scores", "select_topk", "budget",
-           "topk_indices"]
+__all__ = ["GQA_SELECT_MODES", "GQA_AGGREGATES", "KERNEL_AGGREGATES", "approx_scores", "aggregate_group_scores",
+           "budget", "check_kernel_aggregate", "select_topk", "token_ranks", "topk_indices"]
 
 #: "query": every query head selects its own tokens (the paper's code repeats KV heads; the default).
 #: "kv": one selection per KV head from the group's aggregated scores; each selected KV row is read once.
 GQA_SELECT_MODES = ("query", "kv")
-#: How the scores of a GQA group are combined for a shared ("kv") selection.
-GQA_AGGREGATES = ("sum", "max")
+#: How the scores of a GQA group are combined for a shared ("kv") selection (:func:`aggregate_group_scores`).
+GQA_AGGREGATES = ("sum", "max", "softmax-sum", "softmax-max", "union")
+#: The aggregates the Triton kernels implement; the others run on the PyTorch reference only.
+KERNEL_AGGREGATES = ("sum", "max")
 
 
 def _check_mode(gqa_select: str, aggregate: str) -> None:
@@ -28,16 +38,60 @@ def _check_mode(gqa_select: str, aggregate: str) -> None:
         raise ValueError(f"aggregate must be one of {GQA_AGGREGATES}, got {aggregate!r}")
 
 
-def aggregate_group_scores(scores: torch.Tensor, HKV: int, aggregate: str = "sum") -> torch.Tensor:
-    """Combine per-query-head scores [B, HQ, ...] (e.g. [B, HQ, S], or [B, HQ, R, S] for rows of a window) into
-    per-KV-head scores [B, HKV, ...] (sum or max over G)."""
+def check_kernel_aggregate(aggregate: str, what: str = "the Triton kernels") -> None:
+    """Refuse an ``aggregate`` the Triton kernels do not implement (no silent fallback to another one)."""
+    if aggregate in KERNEL_AGGREGATES:
+        return
+    if aggregate not in GQA_AGGREGATES:
+        raise ValueError(f"aggregate must be one of {GQA_AGGREGATES}, got {aggregate!r}")
+    raise ValueError(f"aggregate={aggregate!r} is not implemented by {what} (they implement {KERNEL_AGGREGATES}); "
+                     "use backend='torch' (the PyTorch reference) for it")
+
+
+def aggregate_group_scores(scores: torch.Tensor, HKV: int, aggregate: str = "sum", *,
+                           scale: float | None = None) -> torch.Tensor:
+    """Combine per-query-head selection scores [B, HQ, ..., S] (e.g. [B, HQ, S], or [B, HQ, R, S] for rows of a
+    window; the last dim holds the tokens, ``-inf`` the tokens a row does not see) into per-KV-head scores
+    [B, HKV, ..., S] whose top-k is the group's shared selection:
+
+    - ``"sum"``, ``"max"``: the raw scores summed or max'ed over the G heads of the group;
+    - ``"softmax-sum"``, ``"softmax-max"``: each head's scores first turned into a softmax over the row's tokens
+      with the attention scale, ``softmax(scale * s)`` (``scale`` required), then summed or max'ed over the group.
+      Returned as the log of that sum or max (``logsumexp`` / max over the group of ``log_softmax``): the same
+      order of tokens, without probabilities underflowing into ties.  Invariant to a constant added to one head's
+      scores;
+    - ``"union"``: each head ranks the row's tokens (rank 0 the largest score, ties to the lowest position, as
+      :func:`topk_indices`), and a token's group score is minus its best rank over the group's heads.  The top-k
+      of these scores is the round-robin merge of the heads' rankings: the union of every head's top-r tokens for
+      the largest r whose union has at most k tokens, topped up with tokens of best rank r, lowest position first.
+      So a KV head reads exactly k tokens; when the union of every head's top-ceil(k/G) tokens holds k or more
+      tokens the selection lies within it (trimmed to the best ranks), otherwise it contains it (topped up).
+      Depends on each head's order of tokens only.  fp32 scores (fp64 for fp64 input).
+
+    With G = 1 every aggregate selects what per-query-head selection selects.
+    """
+    if aggregate not in GQA_AGGREGATES:
+        raise ValueError(f"aggregate must be one of {GQA_AGGREGATES}, got {aggregate!r}")
     B, HQ = scores.shape[:2]
-    g = scores.view(B, HKV, HQ // HKV, *scores.shape[2:])
+    rest = scores.shape[2:]
+
+    def group(x):
+        return x.reshape(B, HKV, HQ // HKV, *rest)
+
     if aggregate == "sum":
-        return g.sum(dim=2)
+        return group(scores).sum(dim=2)
     if aggregate == "max":
-        return g.amax(dim=2)
-    raise ValueError(f"aggregate must be one of {GQA_AGGREGATES}, got {aggregate!r}")
+        return group(scores).amax(dim=2)
+    if aggregate == "union":
+        best = group(token_ranks(scores)).amin(dim=2)
+        return -best.to(torch.float64 if scores.dtype == torch.float64 else torch.float32)
+    if scale is None:
+        raise ValueError(f"aggregate={aggregate!r} needs the attention scale (scale=1/sqrt(D))")
+    lp = torch.log_softmax(scores * scale, dim=-1)
+    lp = lp.masked_fill(torch.isneginf(scores), float("-inf"))  # a row that sees nothing: -inf, not NaN
+    if aggregate == "softmax-sum":
+        return torch.logsumexp(group(lp), dim=2)
+    return group(lp).amax(dim=2)
 
 
 def approx_scores(
@@ -49,22 +103,26 @@ def approx_scores(
     *,
     gqa_select: str = "query",
     aggregate: str = "sum",
+    scale: float | None = None,
     compute_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Approximate scores from the first d rotated dims: ``q_hat[:d] . K_hat[:, :d]^T`` (unscaled).
 
     q_hat: [B, HQ, D]; k_hat: [B, HKV, S, D] -> [B, H, S] in ``compute_dtype``, -inf outside valid
-    tokens; H = HQ for ``gqa_select="query"``, HKV for ``"kv"`` (group scores combined by ``aggregate``).
+    tokens; H = HQ for ``gqa_select="query"``, HKV for ``"kv"`` (group scores combined by ``aggregate``,
+    :func:`aggregate_group_scores`; the softmax aggregates use ``scale``, default ``1/sqrt(D)``).
     """
     _check_mode(gqa_select, aggregate)
     B, HQ, HKV, S, D, lengths, starts = check_decode_inputs(q_hat, k_hat, k_hat, lengths, starts)
     dd = resolve_d(d, D)
     qg = q_hat[..., :dd].to(compute_dtype).view(B, HKV, HQ // HKV, dd)
     s = torch.einsum("bhgd,bhsd->bhgs", qg, k_hat[..., :dd].to(compute_dtype)).reshape(B, HQ, S)
-    if gqa_select == "kv":
-        s = aggregate_group_scores(s, HKV, aggregate)
     valid = valid_token_mask(lengths, starts, S)
-    return s.masked_fill(~valid[:, None, :], float("-inf"))
+    s = s.masked_fill(~valid[:, None, :], float("-inf"))
+    if gqa_select == "kv":
+        s = aggregate_group_scores(s, HKV, aggregate, scale=resolve_scale(scale, D))
+        s = s.masked_fill(~valid[:, None, :], float("-inf"))
+    return s
 
 
 def budget(k: int | float, lengths: torch.Tensor | None, starts: torch.Tensor | None, B: int, S: int,
@@ -75,6 +133,19 @@ def budget(k: int | float, lengths: torch.Tensor | None, starts: torch.Tensor | 
     if starts is not None:
         n = n - starts.long()
     return budget_counts(check_budget(k), n)
+
+
+def _order_keys(scores: torch.Tensor) -> torch.Tensor:
+    """One unique int64 key per fp32/fp16/bf16 score whose descending order is the selection order: the
+    order-preserving 32 bits of the fp32 score above the complemented position (ties to the lowest position;
+    -0.0 equals +0.0; NaN above every number)."""
+    S = scores.shape[-1]
+    x = scores.float() + 0.0  # -0.0 + 0.0 = +0.0: -0.0 ties with +0.0 (and x is a new tensor)
+    x = torch.where(torch.isnan(x), float("nan"), x)  # one NaN bit pattern (positive: above +inf); no host sync
+    bits = x.view(torch.int32)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negatives: flip the magnitude bits; signed int order == float order
+    rev = 0xFFFFFFFF - torch.arange(S, device=scores.device, dtype=torch.long)  # a lower position: a larger key
+    return (key.long() << 32) | rev
 
 
 def topk_indices(scores: torch.Tensor, K: int, *, sorted: bool = True) -> torch.Tensor:
@@ -96,14 +167,21 @@ def topk_indices(scores: torch.Tensor, K: int, *, sorted: bool = True) -> torch.
     if scores.dtype == torch.float64:
         x = torch.where(scores == 0, 0.0, scores)
         return torch.sort(x, dim=-1, descending=True, stable=True).indices[..., :K]
-    x = scores.float() + 0.0  # -0.0 + 0.0 = +0.0: -0.0 ties with +0.0 (and x is a new tensor)
-    x = torch.where(torch.isnan(x), float("nan"), x)  # one NaN bit pattern (positive: above +inf); no host sync
-    bits = x.view(torch.int32)
-    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negatives: flip the magnitude bits; signed int order == float order
-    rev = 0xFFFFFFFF - torch.arange(S, device=scores.device, dtype=torch.long)  # a lower position: a larger key
-    packed = (key.long() << 32) | rev
-    top = torch.topk(packed, K, dim=-1, sorted=sorted).values
+    top = torch.topk(_order_keys(scores), K, dim=-1, sorted=sorted).values
     return 0xFFFFFFFF - (top & 0xFFFFFFFF)
+
+
+def token_ranks(scores: torch.Tensor) -> torch.Tensor:
+    """The rank of every entry in the selection order of its row (0 = selected first; :func:`topk_indices`'s
+    order, ties to the lowest index): scores [..., S] floating -> [..., S] int64."""
+    S = scores.shape[-1]
+    if scores.dtype == torch.float64:
+        x = torch.where(scores == 0, 0.0, scores)
+        order = torch.sort(x, dim=-1, descending=True, stable=True).indices
+    else:
+        order = 0xFFFFFFFF - (torch.sort(_order_keys(scores), dim=-1, descending=True).values & 0xFFFFFFFF)
+    pos = torch.arange(S, device=scores.device).expand_as(order)
+    return torch.empty_like(order).scatter_(-1, order, pos)
 
 
 def select_topk(scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

@@ -21,8 +21,9 @@ from __future__ import annotations
 import torch
 
 from .._checks import budget_counts, check_budget, resolve_d
+from .accounting import record_selection
 from .common import default_scale
-from .selection import aggregate_group_scores
+from .selection import GQA_AGGREGATES, aggregate_group_scores
 
 __all__ = ["ROW_METHODS", "attend", "grouped_scores", "masked_softmax", "per_query_head", "teacher_forced_rows",
            "topk_mask"]
@@ -109,6 +110,7 @@ def _block(method, q, k, v, visible, n_visible, counts, *, dd, scale, gqa_select
         temp = torch.sqrt(D * l1_ratio).clamp_min(torch.finfo(q.dtype).tiny)  # [B, HQ, R]
         s_hat = masked_softmax(grouped_scores(q_r, k) / temp[..., None], visible)
         sel = topk_mask(s_hat.masked_fill(~visible, _NEG_INF), counts)
+        record_selection(sel, n_visible, HKV)
         alpha = (s_hat * sel).sum(-1, keepdim=True)  # [B, HQ, R, 1]
         y = attend(masked_softmax(grouped_scores(q, k) * scale, sel), v)
         v_mean = attend((visible / n_visible[:, None, :, None].clamp_min(1)).expand(B, HQ, R, -1), v)
@@ -120,11 +122,13 @@ def _block(method, q, k, v, visible, n_visible, counts, *, dd, scale, gqa_select
         exact = approx = grouped_scores(q, k)
     else:
         raise ValueError(f"method must be one of {ROW_METHODS}, got {method!r}")
-    if gqa_select == "kv":
-        approx = aggregate_group_scores(approx, HKV, aggregate)
+    approx = approx.masked_fill(~visible, _NEG_INF)
+    if gqa_select == "kv":  # the softmax aggregates normalise each head over the tokens its row sees
+        approx = aggregate_group_scores(approx, HKV, aggregate, scale=scale).masked_fill(~visible, _NEG_INF)
     elif gqa_select != "query":
         raise ValueError(f"gqa_select must be 'query' or 'kv', got {gqa_select!r}")
-    sel = topk_mask(approx.masked_fill(~visible, _NEG_INF), counts)
+    sel = topk_mask(approx, counts)
+    record_selection(sel, n_visible, HKV)  # the bytes accounting (loki.reference.accounting), when tallying
     return attend(masked_softmax(exact * scale, per_query_head(sel, HQ)), v)
 
 
@@ -149,14 +153,15 @@ def teacher_forced_rows(
     rotated ``q_hat``/``K_hat``; any orthogonal basis or none for the others, by Lemma 1; SparQ in the keys'
     own coordinates); v: [B, HKV, S, D]; starts, lengths: [B, L] int, row ``(b, i)`` sees
     ``starts[b, i] <= s < lengths[b, i]``.  ``k_budget``/``d`` are counts or fractions as in the decode
-    references (``d`` is SparQ's ``r``), the budget resolved from each row's own visible count.  Computed in
+    references (``d`` is SparQ's ``r``), the budget resolved from each row's own visible count; ``gqa_select``
+    and ``aggregate`` (one of ``GQA_AGGREGATES``) as in the decode references.  Computed in
     fp32 in blocks of rows of at most ``block_elements`` score entries (default 2^24 on the CPU, 2^27 on a
     GPU).  Returns [B, HQ, L, D] in q's dtype; a row that sees no token gives zeros.
     """
     if method not in ROW_METHODS:
         raise ValueError(f"method must be one of {ROW_METHODS}, got {method!r}")
-    if aggregate not in ("sum", "max"):
-        raise ValueError(f"aggregate must be 'sum' or 'max', got {aggregate!r}")
+    if aggregate not in GQA_AGGREGATES:
+        raise ValueError(f"aggregate must be one of {GQA_AGGREGATES}, got {aggregate!r}")
     B, HQ, L, D = q.shape
     S = k.shape[2]
     dd = resolve_d(d, D, name="r" if method == "sparq" else "d")

@@ -23,6 +23,7 @@ from loki._hf import (
     text_config,
 )
 from loki.basis import PCABasis
+from loki.reference.selection import GQA_AGGREGATES, KERNEL_AGGREGATES
 
 from .attention import loki_attention_forward
 from .cache import convert_cache, restore_caches
@@ -100,7 +101,8 @@ def enable_loki(
             count (<= D) or a float fraction of D.
         method: one of :data:`METHODS`.
         gqa_select: "query" (each query head selects its own tokens) or "kv" (one selection per KV head from the
-            group's scores combined by ``aggregate``: "sum" or "max").
+            group's scores combined by ``aggregate``, one of ``loki.reference.GQA_AGGREGATES``; the Triton kernels
+            implement "sum" and "max" only: the others need ``backend="torch"`` for method "loki" on CUDA).
         backend: "auto" (Triton kernel on CUDA, PyTorch elsewhere), "torch" or "triton" for the Loki decode step.
         semantics: "generate" (dense prefill, sparse decode steps) or "decode" (every query row attends like a
             decode step over the tokens it sees; for loglikelihood and perplexity evaluation).
@@ -113,8 +115,8 @@ def enable_loki(
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if gqa_select not in ("query", "kv"):
         raise ValueError(f"gqa_select must be 'query' or 'kv', got {gqa_select!r}")
-    if aggregate not in ("sum", "max"):
-        raise ValueError(f"aggregate must be 'sum' or 'max', got {aggregate!r}")
+    if aggregate not in GQA_AGGREGATES:
+        raise ValueError(f"aggregate must be one of {GQA_AGGREGATES}, got {aggregate!r}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if semantics not in SEMANTICS:
@@ -134,6 +136,10 @@ def enable_loki(
             check_triton_device(device, "backend='triton'")
         except RuntimeError as exc:
             raise ValueError(f"{exc} (the model is on {device})") from None
+    if method == "loki" and aggregate not in KERNEL_AGGREGATES and (
+            backend == "triton" or backend == "auto" and any(p.is_cuda for p in model.parameters())):
+        raise ValueError(f"aggregate={aggregate!r} is not implemented by the Triton kernels that backend={backend!r} "
+                         f"runs (they implement {KERNEL_AGGREGATES}): enable it with backend='torch'")
 
     components = query_components = None
     if method in BASIS_METHODS:
