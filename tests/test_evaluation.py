@@ -326,7 +326,7 @@ def test_markdown_report(tmp_path):
     files = report.write_report(res, tmp_path)
     md = files["markdown"].read_text()
     assert "## Gates: PASS" in md
-    assert "| loki-post[query] | 4 x 512 | 0.25 | 0.25 | 24.000 | +20.00% [+18.00, +22.00]" in md
+    assert "| loki-post[query] | 4 x 512 | 0.25 | 0.25 | query | 24.000 | +20.00% [+18.00, +22.00] | - |" in md
     assert "## Generalisation" in md and "11.000 (+10.0% [+5.0, +15.0])" in md and "24.000 (+20.0%)" in md
     assert json.loads(files["json"].read_text())["perplexity"][0]["name"] == "full"
     res["perplexity"] += [_row("loki-post[query]", "loki", 21.0, T=4096)]

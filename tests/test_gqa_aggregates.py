@@ -303,6 +303,7 @@ def test_perplexity_rows_state_the_bytes_they_read(tiny):
     assert count.to_dict()["k"] == 8 and isinstance(count.to_dict()["k"], int)
     ex = perplexity(model, ids, MethodSpec("e", "exact_topk", k=0.25, gqa_select="kv"))
     assert ex.score_fraction == 0.5 and ex.selected_fraction == pytest.approx(shared)
+    assert ex.bytes_fraction == pytest.approx(0.5 + shared / 2)  # every key to score, then the selected values
     assert bytes_fractions("pcaattn", 0.25, 64, None) == {"score_fraction": 0.125, "selected_fraction": None,
                                                           "bytes_fraction": 0.625}
     assert bytes_fractions("loki", 16, 64, None)["bytes_fraction"] is None

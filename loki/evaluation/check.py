@@ -59,6 +59,34 @@ def _fraction(text: str) -> float:
     return v
 
 
+def _budget(text: str) -> int | float:
+    """A budget: an integer (``512``) is a count of tokens, anything else a fraction k_f in (0, 1]."""
+    t = text.strip()
+    if t.isdigit():
+        v = int(t)
+        if v < 1:
+            raise argparse.ArgumentTypeError(f"expected a count of tokens >= 1 or a fraction in (0, 1], got {text!r}")
+        return v
+    try:
+        return _fraction(t)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"expected a fraction in (0, 1] (0.25) or a count of tokens (512), got {text!r}") from None
+
+
+def _counts(text: str) -> tuple[int, ...]:
+    if text.strip().lower() == "none":
+        return ()
+    try:
+        out = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected counts of tokens N[,N...] such as 512,1024, or none; got "
+                                         f"{text!r}") from None
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"expected counts of tokens >= 1 (N[,N...]) or none, got {text!r}")
+    return out
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from loki.evaluation.commands import add_device_arguments
 
@@ -81,7 +109,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default: %(default)s)")
     parser.add_argument("--model", default=None, help="a local transformers model folder (default: the embedded model)")
     add_device_arguments(parser)
-    parser.add_argument("--k", type=_fraction, default=None, help="primary token budget fraction k_f (default: 0.25)")
+    parser.add_argument("--k", type=_budget, default=None,
+                        help="primary token budget: a fraction k_f (0.25, the default) or a count of tokens (512)")
+    parser.add_argument("--k-counts", type=_counts, default=None,
+                        help="fixed budgets in tokens measured beside the fractions at the longest window, N[,N...] "
+                        "or none (default: the profile's; long: 512,1024,2048)")
+    parser.add_argument("--retrieval-k", type=_budget, default=None,
+                        help="budget of the retrieval suite: a fraction or a count of tokens (default: 0.125)")
     parser.add_argument("--d", "--dims", type=_fraction, default=None,
                         help="principal-dims fraction d_f (default: 0.25)")
     parser.add_argument("--windows", type=_windows, default=None,
@@ -125,6 +159,10 @@ def _options(args) -> SuiteOptions:
         opts = replace(opts, k=args.k, k_values=tuple(k for k in opts.k_values if k != args.k))
     if args.d is not None:
         opts = replace(opts, d=args.d)
+    if args.k_counts is not None:
+        opts = replace(opts, k_counts=args.k_counts)
+    if args.retrieval_k is not None:
+        opts = replace(opts, retrieval_k=args.retrieval_k)
     if args.windows is not None:
         opts = replace(opts, windows=args.windows)
     if args.calib_tokens is not None:
@@ -139,13 +177,16 @@ def _options(args) -> SuiteOptions:
 
 
 def _print_summary(results: dict, gates: list[dict], report: Path, summary: str) -> None:
-    print(f"{'setting':28s} {'T':>5s} {'k_f':>6s} {'ppl':>9s} {'vs full':>9s} {'95% interval':>20s}")
+    from loki.evaluation.report import budget_cell, bytes_cell
+
+    print(f"{'setting':28s} {'T':>5s} {'k':>8s} {'ppl':>9s} {'vs full':>9s} {'95% interval':>20s} {'bytes':>6s}")
     for r in results["perplexity"]:
         if r["method"] == "full":
-            print(f"{'full':28s} {r['seq_len']:5d} {'':6s} {r['ppl']:9.3f}")
+            print(f"{'full':28s} {r['seq_len']:5d} {'':8s} {r['ppl']:9.3f}")
             continue
-        print(f"{r['name']:28s} {r['seq_len']:5d} {r['k']:6g} {r['ppl']:9.3f} {100 * r['increase']:+8.2f}% "
-              f"[{100 * r['increase_lo']:+7.2f}, {100 * r['increase_hi']:+7.2f}]")
+        print(f"{r['name']:28s} {r['seq_len']:5d} {budget_cell(r['k']):>8s} {r['ppl']:9.3f} "
+              f"{100 * r['increase']:+8.2f}% [{100 * r['increase_lo']:+7.2f}, {100 * r['increase_hi']:+7.2f}] "
+              f"{bytes_cell(r):>6s}")
     for name, a in results.get("agreement", {}).items():
         print(f"agreement {name:8s} jaccard {a['jaccard_mean']:.4f}  mass {a['mass_mean']:.4f} "
               f"(exact top-k {a['mass_exact_mean']:.4f})")

@@ -111,10 +111,12 @@ def retrieval_cells(results: dict) -> dict[str, dict]:
     return out
 
 
-def primary_setting(results: dict) -> tuple[int, float]:
-    """(window length, k_f) of the run's primary setting, where the structural gates look."""
+def primary_setting(results: dict) -> tuple[int, int | float]:
+    """(window length, budget) of the run's primary setting, where the structural gates look: the budget a fraction
+    k_f, or an int count of tokens."""
     s = results.get("settings", {})
-    return int(s["windows"][0][0]), float(s["k"])
+    k = s["k"]
+    return int(s["windows"][0][0]), k if isinstance(k, int) and not isinstance(k, bool) else float(k)
 
 
 def run_parts(results: dict) -> dict[str, bool]:

@@ -133,11 +133,12 @@ def bytes_fractions(method: str, d: int | float, D: int, selected: float | None)
     token once): ``{"score_fraction", "selected_fraction", "bytes_fraction"}``.
 
     Scoring reads ``d/D`` of every visible key, half of the dense bytes times ``d/D``: Loki ``d/(2D)``, SparQ
-    ``r/(2D)``, exact top-k ``1/2`` (every key whole), H2O nothing (its scores are the attention it computed);
-    then the keys and values of the ``u`` distinct tokens read per KV head, ``u/n`` of the ``n`` visible ones
-    (``selected``, measured from the selections: :mod:`loki.reference.accounting`).  Dense attention reads 1;
-    PCAAttn ``d/(2D)`` of the keys and every value, ``d/(2D) + 1/2``.  ``bytes_fraction`` is None when a sparse
-    method's ``selected`` was not measured."""
+    ``r/(2D)``, H2O nothing (its scores are the attention it computed); then the keys and values of the ``u``
+    distinct tokens read per KV head, ``u/n`` of the ``n`` visible ones (``selected``, measured from the
+    selections: :mod:`loki.reference.accounting`): ``d/(2D) + u/n``.  Exact top-k reads every key whole to score
+    (``1/2``) and then only the values of its selection: ``1/2 + u/(2n)``.  Dense attention reads 1; PCAAttn
+    ``d/(2D)`` of the keys and every value, ``d/(2D) + 1/2``.  ``bytes_fraction`` is None when a sparse method's
+    ``selected`` was not measured."""
     if method in ("full", "dense"):
         return {"score_fraction": 0.0, "selected_fraction": 1.0, "bytes_fraction": 1.0}
     if method == "pcaattn":
@@ -145,9 +146,10 @@ def bytes_fractions(method: str, d: int | float, D: int, selected: float | None)
         return {"score_fraction": sf, "selected_fraction": None, "bytes_fraction": sf + 0.5}
     if method not in METHOD_NAMES:
         raise ValueError(f"method must be one of {METHOD_NAMES}, got {method!r}")
-    sf = {"exact_topk": 0.5, "h2o": 0.0}.get(method)
-    if sf is None:
-        sf = resolve_d(d, D, name="r" if method == "sparq" else "d") / (2 * D)
+    if method == "exact_topk":  # the keys were all read whole to score: the selection adds its values only
+        return {"score_fraction": 0.5, "selected_fraction": selected,
+                "bytes_fraction": None if selected is None else 0.5 + selected / 2}
+    sf = 0.0 if method == "h2o" else resolve_d(d, D, name="r" if method == "sparq" else "d") / (2 * D)
     return {"score_fraction": sf, "selected_fraction": selected,
             "bytes_fraction": None if selected is None else sf + selected}
 

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from loki._io import atomic_path, atomic_write
 
-__all__ = ["markdown_report", "perplexity_table", "write_length_plot", "write_report"]
+__all__ = ["budget_cell", "bytes_cell", "markdown_report", "perplexity_table", "write_bytes_plot", "write_length_plot",
+           "write_report"]
 
 
 def _fmt(x, nd=3):
@@ -34,19 +35,88 @@ def _increase(r: dict) -> str:
     return f"{100 * r['increase']:+.2f}% [{100 * r['increase_lo']:+.2f}, {100 * r['increase_hi']:+.2f}]"
 
 
+def budget_cell(k) -> str:
+    """A budget in a table: a fraction k_f as ``0.25``, a count of tokens as ``512 tok``."""
+    return f"{k} tok" if isinstance(k, int) and not isinstance(k, bool) else f"{k:g}"
+
+
+def bytes_cell(r: dict) -> str:
+    """The bytes a decode step reads relative to dense attention (``bytes_fraction``), or ``-`` (not measured)."""
+    b = r.get("bytes_fraction")
+    return "-" if b is None else f"{b:.3f}"
+
+
 def perplexity_table(rows: list[dict]) -> str:
-    """A markdown table of perplexity rows: setting, window, k_f, d, perplexity, increase over full attention
-    with its paired 95% interval, density and time."""
+    """A markdown table of perplexity rows: setting, window, budget (k_f, or a count of tokens), d, GQA selection
+    (with the aggregate of a shared one), perplexity, increase over full attention with its paired 95% interval,
+    the bytes a decode step reads relative to dense attention (``perplexity.bytes_fractions``), density, time."""
     lines = [
-        "| setting | window | k_f | d (r) | perplexity | vs full [95% interval] | density | time (s) |",
-        "|---|---|---:|---:|---:|---|---:|---:|",
+        "| setting | window | k | d (r) | GQA | perplexity | vs full [95% interval] | bytes of dense | density "
+        "| time (s) |",
+        "|---|---|---:|---:|---|---:|---|---:|---:|---:|",
     ]
     for r in rows:
-        k = "-" if r["method"] == "full" else f"{r['k']:g}"
+        k = "-" if r["method"] == "full" else budget_cell(r["k"])
         d = "-" if r["method"] in ("full", "exact_topk", "h2o") else f"{r['d']:g}"
-        lines.append(f"| {r['name']} | {r.get('windows', '?')} x {r.get('seq_len', '?')} | {k} | {d} | {r['ppl']:.3f} "
-                     f"| {_increase(r)} | {r['density']:.3f} | {r['seconds']:.1f} |")
+        g = r.get("gqa_select", "query")
+        gqa = "-" if r["method"] in ("full", "dense", "pcaattn") else (
+            f"kv ({r.get('aggregate', 'sum')})" if g == "kv" else g)
+        lines.append(f"| {r['name']} | {r.get('windows', '?')} x {r.get('seq_len', '?')} | {k} | {d} | {gqa} "
+                     f"| {r['ppl']:.3f} | {_increase(r)} | {bytes_cell(r)} | {r['density']:.3f} "
+                     f"| {r['seconds']:.1f} |")
     return "\n".join(lines)
+
+
+def write_bytes_plot(rows: list[dict], out_dir, filename: str = "ppl_vs_bytes.png") -> dict[str, str]:
+    """``ppl_vs_bytes.png``: the perplexity increase over full attention (with its 95% interval) against the
+    bytes a decode step reads relative to dense attention (``bytes_fraction``), one panel per window length, one
+    line per setting through its budgets (a setting's GQA modes share a hue: dark per query head, light shared).
+    Rows without an increase or a measured ``bytes_fraction`` are left out.  Returns ``{"ppl_vs_bytes": name}``
+    (``{}`` when no row has both)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if r.get("method") != "full" and "increase" in r and r.get("bytes_fraction") is not None]
+    if not rows:
+        return {}
+    lengths = sorted({r.get("seq_len") for r in rows}, reverse=True)
+    names = sorted({r["name"] for r in rows})
+    families = sorted({n.split("[")[0] for n in names})
+    cmap = plt.get_cmap("tab20")
+    fig, axes = plt.subplots(1, len(lengths), figsize=(6 * len(lengths), 4.5), squeeze=False)
+    for ax, T in zip(axes[0], lengths):
+        for name in names:
+            pts = sorted((r["bytes_fraction"], r["increase"], r["increase_lo"], r["increase_hi"], r["k"])
+                         for r in rows if r["name"] == name and r.get("seq_len") == T)
+            if not pts:
+                continue
+            i = families.index(name.split("[")[0])
+            shared = "[kv" in name
+            color, marker = cmap((2 * i + shared) % cmap.N), "osD^v<>ph*"[i % 10]
+            x = [p[0] for p in pts]
+            y = [100 * p[1] for p in pts]
+            err = [[100 * (p[1] - p[2]) for p in pts], [100 * (p[3] - p[1]) for p in pts]]
+            ax.errorbar(x, y, yerr=err, marker=marker, color=color, capsize=3, label=name,
+                        linestyle="--" if shared else "-")
+            for p in pts:
+                ax.annotate(budget_cell(p[4]), (p[0], 100 * p[1]), fontsize=6, textcoords="offset points",
+                            xytext=(3, 3), color=color)
+        ax.set_yscale("symlog", linthresh=10)
+        ax.set_xlabel("bytes read per decode step / dense")
+        ax.set_ylabel("perplexity increase over full attention (%)")
+        ax.set_title(f"{T}-token windows")
+        ax.grid(True, alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=6)
+    fig.tight_layout()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with atomic_path(out_dir / filename) as tmp:
+        fig.savefig(tmp, dpi=110, format="png")
+    plt.close(fig)
+    return {"ppl_vs_bytes": filename}
 
 
 def write_length_plot(results: dict, out_dir) -> dict[str, str]:
@@ -57,8 +127,10 @@ def write_length_plot(results: dict, out_dir) -> dict[str, str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from loki.evaluation.perplexity import budget_label
+
     rows = [r for r in results.get("perplexity", []) if r["method"] != "full" and "increase" in r]
-    ks = sorted({r["k"] for r in rows}, reverse=True)
+    ks = sorted({r["k"] for r in rows}, key=lambda k: (isinstance(k, int), -k))  # fractions first, then counts
     if not rows:
         return {}
     # one colour and marker per setting in every panel (a setting missing from a panel must not shift the others):
@@ -87,7 +159,7 @@ def write_length_plot(results: dict, out_dir) -> dict[str, str]:
         ax.set_yscale("symlog", linthresh=10)
         ax.set_xlabel("window (tokens)")
         ax.set_ylabel("perplexity increase over full attention (%)")
-        ax.set_title(f"k_f = {k:g}")
+        ax.set_title(budget_label(k))
         ax.grid(True, alpha=0.3)
     for ax in axes[0]:
         if ax.get_legend_handles_labels()[0]:
@@ -113,9 +185,12 @@ def markdown_report(results: dict, thresholds: dict | None = None) -> str:
             + ", ".join(f"{t} x {n}" for t, n in s.get("windows", [])),
             f"- calibration: {s.get('calib_origin')}, {cal.get('num_tokens')} tokens in sequences of "
             f"{cal.get('seq_len')}, positions [0, {cal.get('max_positions')}); default basis: {s.get('default_basis')}",
-            f"- budgets: k_f = {', '.join(f'{k:g}' for k in s.get('k_values', [s.get('k')]))} (primary {s.get('k')}), "
-            f"d_f = {s.get('d')}; protocol `decode`: every query row i selects ceil(k_f (i+1)) of the i+1 tokens "
-            "it sees",
+            f"- budgets: k = {', '.join(budget_cell(k) for k in s.get('k_values', [s.get('k')]))} (primary "
+            f"{budget_cell(s.get('k'))})" + (f", fixed counts {', '.join(budget_cell(k) for k in s['k_counts'])} at "
+                                             f"{s.get('count_window')}-token windows" if s.get("k_counts") else "")
+            + f", d_f = {s.get('d')}; protocol `decode`: every query row i selects ceil(k_f (i+1)) of the i+1 tokens "
+            "it sees (a count k: min(k, i+1)); bytes of dense: d/(2D) + distinct tokens read per KV head / tokens "
+            "seen, measured from the selections",
             "- intervals: 95%, paired block bootstrap over 128-token blocks of per-token NLL differences "
             "(`loki.evaluation.intervals`)",
             f"- wall time: {_fmt(results.get('seconds'), 1)} s, torch threads: {s.get('threads')}",

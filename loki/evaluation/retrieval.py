@@ -37,6 +37,7 @@ from loki.evaluation.intervals import paired_difference, wilson_interval
 from loki.evaluation.perplexity import MethodSpec, standard_methods
 from loki.evaluation.retrieval_report import markdown_table, plot_retrieval, write_report
 from loki.evaluation.retrieval_tasks import CHANCE, TASKS, make_samples
+from loki.reference.selection import KERNEL_AGGREGATES
 
 __all__ = [
     "CONTEXT_LENS",
@@ -155,9 +156,10 @@ def run_batch(model, tokenizer, input_ids: torch.Tensor, specs: list[MethodSpec]
             if not bases or spec.basis not in bases:
                 raise KeyError(f"{spec.name}: basis {spec.basis!r} not given (have {sorted(bases or {})})")
             basis = bases[spec.basis]
-        if spec.method != "full":
+        if spec.method != "full":  # aggregates the Triton kernels lack run on the PyTorch reference
             enable_loki(model, basis, k=spec.k, d=spec.d, method=spec.method, gqa_select=spec.gqa_select,
-                        aggregate=spec.aggregate, semantics="generate")
+                        aggregate=spec.aggregate, semantics="generate",
+                        backend="auto" if spec.aggregate in KERNEL_AGGREGATES else "torch")
         try:
             if spec.method == "h2o":
                 nh = model.config.get_text_config(decoder=True).num_attention_heads
@@ -308,8 +310,9 @@ def evaluate_retrieval(model, tokenizer, specs: list[MethodSpec], bases: dict | 
     }
 
 
-def retrieval_methods(k_f: float = 0.125, d_f: float = 0.25, head_dim: int = 64, *,
+def retrieval_methods(k_f: int | float = 0.125, d_f: float = 0.25, head_dim: int = 64, *,
                       bases=("pre", "post", "score")) -> list[MethodSpec]:
     """The suite's settings (11 with the default bases): full, exact top-k and Loki with every basis in both GQA
-    modes, H2O and SparQ (r = d), all at ``k_f``; ``bases`` name the entries of the bases dict to pass."""
+    modes, H2O and SparQ (r = d), all at the budget ``k_f`` (a fraction, or an int count of tokens); ``bases``
+    name the entries of the bases dict to pass."""
     return standard_methods(k_f, d_f, head_dim, rotary=tuple(bases), pcaattn=False, exactness=False)

@@ -11,7 +11,13 @@ budget, where the gates look):
 - ``long`` (``loki check --long``, meant for a GPU): windows of 1024, 4096 and 8192 tokens, k_f in {0.25,
   0.125, 0.0625}, every method in both GQA modes, the paper's protocol beside, bases of the default recipe
   (the model's whole context), agreement at every length, the retrieval suite at 1k-8k, generalisation across
-  calibration and evaluation texts.
+  calibration and evaluation texts, and the fixed budgets k = 512, 1024 and 2048 tokens at 8192-token windows.
+
+Budgets are fractions k_f (row i keeps ``ceil(k_f (i + 1))`` of its tokens) or int counts (``min(k, i + 1)``):
+``k``/``k_values`` may hold either; ``k_counts`` adds counts at one window length (``count_window``, default the
+longest) without changing the settings the recorded regression limits are tied to.  Every row states the bytes a
+decode step reads relative to dense attention (``bytes_fraction``), measured from its selections, and
+``ppl_vs_bytes.png`` plots accuracy against them.
 
 Every perplexity increase carries a paired 95% interval (:mod:`loki.evaluation.intervals`), and the pairs the
 gates compare (Loki against exact top-k, H2O and the PCA bases) are stored in ``results["comparisons"]``.
@@ -43,9 +49,11 @@ class SuiteOptions:
     """Budgets and switches of one accuracy run (see :data:`PROFILES`)."""
 
     profile: str = "check"
-    k: float = 0.25  # the primary k_f (gates); k_values adds others
+    k: int | float = 0.25  # the primary budget (gates): a fraction k_f or a count; k_values adds others
     d: float = 0.25
-    k_values: tuple[float, ...] = ()
+    k_values: tuple[int | float, ...] = ()
+    k_counts: tuple[int, ...] = ()  # fixed counts of tokens measured at count_window (each below it)
+    count_window: int | None = None  # the window length of k_counts (None: the longest of windows)
     recipe: CalibrationRecipe = field(default_factory=lambda: CalibrationRecipe(num_tokens=8192, seq_len=1024,
                                                                                  max_positions=1024))
     bases: tuple[str, ...] = ("pre", "post", "score")
@@ -72,8 +80,22 @@ class SuiteOptions:
     log: object = field(default=_log, repr=False)
 
     @property
-    def all_k(self) -> tuple[float, ...]:
-        return tuple(dict.fromkeys((self.k, *self.k_values)))
+    def all_k(self) -> tuple[int | float, ...]:
+        """The budgets measured at every window, the primary one first (a count and a fraction of equal value, 1
+        and 1.0, are two budgets)."""
+        seen: dict = {}
+        for k in (self.k, *self.k_values):
+            seen.setdefault((isinstance(k, int), k), k)
+        return tuple(seen.values())
+
+    def budgets_at(self, T: int) -> tuple[int | float, ...]:
+        """The budgets measured at window length ``T``: :attr:`all_k`, plus at :attr:`count_window` every count of
+        ``k_counts`` below ``T`` (a count of T tokens or more is full attention)."""
+        counts = ()
+        if T == (self.count_window or max(w[0] for w in self.windows)):
+            counts = tuple(c for c in self.k_counts if c < T and not any(isinstance(k, int) and k == c
+                                                                         for k in self.all_k))
+        return self.all_k + counts
 
     def profile_settings(self) -> dict:
         """The settings a profile's regression thresholds are tied to."""
@@ -89,7 +111,7 @@ PROFILES: dict[str, SuiteOptions] = {
                           retrieval={"context_lens": (1024,), "samples": 4, "batch_size": 4},
                           retrieval_methods="default"),
     "long": SuiteOptions(
-        profile="long", k_values=(0.125, 0.0625), recipe=DEFAULT_RECIPE,
+        profile="long", k_values=(0.125, 0.0625), k_counts=(512, 1024, 2048), recipe=DEFAULT_RECIPE,
         windows=((8192, 2), (4096, 4), (1024, 8)), methods="long", paper_protocol=True, generalization=True,
         retrieval={"context_lens": (1024, 2048, 4096, 8192), "samples": 32, "batch_size": 32}, batch_size=2),
 }
@@ -181,6 +203,8 @@ def run_suite(model, tokenizer, opts: SuiteOptions | None = None, out_dir=None) 
             **opts.profile_settings(), "profile": opts.profile, "calibration": dict(vars(recipe)),
             "default_basis": opts.default_basis, "model": getattr(model.config, "name_or_path", None),
             "model_path": str(getattr(model, "name_or_path", "")), "config_sha256": config_fingerprint(model.config),
+            "k_counts": list(opts.k_counts),
+            "count_window": (opts.count_window or max(w[0] for w in opts.windows)) if opts.k_counts else None,
             "eval_corpus": opts.eval_corpus, "eval_origin": ev.origin,
             "calib_origin": next(iter(bases.values())).corpus, "head_dim": D, "device": str(model.device),
             "dtype": str(model.dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
@@ -192,7 +216,7 @@ def run_suite(model, tokenizer, opts: SuiteOptions | None = None, out_dir=None) 
         },
         "perplexity": [], "paper_protocol": [], "comparisons": [],
     }
-    jobs = [(T, N, k) for T, N in opts.windows for k in opts.all_k] if opts.perplexity else []
+    jobs = [(T, N, k) for T, N in opts.windows for k in opts.budgets_at(T)] if opts.perplexity else []
     n_runs = sum(1 + len(suite_methods(opts, D, T, k)) for T, _, k in jobs)
     bar = tqdm(total=n_runs, desc="perplexity", unit="run", disable=not opts.progress)
     windows_by_len = {}
@@ -204,7 +228,7 @@ def run_suite(model, tokenizer, opts: SuiteOptions | None = None, out_dir=None) 
         bar.update()
         results["perplexity"].append(_row(full, T, N, default_basis=opts.default_basis)
                                      | {"increase": 0.0, "increase_lo": 0.0, "increase_hi": 0.0})
-        for k in opts.all_k:
+        for k in opts.budgets_at(T):
             measured = {"full": full}
             for spec in suite_methods(opts, D, T, k):
                 bar.set_postfix_str(f"T={T} k={k:g} {spec.name}")
@@ -215,7 +239,7 @@ def run_suite(model, tokenizer, opts: SuiteOptions | None = None, out_dir=None) 
                 results["perplexity"].append(_row(r, T, N, full, opts.default_basis))
                 bar.update()
             results["comparisons"] += _comparisons(measured, T, k, "decode", opts)
-            if opts.paper_protocol:
+            if opts.paper_protocol and isinstance(k, float):  # for a count both protocols keep min(k, i + 1)
                 for spec in [MethodSpec("exact_topk[query]", "exact_topk", k=k)] + [
                         MethodSpec(f"loki-{b}[query]", "loki", k=k, d=opts.d, basis=b) for b in opts.bases]:
                     r = perplexity(model, w, spec, bases, protocol="paper", batch_size=opts.batch_size)
@@ -263,6 +287,10 @@ def run_suite(model, tokenizer, opts: SuiteOptions | None = None, out_dir=None) 
         from loki.evaluation.report import write_length_plot
 
         plots.update(write_length_plot(results, out_dir))
+    if out_dir is not None and results["perplexity"]:
+        from loki.evaluation.report import write_bytes_plot
+
+        plots.update(write_bytes_plot(results["perplexity"], out_dir))
     if plots:
         results["plots"] = plots
     results["seconds"] = time.perf_counter() - t_start

@@ -4,7 +4,7 @@
 
 - ``ppl``: the default Loki configuration's perplexity increase over full attention (score-aware basis, GQA
   ``query``; rows chosen by their ``role``, ``basis`` and ``gqa_select`` fields, never by display names) at a
-  window length and budget k_f: ``{"window", "k", "max"}``;
+  window length and budget, a fraction k_f or (an int) a count of tokens: ``{"window", "k", "max"}``;
 - ``retrieval``: the default Loki's pooled retrieval accuracy against exact top-k at a context length and k_f:
   ``{"context", "k", "max_drop"}``.
 
@@ -37,30 +37,48 @@ class KnownMiss:
     recorded: str = ""
 
 
+def _budget(k) -> int | float:
+    """A budget read from JSON: an int stays a count of tokens, anything else is a fraction."""
+    return k if isinstance(k, int) and not isinstance(k, bool) else float(k)
+
+
+def _same_budget(a, b) -> bool:
+    """Equal budgets of one kind (the count 1 and the fraction 1.0 differ)."""
+    return a is not None and b is not None and isinstance(a, int) == isinstance(b, int) and a == b
+
+
+def _k_text(k) -> str:
+    return f"k={k}" if isinstance(k, int) else f"k_f={k:g}"
+
+
 @dataclass(frozen=True)
 class PplTarget:
     window: int
-    k: float
+    k: int | float
     max: float
     note: str = ""
     known_misses: dict[str, KnownMiss] = field(default_factory=dict)
 
     @property
     def label(self) -> str:
-        return f"{self.window}-token windows, k_f = {self.k:g}"
+        from loki.evaluation.perplexity import budget_label
+
+        return f"{self.window}-token windows, {budget_label(self.k)}"
 
 
 @dataclass(frozen=True)
 class RetrievalTarget:
     context: int
-    k: float
+    k: int | float
     max_drop: float
     note: str = ""
     known_misses: dict[str, KnownMiss] = field(default_factory=dict)
 
     @property
     def label(self) -> str:
-        return f"retrieval at {self.context} tokens, k_f = {self.k:g}"
+        from loki.evaluation.perplexity import budget_label
+
+        return f"retrieval at {self.context} tokens, {budget_label(self.k)}"
 
 
 def _known(entry: dict, where: str) -> dict[str, KnownMiss]:
@@ -91,13 +109,13 @@ def load_targets(thresholds: dict, primary: tuple[int, float] | None = None) -> 
     ppl, ret = [], []
     for i, t in enumerate(spec.get("ppl", [])):
         try:
-            ppl.append(PplTarget(int(t["window"]), float(t["k"]), float(t["max"]), t.get("note", ""),
+            ppl.append(PplTarget(int(t["window"]), _budget(t["k"]), float(t["max"]), t.get("note", ""),
                                  _known(t, f"targets/ppl/{i}")))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"targets/ppl/{i} needs window, k and max: {exc}") from None
     for i, t in enumerate(spec.get("retrieval", [])):
         try:
-            ret.append(RetrievalTarget(int(t["context"]), float(t["k"]), float(t["max_drop"]), t.get("note", ""),
+            ret.append(RetrievalTarget(int(t["context"]), _budget(t["k"]), float(t["max_drop"]), t.get("note", ""),
                                        _known(t, f"targets/retrieval/{i}")))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"targets/retrieval/{i} needs context, k and max_drop: {exc}") from None
@@ -109,7 +127,7 @@ def _default_row(rows: list[dict], default: str, T: int, k: float) -> dict | Non
 
     for r in rows:
         if (row_role(r) == "loki" and r.get("basis") == default and r.get("gqa_select", "query") == "query"
-                and r.get("seq_len") == T and r.get("k") == k and "increase_lo" in r):
+                and r.get("seq_len") == T and _same_budget(r.get("k"), k) and "increase_lo" in r):
             return r
     return None
 
@@ -118,7 +136,7 @@ def _default_cell(results: dict, default: str, context: int, k: float) -> dict |
     for c in results.get("retrieval", {}).get("cells", []):
         if (c.get("task") == "all" and c.get("method") == "loki" and c.get("basis") == default
                 and c.get("gqa_select", "query") == "query" and c.get("context_len") == context
-                and c.get("k") == k and c.get("diff")):
+                and _same_budget(c.get("k"), k) and c.get("diff")):
             return c
     return None
 
@@ -141,7 +159,7 @@ def target_gates(results: dict, thresholds: dict, profile: str, *, profile_appli
         r = _default_row(results.get("perplexity", []), default, t.window, t.k)
         if r is None:
             continue
-        where = f"T={t.window}" + ("" if t.k == k0 else f", k_f={t.k:g}")
+        where = f"T={t.window}" + ("" if _same_budget(t.k, k0) else f", {_k_text(t.k)}")
         g = _gate(f"fidelity: {r['name']} within {t.max:.0%} of full at {where}", r["increase"], t.max,
                   r["increase_lo"] <= t.max, f"interval [{_pct(r['increase_lo'])}, {_pct(r['increase_hi'])}] not "
                   f"all above {t.max:g}")
@@ -206,6 +224,8 @@ def target_status(results: dict, thresholds: dict) -> list[dict]:
 
 def targets_markdown(thresholds: dict) -> str:
     """The targets as a markdown table (the README carries this table verbatim)."""
+    from loki.evaluation.perplexity import budget_label
+
     ppl, ret = load_targets(thresholds)
     lines = ["| target (default Loki: score-aware basis, d_f = 0.25) | bound "
              "| known misses (measured [95% interval]) |", "|---|---:|---|"]
@@ -218,6 +238,6 @@ def targets_markdown(thresholds: dict) -> str:
         km = "; ".join(f"profile `{p}`: {100 * m.measured:+.1f} points [{100 * m.interval[0]:+.1f}, "
                        f"{100 * m.interval[1]:+.1f}]" for p, m in t.known_misses.items()) or "-"
         note = f" ({t.note})" if t.note else ""
-        lines.append(f"| retrieval accuracy against exact top-k, {t.context} tokens, k_f = {t.k:g}{note} | "
+        lines.append(f"| retrieval accuracy against exact top-k, {t.context} tokens, {budget_label(t.k)}{note} | "
                      f"-{100 * t.max_drop:g} points | {km} |")
     return "\n".join(lines)

@@ -96,3 +96,24 @@ def tiny_model(
         torch.manual_seed(seed)
         model = model_cls(copy.deepcopy(config))
     return model.to(torch.float32).eval()
+
+
+class ByteTokenizer:
+    """A tokenizer for tiny models (no files): every UTF-8 byte of a text is one token, ``byte % (vocab_size - 1) +
+    1`` (0 is EOS).  Enough for ``loki.evaluation.data.token_windows`` and the calibration's token batches."""
+
+    eos_token_id = 0
+    bos_token_id = None
+
+    def __init__(self, vocab_size: int = 256):
+        if vocab_size < 2:
+            raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
+        self.vocab_size = vocab_size
+
+    def __call__(self, text, add_special_tokens=False, return_tensors=None):
+        if isinstance(text, (list, tuple)):
+            return {"input_ids": [self(t)["input_ids"] for t in text]}
+        return {"input_ids": [b % (self.vocab_size - 1) + 1 for b in str(text).encode()]}
+
+    def decode(self, ids) -> str:
+        return bytes(int(i) - 1 for i in ids if 0 < int(i) <= 256).decode("utf-8", errors="replace")
