@@ -23,7 +23,7 @@ def tiny_run(tmp_path_factory):
     mp.setattr(suite, "get_bases", lambda model, tok, names, recipe, **kw: {n: bases[n] for n in names})
     opts = suite.profile_options("tests", windows=((48, 2), (24, 1)), k=0.25, k_values=(6,), k_counts=(8, 16, 64),
                                  bases=("post", "score"), agreement=False, rank=False, retrieval=None,
-                                 exactness_window=(16, 1), progress=False, log=None)
+                                 exactness_window=(16, 1), fast_path=True, progress=False, log=None)
     out = tmp_path_factory.mktemp("run")
     try:
         res = suite.run_suite(model, ByteTokenizer(128), opts, out_dir=out)
@@ -49,6 +49,7 @@ def test_the_suite_measures_counts_beside_fractions(tiny_run):
     assert loki16["selected_fraction"] >= want - 1e-9  # per query head: at least k distinct tokens per KV head
     assert any(c["k"] == 16 and c["kind"] == "loki_vs_oracle" for c in res["comparisons"])
     assert res["plots"]["ppl_vs_bytes"] == "ppl_vs_bytes.png"
+    assert "CUDA" in res["fast_path"]["skipped"]  # the compiled fast path is a GPU section
     assert (out / "ppl_vs_bytes.png").read_bytes()[:4] == b"\x89PNG"
 
 

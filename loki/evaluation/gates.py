@@ -24,6 +24,9 @@ How an interval decides (a gate fails only on evidence):
   above the target (at every window length and k_f the run measures that has a target), and against each PCA
   basis when the interval lies entirely above 0; a known miss of the profile is reported as such
   (:mod:`loki.evaluation.targets`);
+- fast path: the perplexity of the compiled static cache on the Triton kernels (token by token, fp32) within
+  ``fast_path_rel_tol`` of the engine's on the same windows (:mod:`loki.evaluation.fast_path`): deterministic up
+  to rounding, no interval; a section skipped off CUDA is reported, not failed;
 - regression: a perplexity increase fails when its interval lies entirely above the recorded limit; Jaccard and
   attention mass (means over thousands of rows and every layer and head) fail below their limits; retrieval
   accuracy fails when its interval lies entirely below the recorded limit.
@@ -233,8 +236,28 @@ def evaluate_gates(results: dict, thresholds: dict, profile: str = "check", *,
                 gates.append(_gate(f"fidelity: {c['a']} not worse than {c['b']}", c["increase"], 0.0, c["lo"] <= 0.0,
                                    f"interval {_ci(c, None)} not all above 0"))
     gates += _downstream_gates(results, thresholds)
+    gates += _fast_path_gates(results, thresholds, parts, allow_missing)
     gates += _regression_gates(results, thresholds, profile, parts, allow_missing)
     return gates
+
+
+def _fast_path_gates(results, thresholds, parts, allow_missing) -> list[dict]:
+    """fp32 fast path within ``fast_path_rel_tol`` of the engine (module docstring)."""
+    fp = results.get("fast_path")
+    if not parts.get("fast_path"):
+        return []
+    name = "fast path: compiled static cache (fp32) == engine"
+    if not fp:
+        return [_missing(name, "no fast-path section although it was asked for", allow_missing)]
+    if "skipped" in fp:
+        return [_gate(name, None, None, True, bound_text="skipped", note=fp["skipped"])]
+    tol = float(thresholds.get("fast_path_rel_tol", 0.003))
+    rows = [r for r in fp.get("rows", []) if r.get("dtype") == "float32"]
+    if not rows:
+        return [_missing(name, "no fp32 fast-path row", allow_missing)]
+    s = fp["setting"]
+    return [_gate(f"{name} ({s['name']}, T={s['seq_len']}, k={s['k']:g})", abs(r["rel_diff"]), tol,
+                  abs(r["rel_diff"]) <= tol, f"<= {tol:g}") for r in rows]
 
 
 def verdict(gates: list[dict], *, allow_known_misses: bool = False) -> tuple[bool, str]:

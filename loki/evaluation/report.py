@@ -234,6 +234,7 @@ def markdown_report(results: dict, thresholds: dict | None = None) -> str:
                 "far above k_f.", "", perplexity_table(results["paper_protocol"]), ""]
     if results.get("exactness"):
         out += ["## Exactness (d = D)", "", perplexity_table(results["exactness"]), ""]
+    out += _fast_path_section(results.get("fast_path"))
     if results.get("agreement"):
         out += ["## Top-k agreement with exact top-k", "",
                 "Jaccard of Loki's selection with the exact top-k, and the exact attention mass on the selection "
@@ -289,6 +290,24 @@ def markdown_report(results: dict, thresholds: dict | None = None) -> str:
         for name, file in plots.items():
             out += [f"![{name}]({file})", ""]
     return "\n".join(out)
+
+
+def _fast_path_section(fp: dict | None) -> list[str]:
+    """The fast path's perplexity (compiled static cache, Triton kernels, token by token) beside the engine's."""
+    if not fp:
+        return []
+    out = ["## The fast path's own accuracy (compiled static cache, Triton kernels, token by token)", ""]
+    if "skipped" in fp:
+        return out + [f"Skipped: {fp['skipped']}.", ""]
+    s, e = fp["setting"], fp["engine"]
+    out += [f"`{s['name']}` ({s['gqa_select']}, aggregate {s['aggregate']}), k = {budget_cell(s['k'])}, "
+            f"d = {s['d']:g}, {s['windows']} x {s['seq_len']} tokens; the evaluation engine ({e['dtype']}): "
+            f"perplexity {e['ppl']:.4f}.", "",
+            "| dtype | perplexity | vs engine | paired 95% interval | time (s) |", "|---|---:|---:|---|---:|"]
+    for r in fp["rows"]:
+        out.append(f"| {r['dtype']} | {r['ppl']:.4f} | {100 * r['rel_diff']:+.3f}% | "
+                   f"[{100 * r['increase_lo']:+.3f}, {100 * r['increase_hi']:+.3f}] | {r['seconds']:.0f} |")
+    return out + [""]
 
 
 def _targets_section(results: dict, thresholds: dict | None) -> list[str]:

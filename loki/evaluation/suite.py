@@ -11,7 +11,9 @@ budget, where the gates look):
 - ``long`` (``loki check --long``, meant for a GPU): windows of 1024, 4096 and 8192 tokens, k_f in {0.25,
   0.125, 0.0625}, every method in both GQA modes, the paper's protocol beside, bases of the default recipe
   (the model's whole context), agreement at every length, the retrieval suite at 1k-8k, generalisation across
-  calibration and evaluation texts, and the fixed budgets k = 512, 1024 and 2048 tokens at 8192-token windows.
+  calibration and evaluation texts, the fixed budgets k = 512, 1024 and 2048 tokens at 8192-token windows, and the
+  fast path's own accuracy (:mod:`loki.evaluation.fast_path`: the primary windows decoded token by token through
+  the compiled static cache and the Triton kernels, in fp32 and bf16, against the engine; CUDA only).
 
 Budgets are fractions k_f (row i keeps ``ceil(k_f (i + 1))`` of its tokens) or int counts (``min(k, i + 1)``):
 ``k``/``k_values`` may hold either; ``k_counts`` adds counts at one window length (``count_window``, default the
@@ -64,6 +66,7 @@ class SuiteOptions:
     perplexity: bool = True  # the perplexity part (False: a run of the other parts only)
     paper_protocol: bool = False
     agreement: bool = True
+    fast_path: bool = False  # the fast path's perplexity beside the engine's (loki.evaluation.fast_path; CUDA)
     rank: bool = True
     generalization: bool = False
     downstream: bool = False
@@ -113,6 +116,7 @@ PROFILES: dict[str, SuiteOptions] = {
     "long": SuiteOptions(
         profile="long", k_values=(0.125, 0.0625), k_counts=(512, 1024, 2048), recipe=DEFAULT_RECIPE,
         windows=((8192, 2), (4096, 4), (1024, 8)), methods="long", paper_protocol=True, generalization=True,
+        fast_path=True,
         retrieval={"context_lens": (1024, 2048, 4096, 8192), "samples": 32, "batch_size": 32}, batch_size=2),
 }
 
@@ -212,6 +216,7 @@ def run_suite(model, tokenizer, opts: SuiteOptions | None = None, out_dir=None) 
             "card": torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else "cpu",
             # the parts the run was asked for: a part that ran and left no rows fails its gates
             "parts": {"perplexity": opts.perplexity, "agreement": opts.agreement and opts.perplexity,
+                      "fast_path": opts.fast_path and opts.perplexity,
                       "retrieval": bool(opts.retrieval), "downstream": opts.downstream},
         },
         "perplexity": [], "paper_protocol": [], "comparisons": [],
@@ -247,6 +252,15 @@ def run_suite(model, tokenizer, opts: SuiteOptions | None = None, out_dir=None) 
     bar.close()
     if opts.perplexity:
         results["exactness"] = _exactness(model, tokenizer, ev, bases, opts)
+    if opts.fast_path and opts.perplexity:
+        from loki.evaluation.fast_path import fast_path_section
+
+        T0 = opts.windows[0][0]  # the primary windows, in the setting the end-to-end benchmark times
+        results["fast_path"] = fast_path_section(
+            model, windows_by_len[T0], bases[opts.default_basis], basis_name=opts.default_basis, k=opts.k, d=opts.d,
+            gqa_select="kv", aggregate="sum", progress=opts.progress, log=log)
+        if "skipped" in results["fast_path"]:
+            log(f"fast path: skipped ({results['fast_path']['skipped']})")
 
     if opts.agreement and opts.perplexity:
         from loki.evaluation.agreement import topk_agreement
