@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import gc
 import inspect
-import math
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
 
-from loki._checks import resolve_d
+from loki._checks import budget_counts, check_budget, resolve_d
 from loki._hf import cache_keyword, config_head_dim
 
 __all__ = [
@@ -146,15 +145,16 @@ def _dims(config) -> tuple[int, int, int, int]:
 def byte_floor(config, B: int, lengths, *, weights: int, itemsize: int, k_f: float, d_f, gqa_select: str) -> dict:
     """Bytes a decode step must read, averaged over steps attending ``lengths`` tokens each (the new token
     included): ``dense`` = weights + K and V of every token; ``loki`` = weights + the first d key dims of every
-    token + K and V rows of the ceil(k_f * length) tokens selected per selecting head (every query head for
-    ``gqa_select="query"``, every KV head for ``"kv"``)."""
+    token + K and V rows of the tokens selected per selecting head (every query head for ``gqa_select="query"``,
+    every KV head for ``"kv"``): ``k_f`` is the budget, a fraction or an int count, counted by the one budget rule
+    (``loki._checks.budget_counts``: ceil(k_f * length), or min(k, length))."""
     L, HQ, HKV, D = _dims(config)
     d = resolve_d(d_f, D)
     H = HQ if gqa_select == "query" else HKV
     lengths = list(lengths)
+    counts = budget_counts(check_budget(k_f, name="k"), torch.tensor(lengths, dtype=torch.long)).tolist()
     dense = loki = 0
-    for n in lengths:
-        K = max(1, min(n, math.ceil(k_f * n - 1e-9)))
+    for n, K in zip(lengths, counts):
         dense += L * B * HKV * n * D * itemsize * 2
         loki += L * B * (HKV * n * d + 2 * H * K * D) * itemsize
     return {"weights": weights, "d": d, "gqa_select": gqa_select,
