@@ -70,7 +70,8 @@ def perplexity_table(rows: list[dict]) -> str:
 def write_bytes_plot(rows: list[dict], out_dir, filename: str = "ppl_vs_bytes.png") -> dict[str, str]:
     """``ppl_vs_bytes.png``: the perplexity increase over full attention (with its 95% interval) against the
     bytes a decode step reads relative to dense attention (``bytes_fraction``), one panel per window length, one
-    line per setting through its budgets (a setting's GQA modes share a hue: dark per query head, light shared).
+    line per setting through its budgets (one colour per setting, one marker per method and basis, dashed for
+    a shared selection per KV group).
     Rows without an increase or a measured ``bytes_fraction`` are left out.  Returns ``{"ppl_vs_bytes": name}``
     (``{}`` when no row has both)."""
     import matplotlib
@@ -94,7 +95,7 @@ def write_bytes_plot(rows: list[dict], out_dir, filename: str = "ppl_vs_bytes.pn
                 continue
             i = families.index(name.split("[")[0])
             shared = "[kv" in name
-            color, marker = cmap((2 * i + shared) % cmap.N), "osD^v<>ph*"[i % 10]
+            color, marker = cmap(names.index(name) % cmap.N), "osD^v<>ph*"[i % 10]
             x = [p[0] for p in pts]
             y = [100 * p[1] for p in pts]
             err = [[100 * (p[1] - p[2]) for p in pts], [100 * (p[3] - p[1]) for p in pts]]
