@@ -84,7 +84,7 @@ def test_command_line_budgets():
     assert check._budget("512") == 512 and isinstance(check._budget("512"), int)
     assert check._budget("0.25") == 0.25 and check._budget("1.0") == 1.0
     for bad in ("0", "1.5", "-3", "abc"):
-        with pytest.raises(argparse.ArgumentTypeError, match="count of tokens"):
+        with pytest.raises(argparse.ArgumentTypeError, match="count|fraction"):
             check._budget(bad)
     assert check._counts("512,1024") == (512, 1024) and check._counts("none") == ()
     with pytest.raises(argparse.ArgumentTypeError):
@@ -109,3 +109,21 @@ def test_byte_tokenizer():
     tok = ByteTokenizer(128)
     ids = tok("ab")["input_ids"]
     assert ids == [ord("a") % 127 + 1, ord("b") % 127 + 1] and max(tok("ÿ" * 9)["input_ids"]) < 128
+
+
+def test_loki_ppl_takes_an_aggregate_and_prints_the_bytes(monkeypatch, tmp_path, capsys):
+    from loki.cli import main
+    from loki.evaluation.commands import ppl
+    from loki.reference import GQA_AGGREGATES
+
+    parser = argparse.ArgumentParser()
+    ppl.add_arguments(parser)
+    assert next(a for a in parser._actions if a.dest == "aggregate").choices == GQA_AGGREGATES
+    model = tiny_model("llama", vocab_size=128)
+    monkeypatch.setattr(ppl, "load_model_from_args", lambda args: (model, ByteTokenizer(128)))
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 8)
+    assert main(["ppl", "--text-file", str(text), "--windows", "16x2", "--device", "cpu", "--method", "exact_topk",
+                 "--gqa-select", "kv", "--aggregate", "union", "--k", "4"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if "perplexity" in x)
+    assert "gqa=kv:union" in line and "bytes of dense per decode step 0." in line

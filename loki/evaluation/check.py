@@ -60,18 +60,10 @@ def _fraction(text: str) -> float:
 
 
 def _budget(text: str) -> int | float:
-    """A budget: an integer (``512``) is a count of tokens, anything else a fraction k_f in (0, 1]."""
-    t = text.strip()
-    if t.isdigit():
-        v = int(t)
-        if v < 1:
-            raise argparse.ArgumentTypeError(f"expected a count of tokens >= 1 or a fraction in (0, 1], got {text!r}")
-        return v
-    try:
-        return _fraction(t)
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(
-            f"expected a fraction in (0, 1] (0.25) or a count of tokens (512), got {text!r}") from None
+    """A budget: ``512`` is a count of tokens, ``0.25`` a fraction k_f in (0, 1] (as ``loki ppl --k``)."""
+    from loki.evaluation.commands import fraction_or_count
+
+    return fraction_or_count(text.strip())
 
 
 def _counts(text: str) -> tuple[int, ...]:

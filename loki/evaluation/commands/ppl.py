@@ -48,6 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gqa-select", default="query", choices=("query", "kv"),
                         help="GQA selection of the top-k methods: per query head (default, as in the paper) or one "
                         "per KV head")
+    parser.add_argument("--aggregate", default="sum", choices=("sum", "max", "softmax-sum", "softmax-max", "union"),
+                        help="how --gqa-select kv combines a group's scores (default: %(default)s; docs/accuracy.md)")
     parser.add_argument("--protocol", default="decode", choices=("decode", "paper"),
                         help="decode (default): row i selects ceil(k_f (i+1)) of its i+1 tokens; paper: k a "
                         "fraction of the whole window (the paper's evaluation)")
@@ -111,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         windows = token_windows(tokenizer, src, seq_len, n_windows, offset=args.offset)
         spec = MethodSpec(args.method, args.method, k=args.k, d=args.d, basis="b" if bases else None,
-                          gqa_select=args.gqa_select)
+                          gqa_select=args.gqa_select, aggregate=args.aggregate)
         r = perplexity(model, windows, spec, bases, protocol=args.protocol)
     except (ValueError, KeyError) as exc:
         return fail(str(exc))
@@ -119,7 +121,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"text: {src.origin} ({n_windows} x {seq_len} tokens)")
     print(f"{_setting(args)}: perplexity {r.ppl:.4f} (nll {r.nll:.4f}, {r.tokens} predictions), effective density "
-          f"{r.density:.3f}, {r.seconds:.1f} s")
+          f"{r.density:.3f}, bytes of dense per decode step "
+          + (f"{r.bytes_fraction:.3f}" if r.bytes_fraction is not None else "-") + f", {r.seconds:.1f} s")
     return 0
 
 
@@ -133,7 +136,7 @@ def _setting(args: argparse.Namespace) -> str:
     if args.method == "sparq":
         parts.append(f"r={args.d}")
     if args.method in ("exact_topk", "loki", "sparq"):
-        parts.append(f"gqa={args.gqa_select}")
+        parts.append(f"gqa={args.gqa_select}" + (f":{args.aggregate}" if args.gqa_select == "kv" else ""))
     if args.method not in ("full", "dense"):
         parts.append(f"protocol={args.protocol}")
     return " ".join(parts)
