@@ -113,3 +113,22 @@ def test_fast_path_gate_and_report():
     md = report.markdown_report(_with_fast_path(_section(0.001)), thr)
     assert "## The fast path's own accuracy" in md and "| bfloat16 | 17.0680 | +0.400% |" in md
     assert "Skipped: needs CUDA." in report.markdown_report(_with_fast_path({"skipped": "needs CUDA"}), thr)
+
+
+def test_fast_path_check_script_runs_on_the_cpu(tmp_path, capsys):
+    """scripts/fast_path_check.py --tiny: the GPU command's code paths (gate, JSON, table) on a tiny model."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "fast_path_check.py"
+    spec = importlib.util.spec_from_file_location("fast_path_check", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "fp.json"
+    assert mod.main(["--tiny", "--out", str(out)]) == 0
+    sec = json.loads(out.read_text())
+    assert sec["gate"]["passed"] and {r["dtype"] for r in sec["rows"]} == {"float32", "bfloat16"}
+    assert "gate (fp32 within 0.3%): PASS" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        mod.main(["--out", str(out), "--windows", "8192"])

@@ -1,0 +1,99 @@
+"""The fast path's own accuracy alone: ``loki check --long``'s fast-path section without the rest of the profile.
+
+On the embedded SmolLM2-135M-Instruct (fp32 on CUDA) with the default score-aware basis, the long profile's primary
+windows (WikiText-2 test, evaluation half, 2 x 8192 tokens) are decoded token by token through the compiled static
+cache and the Triton kernels (``loki.evaluation.fast_path``), in fp32 and bf16, one selection per KV group with the
+raw sum at k_f = d_f = 0.25 (the configuration the end-to-end benchmark times), beside the evaluation engine's
+perplexity of the same setting; the gate of ``loki check`` (fp32 within ``fast_path_rel_tol`` = 0.3% of the
+engine) decides the exit status.
+
+    PYTHONPATH=$PWD python scripts/fast_path_check.py --out fast-path.json        # GPU, a few minutes
+    python scripts/fast_path_check.py --tiny --out /tmp/fast-path.json            # CPU smoke run (uncompiled)
+
+Writes the section as JSON and prints a table last; exit status 1 when the gate fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def _log(msg: str) -> None:
+    print(f"[fast path] {msg}", file=sys.stderr, flush=True)
+
+
+def _tiny_section(windows_spec):
+    """The same comparison on a tiny random model on the CPU, uncompiled (the section itself needs CUDA)."""
+    import torch
+
+    from loki.evaluation.fast_path import fast_path_perplexity
+    from loki.evaluation.perplexity import MethodSpec, perplexity
+    from loki.testing.decode import random_score_basis
+    from loki.testing.models import tiny_model
+
+    model = tiny_model("llama", num_layers=2, num_heads=6, num_kv_heads=2, head_dim=16, vocab_size=256, seed=0)
+    basis = random_score_basis(2, 2, 16, seed=1)
+    T, N = windows_spec
+    windows = torch.randint(1, 256, (N, T), generator=torch.Generator().manual_seed(0))
+    spec = MethodSpec("loki-score[kv]", "loki", k=0.25, d=0.25, basis="b", gqa_select="kv")
+    engine = perplexity(model, windows, spec, {"b": basis})
+    rows = []
+    for dt in ("float32", "bfloat16"):
+        r = fast_path_perplexity(model, windows, basis, k=0.25, d=0.25, dtype=dt, compile=False, backend="torch")
+        rows.append({"dtype": r["dtype"], "ppl": r["ppl"], "rel_diff": r["ppl"] / engine.ppl - 1,
+                     "seconds": r["seconds"], "compiled": False})
+    return {"setting": {"name": spec.name, "k": 0.25, "d": 0.25, "seq_len": T, "windows": N, "gqa_select": "kv",
+                        "aggregate": "sum"}, "engine": {"ppl": engine.ppl, "dtype": "float32"}, "rows": rows}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True, help="JSON file to write")
+    p.add_argument("--windows", default="8192x2", help="TOKENSxCOUNT of WikiText-2 (default: %(default)s)")
+    p.add_argument("--tiny", action="store_true", help="a tiny random model on the CPU, uncompiled: a smoke run")
+    args = p.parse_args(argv)
+    try:
+        T, N = (int(x) for x in args.windows.lower().split("x"))
+    except ValueError:
+        p.error(f"--windows must be TOKENSxCOUNT, got {args.windows!r}")
+    t0 = time.perf_counter()
+    from loki.evaluation.gates import load_thresholds
+
+    tol = float(load_thresholds().get("fast_path_rel_tol", 0.003))
+    if args.tiny:
+        sec = _tiny_section((64, 2))
+    else:
+        from loki.evaluation.bases import DEFAULT_RECIPE, get_bases
+        from loki.evaluation.data import load_corpus, token_windows
+        from loki.evaluation.fast_path import fast_path_section
+        from loki.evaluation.models import load_default_model
+
+        model, tok = load_default_model(device="cuda", dtype="float32", progress=_log)
+        basis = get_bases(model, tok, ("score",), DEFAULT_RECIPE, progress=True, log=_log)["score"]
+        windows = token_windows(tok, load_corpus("wikitext", part="eval"), T, N)
+        sec = fast_path_section(model, windows, basis, basis_name="score", k=0.25, d=0.25, gqa_select="kv",
+                                aggregate="sum", progress=True, log=_log)
+        if "skipped" in sec:
+            _log(f"skipped: {sec['skipped']}")
+            return 1
+    fp32 = next(r for r in sec["rows"] if r["dtype"] == "float32")
+    ok = abs(fp32["rel_diff"]) <= tol
+    sec["gate"] = {"fast_path_rel_tol": tol, "passed": ok}
+    sec["seconds"] = time.perf_counter() - t0
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(sec, indent=2, default=str))
+    print(f"setting {sec['setting']['name']} k=0.25 d=0.25, {N if not args.tiny else 2} windows; engine "
+          f"(fp32) perplexity {sec['engine']['ppl']:.4f}")
+    for r in sec["rows"]:
+        print(f"{r['dtype']:9s} fast path {r['ppl']:.4f}  vs engine {100 * r['rel_diff']:+.3f}%  {r['seconds']:.0f} s")
+    print(f"gate (fp32 within {100 * tol:g}%): {'PASS' if ok else 'FAIL'}; {out} ({sec['seconds']:.0f} s)")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
