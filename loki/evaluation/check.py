@@ -258,7 +258,7 @@ def run(args: argparse.Namespace) -> int:
                 gated = tuple(w for w in opts.windows if w[0] == (long_len or opts.windows[0][0]))
                 runs[text] = run_suite(model, tokenizer, replace(
                     opts, eval_corpus=text, windows=gated, agreement=False, rank=False, retrieval=None,
-                    generalization=False, paper_protocol=False, downstream=False))
+                    generalization=False, paper_protocol=False, downstream=False, fast_path=False))
         update_thresholds(runs, args.thresholds, opts.profile, long_length=long_len)
         thresholds = load_thresholds(args.thresholds)
         _log(f"thresholds of profile {opts.profile!r} written to {args.thresholds}")
