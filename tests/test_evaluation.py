@@ -256,6 +256,9 @@ def test_update_thresholds_from_three_texts_and_regression_gates(tmp_path):
     other["settings"]["windows"] = [[256, 7]]
     skipped = [g for g in gates.evaluate_gates(other, thr, "tests") if "skipped" in g.get("bound_text", "")]
     assert len(skipped) == 1 and skipped[0]["passed"]
+    low = _results()
+    low["agreement"]["post"]["jaccard_mean"] = 0.5  # below the recorded minimum (0.53)
+    assert _failed(low, thr) == {"regression: jaccard (post basis)"}
 
 
 def test_long_thresholds_and_retrieval_gates(tmp_path):
@@ -580,8 +583,11 @@ def test_cli_bad_arguments(capsys, tmp_path):
     assert main(["calibrate", "-o", str(tmp_path / "missing" / "b.safetensors")]) == 2
     assert "does not exist" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
-        main(["check", "--k", "0"])
-    assert e.value.code == 2 and "fraction in (0, 1]" in capsys.readouterr().err
+        main(["check", "--k", "0"])  # --k takes a fraction or a count of tokens, as loki ppl --k
+    assert e.value.code == 2 and "--k: a count must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["check", "--k", "1.5"])
+    assert e.value.code == 2 and "--k: a fraction must lie in (0, 1]" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         main(["check", "--windows", "1024by8"])
     assert e.value.code == 2 and "TOKENSxCOUNT" in capsys.readouterr().err
