@@ -321,6 +321,8 @@ def _write_bounds(dev, write_rotated, random_orthogonal, CacheOverflowError):
     bad = torch.tensor([S - 1, S, S + 3], device=dev)
     with pytest.raises(CacheOverflowError, match=f"max_cache_len={S}"):
         write_rotated(keys, values, prefix, k, v, P, bad)
+    with pytest.raises(CacheOverflowError, match=f"positions {S - 2}..{S} into a static cache of max_cache_len={S}"):
+        write_rotated(keys, values, prefix, k, v, P, torch.tensor([S - 2, S - 1, S], device=dev))  # one past
     assert bool((big_k == 3.0).all()) and bool((big_v == 5.0).all()) and bool((big_p == 7.0).all())
     with pytest.raises(CacheOverflowError, match=f"batch_size={B}"):
         write_rotated(keys, values, prefix, torch.cat([k, k[:1]]), torch.cat([v, v[:1]]), P, bad[:1] - 1)

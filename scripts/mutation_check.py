@@ -1,0 +1,226 @@
+"""Mutation check of the decode path and the gates: plant one-line defects, one at a time, and require the test
+suite to fail on each (a mutant the tests do not "kill" shows a hole in them).
+
+Each mutant replaces one exact line fragment (it must occur once) in a copy of the working tree under a temporary
+folder, then runs the tests named for it there (``pytest -x``, the copy first on ``PYTHONPATH``).  A mutant is
+killed when those tests fail, survives when they pass; mutants marked ``equivalent`` (no observable behaviour
+changes) and, on the CPU, those that only a GPU run can see (``gpu``) are reported but not counted.
+
+    python scripts/mutation_check.py                      # every CPU mutant (about 15-25 minutes on 2 cores)
+    python scripts/mutation_check.py --only M03,M07       # some of them
+    python scripts/mutation_check.py --gpu                # on a CUDA machine: the GPU-only mutants, -m gpu tests
+    python scripts/mutation_check.py --out results/mutation-cpu.json
+
+The kill rate is killed / (mutants run - equivalent).  docs/mutation.md records the last run and the survivors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+DECODE_TESTS = ["tests/test_decode_paths.py", "tests/test_static_cache.py"]
+KERNEL_TESTS = ["tests/test_decode_paths.py", "tests/test_kernels.py", "-k",
+                "replay or plan or write or budget or second_call or errors_name or matches"]
+GATE_TESTS = ["tests/test_gate.py", "tests/test_evaluation.py"]
+
+
+@dataclass
+class Mutant:
+    id: str
+    file: str
+    old: str
+    new: str
+    what: str
+    tests: list = field(default_factory=lambda: list(DECODE_TESTS))
+    gpu: bool = False  # only a GPU run executes the mutated code
+    equivalent: str | None = None  # why no behaviour changes (not counted)
+
+
+T = "loki/integrations/transformers/"
+K = "loki/kernels/"
+MUTANTS = [
+    # step metadata
+    Mutant("M01", T + "metadata.py", "hi = (q_pos + 1)[None, :].expand(B, L)", "hi = (q_pos + 2)[None, :].expand(B, L)",
+           "every row also sees the slot after its own"),
+    Mutant("M02", T + "metadata.py", "lo = torch.maximum(lo, (q_pos - window + 1)[None, :])",
+           "lo = torch.maximum(lo, (q_pos - window)[None, :])", "sliding window one token too wide"),
+    Mutant("M03", T + "metadata.py", "g.counts = budget_counts(k, lengths[:, 0] - starts[:, 0])",
+           "g.counts = budget_counts(k, lengths[:, 0])", "budget from the length, padding counted"),
+    Mutant("M04", T + "metadata.py", "end = M - mi.flip(-1).argmax(-1).long()",
+           "end = M - mi.flip(-1).argmax(-1).long() + 1", "sequence end one past the mask"),
+    Mutant("M05", T + "metadata.py", "first = mi.argmax(-1).long()", "first = mi.argmax(-1).long() * 0",
+           "left padding ignored"),
+    Mutant("M06", T + "metadata.py", "conds.append(q_pos[-1] < static_len)", "conds.append(q_pos[-1] <= static_len)",
+           "static bound off by one"),
+    Mutant("M07", T + "metadata.py", "conds.append(((count == end - first) | ~has).all())",
+           "conds.append(((count <= end - first) | ~has).all())", "masks with holes accepted"),
+    # static decode step
+    Mutant("M08", T + "static.py", "q_hat = rotate_query(query[:, :, 0], layer.loki_P_q)",
+           "q_hat = rotate_query(query[:, :, 0], layer.loki_P)", "query rotated with the key transform (static)"),
+    Mutant("M09", T + "static.py", "                             float(scale))",
+           "                             float(scale) * 1.05)", "5% wrong softmax scale (static, op)"),
+    Mutant("M10", T + "static.py", "args = (ranges.dec_lengths, ranges.dec_starts, ranges.counts)",
+           "args = (ranges.dec_lengths, ranges.dec_starts * 0, ranges.counts)", "static step ignores left padding"),
+    # attention function
+    Mutant("M11", T + "attention.py", "q_use = rotate_rows(query, P_q) if keys_rotated else query",
+           "q_use = rotate_rows(query, P) if keys_rotated else query", "prefill queries with the key transform"),
+    Mutant("M12", T + "attention.py", "q_hat = rotate_rows(query, P_q)[:, :, 0]  # [B, HQ, D]",
+           "q_hat = rotate_rows(query, P_q.transpose(-1, -2).inverse())[:, :, 0]  # [B, HQ, D]",
+           "query rotated with the key transform (dynamic Triton)"),
+    Mutant("M13", T + "attention.py", "q_hat, key, value, ranges.dec_lengths, ranges.dec_starts, ranges.counts,",
+           "q_hat, key, value, ranges.dec_lengths, ranges.dec_starts * 0, ranges.counts,",
+           "dynamic Triton step ignores left padding"),
+    # cache layers and transforms
+    Mutant("M14", T + "cache.py", "check = not inside and not torch.compiler.is_compiling()", "check = False",
+           "static writes outside a forward unchecked"),
+    Mutant("M15", T + "config.py", "per = (key, query, query.transpose(-1, -2).contiguous())",
+           "per = (key, query, key.transpose(-1, -2).contiguous())", "inverse of a score basis taken as P_k^T"),
+    Mutant("M16", T + "enable.py", "attention_mask=arg(\"attention_mask\", args, kwargs)", "attention_mask=None",
+           "the 2-D mask never read"),
+    Mutant("M17", T + "teacher_forced.py", "kk = k  # one budget rule",
+           "kk = k if isinstance(k, float) else k - 1  # one budget rule", "int budgets one short (torch path)"),
+    # kernels: plan, op, cache write, decode step, launch
+    Mutant("M18", K + "plan.py", "            for pos, i in patches:", "            for pos, i in patches[:1]:",
+           "plan replays keep the first run's lengths and starts", tests=KERNEL_TESTS),
+    Mutant("M19", K + "plan.py", "            out = _launch.new_output(tuple(ref.shape), ref.dtype, ref.device)",
+           "            out = ref", "plan replays share one output buffer", tests=KERNEL_TESTS),
+    Mutant("M20", K + "decode.py", "    return min(S, -(-selection_bound(k, S) // 16) * 16)",
+           "    return min(S, selection_bound(k, S) // 16 * 16)", "selection width rounded down", tests=KERNEL_TESTS),
+    Mutant("M21", K + "cache_write.py", "inside = (p >= 0) & (p < S_CACHE) & (b < B_CACHE)",
+           "inside = (p >= 0) & (p <= S_CACHE) & (b < B_CACHE)", "write kernel stores one row past the cache",
+           tests=KERNEL_TESTS),
+    Mutant("M22", K + "cache_write.py", "if lo < 0 or hi >= S:", "if lo < 0 or hi > S:",
+           "write check accepts position max_cache_len", tests=KERNEL_TESTS),
+    Mutant("M23", K + "ops.py", "gqa_select=gqa_select, aggregate=aggregate, scale=scale).to(q_hat.dtype)",
+           "gqa_select=gqa_select, aggregate=aggregate, scale=scale * 1.05).to(q_hat.dtype)",
+           "5% wrong scale in the op's CPU registration"),
+    Mutant("M24", "loki/_checks.py", "        return torch.clamp(n, max=int(k))",
+           "        return torch.clamp(n, max=int(k) - 1)", "int budgets one short everywhere", tests=KERNEL_TESTS),
+    Mutant("M25", K + "launch.py", "                    args[pos] = t.data_ptr() + off",
+           "                    args[pos] = t.data_ptr()", "direct-launch replay ignores buffer offsets",
+           tests=["tests/test_kernels.py", "tests/test_decode_paths.py", "-m", "gpu"], gpu=True),
+    Mutant("M26", K + "decode.py", "            replay.seen.add(key)", "            pass",
+           "replay never records (results unchanged, host time 4x)", tests=KERNEL_TESTS),
+    # gates
+    Mutant("G01", "ci/gate.py",
+           "Check(\"threshold\", rule.benchmark, rule.params, \"absent\", \"present\", allow_missing,",
+           "Check(\"threshold\", rule.benchmark, rule.params, \"absent\", \"present\", True,",
+           "absent gated results pass", tests=GATE_TESTS),
+    Mutant("G02", "ci/gate.py", "                    ok = ok and value >= rule.minimum",
+           "                    ok = ok and value >= rule.minimum * 0.5", "minimum thresholds halved",
+           tests=GATE_TESTS),
+    Mutant("G03", "ci/gate.py", "worse = check.value < worst if check.better == \"higher\" else check.value > worst",
+           "worse = False", "known misses excuse any value", tests=GATE_TESTS),
+    Mutant("G04", "ci/gate.py", "                    ok = value - old <= allowed", "                    ok = True",
+           "regressions never fail", tests=GATE_TESTS),
+    Mutant("G05", "loki/evaluation/gates.py",
+           "return False, \"FAILED: no gates ran (the results hold nothing to check)\"",
+           "return True, \"FAILED: no gates ran (the results hold nothing to check)\"", "empty runs pass",
+           tests=GATE_TESTS),
+    Mutant("G06", "loki/evaluation/gates.py", "v, t[\"min\"], v >= t[\"min\"], f\">= {t['min']:.4f}\"",
+           "v, t[\"min\"], v >= t[\"min\"] - 1, f\">= {t['min']:.4f}\"", "Jaccard / mass gates never fail",
+           tests=GATE_TESTS),
+    Mutant("G07", "loki/evaluation/gates.py", "return _gate(name, None, None, allow_missing, bound_text=\"present\"",
+           "return _gate(name, None, None, True, bound_text=\"present\"", "missing rows pass", tests=GATE_TESTS),
+]
+
+
+def _copy_tree(dst: Path) -> None:
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True,
+                           text=True, check=True).stdout.split()
+    for rel in files:
+        src = ROOT / rel
+        if src.is_file():
+            (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dst / rel)
+
+
+def run_mutant(m: Mutant, base: Path, gpu: bool, timeout: int) -> dict:
+    work = base / m.id
+    shutil.copytree(base / "tree", work)
+    path = work / m.file
+    text = path.read_text()
+    n = text.count(m.old)
+    if n != 1:
+        return {"status": "stale", "note": f"the fragment occurs {n} times in {m.file}"}
+    path.write_text(text.replace(m.old, m.new))
+    env = dict(os.environ, PYTHONPATH=str(work), OMP_NUM_THREADS="1", HYPOTHESIS_PROFILE="ci",
+               PYTHONDONTWRITEBYTECODE="1")
+    if not gpu:
+        env["TRITON_INTERPRET"] = "1"
+    args = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *m.tests]
+    if not gpu and "-m" not in m.tests:
+        args += ["-m", "not gpu"]
+    t0 = time.time()
+    try:
+        p = subprocess.run(args, cwd=work, env=env, capture_output=True, text=True, timeout=timeout)
+        rc, tail = p.returncode, (p.stdout + p.stderr).strip().splitlines()[-3:]
+    except subprocess.TimeoutExpired:
+        rc, tail = -1, ["timeout"]
+    shutil.rmtree(work, ignore_errors=True)
+    status = "survived" if rc == 0 else ("killed" if rc in (1, 2, 3, 4) or rc < 0 else f"rc {rc}")
+    if rc == 5:
+        status = "no tests"
+    return {"status": status, "seconds": round(time.time() - t0, 1), "tail": tail}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", help="comma-separated mutant ids (default: all that run on this machine)")
+    ap.add_argument("--gpu", action="store_true", help="run the GPU-only mutants with -m gpu tests (CUDA machine)")
+    ap.add_argument("--timeout", type=int, default=1200, help="seconds per mutant (default 1200)")
+    ap.add_argument("--out", help="write the results as JSON here")
+    ap.add_argument("--list", action="store_true", help="list the mutants and exit")
+    args = ap.parse_args(argv)
+    chosen = MUTANTS
+    if args.only:
+        want = set(args.only.split(","))
+        unknown = want - {m.id for m in MUTANTS}
+        if unknown:
+            ap.error(f"--only: unknown mutant ids {sorted(unknown)}")
+        chosen = [m for m in MUTANTS if m.id in want]
+    if args.list:
+        for m in chosen:
+            flags = (" [gpu]" if m.gpu else "") + (" [equivalent]" if m.equivalent else "")
+            print(f"{m.id}  {m.file}: {m.what}{flags}")
+        return 0
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="loki-mutants-") as tmp:
+        base = Path(tmp)
+        _copy_tree(base / "tree")
+        for m in chosen:
+            if m.gpu != args.gpu and not args.only:
+                continue
+            res = run_mutant(m, base, args.gpu, args.timeout)
+            row = {**asdict(m), **res}
+            rows.append(row)
+            print(f"{m.id} {res['status']:>8} {res.get('seconds', 0):6.1f}s  {m.what}", flush=True)
+    counted = [r for r in rows if not r["equivalent"] and r["status"] in ("killed", "survived")]
+    killed = sum(r["status"] == "killed" for r in counted)
+    rate = killed / len(counted) if counted else float("nan")
+    equiv = sum(bool(r["equivalent"]) for r in rows)
+    print(f"\nkilled {killed} of {len(counted)} non-equivalent mutants ({rate:.0%}); equivalent {equiv}; "
+          f"other {len(rows) - len(counted) - equiv}")
+    for r in rows:
+        if r["status"] == "survived" and not r["equivalent"]:
+            print(f"  survivor {r['id']}: {r['what']} ({r['file']})")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"kill_rate": rate, "killed": killed, "counted": len(counted),
+                                              "mutants": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
