@@ -40,7 +40,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from loki.evaluation.perplexity import method_role
+from loki.evaluation.gate_rows import _gate, primary_setting, row_role  # noqa: F401 - re-exported
 
 __all__ = ["DEFAULT_THRESHOLDS", "evaluate_gates", "load_thresholds", "primary_setting", "retrieval_cells",
            "row_key", "row_role", "update_thresholds", "verdict"]
@@ -65,11 +65,6 @@ def row_key(row: dict, primary: tuple[int, float]) -> str:
     if (row.get("seq_len"), row.get("k")) == primary:
         return row["name"]
     return f"{row['name']}@T{row['seq_len']},k{row['k']:g}"
-
-
-def row_role(row: dict) -> str:
-    """A row's role (baseline, oracle, loki, competitor): its ``role`` field, or (older results) its method's."""
-    return row.get("role") or method_role(row["method"])
 
 
 def row_reproduces(row: dict) -> str | None:
@@ -114,14 +109,6 @@ def retrieval_cells(results: dict) -> dict[str, dict]:
     return out
 
 
-def primary_setting(results: dict) -> tuple[int, int | float]:
-    """(window length, budget) of the run's primary setting, where the structural gates look: the budget a fraction
-    k_f, or an int count of tokens."""
-    s = results.get("settings", {})
-    k = s["k"]
-    return int(s["windows"][0][0]), k if isinstance(k, int) and not isinstance(k, bool) else float(k)
-
-
 def run_parts(results: dict) -> dict[str, bool]:
     """Which parts of the suite the run was asked for (``settings["parts"]``); older results: perplexity and
     agreement always, retrieval when it is there."""
@@ -130,14 +117,6 @@ def run_parts(results: dict) -> dict[str, bool]:
         return {k: bool(v) for k, v in parts.items()}
     return {"perplexity": True, "agreement": True, "retrieval": bool(results.get("retrieval"))}
 
-
-def _gate(name, value, bound, passed, bound_text=None, note=None) -> dict:
-    g = {"name": name, "value": value, "bound": bound, "passed": bool(passed)}
-    if bound_text:
-        g["bound_text"] = bound_text
-    if note:
-        g["note"] = note
-    return g
 
 
 def _missing(name: str, what: str, allow_missing: bool) -> dict:

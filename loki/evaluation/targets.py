@@ -123,7 +123,7 @@ def load_targets(thresholds: dict, primary: tuple[int, float] | None = None) -> 
 
 
 def _default_row(rows: list[dict], default: str, T: int, k: float) -> dict | None:
-    from loki.evaluation.gates import row_role
+    from loki.evaluation.gate_rows import row_role
 
     for r in rows:
         if (row_role(r) == "loki" and r.get("basis") == default and r.get("gqa_select", "query") == "query"
@@ -148,7 +148,7 @@ def _pct(x: float) -> str:
 def target_gates(results: dict, thresholds: dict, profile: str, *, profile_applies: bool) -> list[dict]:
     """The gates of the targets the run measures (see the module docstring).  ``profile_applies``: the run's
     settings are the profile's, so the profile's known misses apply."""
-    from loki.evaluation.gates import _gate, primary_setting
+    from loki.evaluation.gate_rows import _gate, primary_setting
 
     s = results.get("settings", {})
     default = s.get("default_basis", "score")
@@ -195,7 +195,7 @@ def _apply_known(g: dict, km: KnownMiss | None, lo: float, hi: float, worse: str
 def target_status(results: dict, thresholds: dict) -> list[dict]:
     """Per target: ``{"kind", "target", "bound", "measured", "lo", "hi", "status"}`` where status is ``met`` (point
     estimate within the target), ``missed`` or ``not measured`` in this run."""
-    from loki.evaluation.gates import primary_setting
+    from loki.evaluation.gate_rows import primary_setting
 
     default = results.get("settings", {}).get("default_basis", "score")
     ppl, ret = load_targets(thresholds, primary_setting(results) if results.get("settings") else None)
