@@ -2,6 +2,7 @@
 
 - ``approx_scores``: q_hat[:d] . K_hat[:, :d]^T over the whole cache (Algorithm 1, lines 3-4);
 - ``select_topk``: top-k per row, ``torch.topk`` or an exact Triton threshold select (line 5);
+  ``select_topk_split``: the exact select with every row split over many programs (few or long rows);
 - ``score_select``: the scores and the Triton select of each row in one kernel (lines 3-5 fused);
 - ``sparse_attention``: exact attention over the selected rows, flash-decoding splits (lines 6-7);
 - ``sparq_attention``: the SparQ-style baseline kernels the paper compares against;
@@ -32,6 +33,7 @@ from .ops import decode_step_op
 from .plan import DecodeRun, plan_decode
 from .score_select import score_select
 from .select import SELECT_METHODS, select_topk, select_topk_reference
+from .select_split import select_topk_split
 from .sparq import sparq_attention, sparq_attention_reference, sparq_prepare
 from .sparse_attention import sparse_attention, sparse_attention_reference
 
@@ -51,6 +53,7 @@ __all__ = [
     "plan_decode",
     "select_topk",
     "select_topk_reference",
+    "select_topk_split",
     "score_select",
     "selection_bound",
     "sparq_attention",

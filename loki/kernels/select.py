@@ -12,6 +12,9 @@ chunks that re-read the row from L1/L2 for long rows (so the registers of the se
 every key above the threshold, plus as many keys equal to it as are needed, is written at its
 position from one packed prefix sum (above-threshold count in the low 16 bits, tie count in the high 16).
 Output order is unspecified (like ``torch.topk(sorted=False)``), in practice ascending token position.
+With few rows (fewer than the multiprocessors) of 8K keys or more, and for rows longer than
+``TRITON_SELECT_MAX_S``, "triton" runs the split select of ``select_split.py`` instead (every row over many
+programs; also ``method="split"``).
 
 Ties: the lowest token position first, as everywhere in Loki (``loki.reference.selection.topk_indices``):
 every key strictly above the threshold is taken, then the first ``k - #above`` keys equal to it in position
@@ -30,12 +33,14 @@ from loki.reference.selection import select_topk as select_topk_reference
 from loki.reference.selection import topk_indices
 
 from ._common import NUM_SMS_DEFAULT, check_triton_device, interpreting, num_sms
+from ._keys import _ordered_key
 from .launch import launch, new_output, pdl
+from .select_split import select_topk_split, use_split_select
 
 __all__ = ["SELECT_METHODS", "TRITON_SELECT_MAX_S", "select_topk", "select_topk_reference", "select_launch_config"]
 
-SELECT_METHODS = ("auto", "torch", "triton")
-#: Longest row the register-resident Triton select handles; longer rows fall back to ``torch.topk``.
+SELECT_METHODS = ("auto", "torch", "triton", "split")
+#: Longest row the register-resident Triton select handles; longer rows take the split select (``select_split.py``).
 TRITON_SELECT_MAX_S = 32768
 #: Compaction chunk (elements); rows up to this length are compacted straight from the registers.
 _CHUNK = 4096
@@ -52,18 +57,6 @@ def compaction_chunk(S: int, rows: int, num_sms: int = NUM_SMS_DEFAULT) -> int:
     if 2 * rows < num_sms and block <= FEW_ROWS_REGISTER_COMPACT:
         return block
     return _CHUNK
-
-
-@triton.jit
-def _ordered_key(x):
-    """fp32 -> uint32 with the same order: flip all bits of negatives, set the sign bit of non-negatives.
-    -0.0 is first mapped to +0.0 (equal scores tie) and every NaN to the canonical +NaN (above +inf)."""
-    bits = x.to(tl.uint32, bitcast=True)
-    sign = tl.full(x.shape, 1, tl.uint32) << 31
-    bits = tl.where(bits == sign, tl.zeros(x.shape, tl.uint32), bits)  # -0.0 -> +0.0
-    bits = tl.where(x != x, tl.full(x.shape, 0x7FC00000, tl.uint32), bits)  # NaN -> +NaN
-    flip = tl.where((bits & sign) != 0, tl.full(x.shape, 0xFFFFFFFF, tl.uint32), sign)
-    return bits ^ flip
 
 
 @triton.jit
@@ -202,7 +195,7 @@ def _select_triton(scores: torch.Tensor, counts: torch.Tensor, K: int, out: torc
 
 
 def resolve_select_method(method: str, scores_or_q: torch.Tensor) -> str:
-    """"auto" -> "triton" on CUDA tensors (the fast exact select), "torch" elsewhere."""
+    """"auto" -> "triton" on CUDA tensors (the fast exact select), "torch" elsewhere; others unchanged."""
     if method not in SELECT_METHODS:
         raise ValueError(f"method must be one of {SELECT_METHODS}, got {method!r}")
     if method == "auto":
@@ -229,28 +222,36 @@ def select_topk(
     device, 1 <= counts[b] <= the number of finite scores of each row of batch b; ``k_max`` an int bound
     K >= max(counts) (pass it to avoid a host sync; default ``int(counts.max())``; both methods clamp a larger
     count to K on the device, so the Triton select never writes past a row's K slots).
-    Returns idx: [B, H, K], int64 for ``method="torch"``, int32 for ``"triton"``; entries at positions
-    >= counts[b] are -1.  ``method="auto"`` is "triton" on CUDA tensors and "torch" otherwise.  Both methods
-    break ties by the lowest token position (``loki.reference.selection.topk_indices``), so they select the
-    same set.
+    Returns idx: [B, H, K], int64 for ``method="torch"``, int32 for ``"triton"`` and ``"split"``; entries at
+    positions >= counts[b] are -1.  ``method="auto"`` is "triton" on CUDA tensors and "torch" otherwise.
+    ``"split"`` splits every row over many programs (``select_split.select_topk_split``); ``"triton"`` uses it
+    where ``select_split.use_split_select`` says (few rows, or rows longer than ``TRITON_SELECT_MAX_S``) and the
+    one-program-per-row select otherwise.  All methods break ties by the lowest token position
+    (``loki.reference.selection.topk_indices``), so they select the same set.
     ``uniform=True`` promises all counts equal K (then ``torch.topk(sorted=False)`` is enough; otherwise
     the torch method sorts so that the first counts[b] entries are the top ones).  ``num_warps`` and
     ``radix_bits`` (1 or 2 bits per search step) override the Triton launch configuration; ``chunk`` (a power
     of two) is the compaction chunk for rows longer than it; ``early_exit`` stops the 1-bit search once
-    the running threshold has exactly counts[b] keys at or above it.
+    the running threshold has exactly counts[b] keys at or above it.  For ``method="split"`` ``chunk`` is the
+    scores per program and ``num_warps`` its warps; the other options apply to the one-program-per-row select.
     """
     method = resolve_select_method(method, scores)
     if scores.dim() != 3:
         raise ValueError(f"scores must have shape [B, H, S], got {list(scores.shape)}")
     B, H, S = scores.shape
-    check_counts(counts, B, scores.device if method == "triton" else None)
+    triton_method = method in ("triton", "split")
+    check_counts(counts, B, scores.device if triton_method else None)
     if B == 0:  # an empty batch: nothing to select (the torch reference gives [0, H, 0] as well)
         K = 0 if k_max is None else int(k_max)
-        return torch.empty(0, H, K, dtype=torch.int32 if method == "triton" else torch.long, device=scores.device)
+        return torch.empty(0, H, K, dtype=torch.int32 if triton_method else torch.long, device=scores.device)
     K = int(counts.max()) if k_max is None else int(k_max)
     if not 1 <= K <= S:
         raise ValueError(f"k_max={K} must lie in [1, S={S}]")
-    if method == "triton" and S <= TRITON_SELECT_MAX_S:
+    if method == "split":
+        return select_topk_split(scores, counts, k_max=K, out=out, chunk=chunk, num_warps=num_warps)
+    if method == "triton" and use_split_select(S, B * H, num_sms(scores.device), TRITON_SELECT_MAX_S):
+        return select_topk_split(scores, counts, k_max=K, out=out)
+    if method == "triton":
         return _select_triton(scores, counts, K, out, num_warps=num_warps, radix_bits=radix_bits, chunk=chunk,
                               early_exit=early_exit)
     idx = topk_indices(scores, K, sorted=not uniform)
