@@ -264,7 +264,7 @@ def test_split_launch_config(monkeypatch):
         chunk = cfg["chunk"]
         assert chunk & (chunk - 1) == 0 and 16 <= chunk <= max(16, triton_p2(S))
         assert max(16, triton_p2(-(-S // chunk))) << cfg["bits"] <= split_mod._MAX_HIST_TILE
-        assert 4 <= cfg["num_warps"] <= 16 and cfg["levels"] * cfg["bits"] <= 32
+        assert 4 <= cfg["num_warps"] <= cfg["compact_warps"] <= 16 and cfg["levels"] * cfg["bits"] <= 32
 
 
 def triton_p2(n):

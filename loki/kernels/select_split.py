@@ -64,7 +64,7 @@ SPLIT_DEFAULTS = dict(bits=6, levels=2, programs_per_sm=4, chunk_range=(1024, 16
 #: rows per multiprocessor.
 SPLIT_RULE = dict(min_s=8192, max_rows_per_sm=1.0)
 #: Largest per-chunk histogram tile a program loads (C_BLOCK x 2**BITS counts); longer rows get larger chunks.
-_MAX_HIST_TILE = 16384
+_MAX_HIST_TILE = 8192
 
 
 @triton.jit
@@ -307,7 +307,9 @@ def split_launch_config(S: int, rows: int, num_sms: int = NUM_SMS_DEFAULT, *, bi
     """Default launch options for ``rows`` rows of S keys: ``chunk`` (a power of two aiming at
     ``programs_per_sm`` programs per multiprocessor, within ``chunk_range``, large enough that the per-chunk
     histograms fit one tile; the whole row, up to 8192, under the interpreter), ``bits``, ``levels``,
-    ``cand_block`` and ``num_warps`` (one per 512 chunk elements, 4 to 16)."""
+    ``cand_block``, ``num_warps`` (one per 512 chunk elements, 4 to 16) and ``compact_warps`` for the compaction
+    launch (at least one per 512 candidates of ``cand_block``: ptxas gives 209 registers to the compaction kernel
+    with 4096 candidates on 4 warps, 128 on 8)."""
     d = SPLIT_DEFAULTS
     bits = d["bits"] if bits is None else bits
     lo, hi = d["chunk_range"]
@@ -317,8 +319,14 @@ def split_launch_config(S: int, rows: int, num_sms: int = NUM_SMS_DEFAULT, *, bi
     chunk = max(16, min(chunk, _p2(S)))
     max_chunks = max(1, _MAX_HIST_TILE >> bits)
     chunk = max(chunk, _p2(-(-S // max_chunks)))
-    return dict(chunk=chunk, bits=bits, levels=d["levels"], cand_block=max(16, min(d["cand_block"], _p2(S))),
-                num_warps=max(4, min(16, chunk // 512)))
+    cand_block = max(16, min(d["cand_block"], _p2(S)))
+    warps = _warps(chunk)
+    return dict(chunk=chunk, bits=bits, levels=d["levels"], cand_block=cand_block, num_warps=warps,
+                compact_warps=max(warps, _warps(cand_block)))
+
+
+def _warps(block: int) -> int:
+    return max(4, min(16, block // 512))
 
 
 def _check_options(S: int, chunk: int, bits: int, levels: int, cand_block: int) -> None:
@@ -334,7 +342,7 @@ def _check_options(S: int, chunk: int, bits: int, levels: int, cand_block: int) 
 
 
 def _launch_split(scores, counts, idx, K: int, chunk: int, bits: int, levels: int, cand_block: int,
-                  num_warps: int) -> None:
+                  num_warps: int, compact_warps: int) -> None:
     B, H, S = scores.shape
     R, NB, C = B * H, 1 << bits, -(-S // chunk)
     C_BLOCK = max(16, _p2(C))
@@ -347,7 +355,7 @@ def _launch_split(scores, counts, idx, K: int, chunk: int, bits: int, levels: in
         launch(_split_level_kernel, (R, C), common + [level, bits, NB, chunk, C_BLOCK, use_pdl],
                dict(num_warps=num_warps, pdl=use_pdl))
     launch(_split_compact_kernel, (R, C), common + [levels, bits, NB, chunk, C_BLOCK, cand_block, use_pdl],
-           dict(num_warps=num_warps, pdl=use_pdl))
+           dict(num_warps=compact_warps, pdl=use_pdl))
 
 
 def select_topk_split(
@@ -372,7 +380,8 @@ def select_topk_split(
     position), in a deterministic order.  Options (defaults from :func:`split_launch_config`): ``chunk`` scores
     per program (a power of two, 16..32768), ``bits`` key bits per level launch (1..11), ``levels`` level
     launches (``levels * bits <= 32``), ``cand_block`` candidates the final select holds in registers (a power
-    of two), ``num_warps``.  ``select_topk(method="split")`` calls this.
+    of two), ``num_warps`` (every launch; default from the chunk, and for the compaction launch at least one warp
+    per 512 of ``cand_block``).  ``select_topk(method="split")`` calls this.
     """
     if scores.dim() != 3:
         raise ValueError(f"scores must have shape [B, H, S], got {list(scores.shape)}")
@@ -397,6 +406,7 @@ def select_topk_split(
     idx = out if out is not None else new_output((B, H, K), torch.int32, scores.device)
     if idx.shape != (B, H, K) or idx.dtype != torch.int32 or idx.stride(-1) != 1:
         raise ValueError(f"out must be a contiguous int32 tensor of shape [B, H, K]=[{B}, {H}, {K}]")
-    _launch_split(scores, counts, idx, K, chunk, cfg["bits"], levels, cand_block,
-                  max(4, min(16, chunk // 512)) if num_warps is None else num_warps)
+    warps = _warps(chunk) if num_warps is None else num_warps
+    _launch_split(scores, counts, idx, K, chunk, cfg["bits"], levels, cand_block, warps,
+                  max(warps, _warps(cand_block)) if num_warps is None else num_warps)
     return idx
