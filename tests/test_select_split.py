@@ -155,6 +155,26 @@ def test_split_select_matches_the_one_program_per_row_select(triton_device):
 
 
 @interp
+def test_triton_method_follows_the_rule_unless_given_register_options(triton_device, monkeypatch):
+    """method="triton" takes the split select where the rule says so, and the register select when one of its
+    own options is given (for rows it can take)."""
+    import loki.kernels.select as select_mod
+
+    calls = []
+    real = select_mod.select_topk_split
+    monkeypatch.setattr(select_mod, "select_topk_split", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setitem(split_mod.SPLIT_RULE, "min_s", 64)
+    scores, valid = _scores(2, 2, 300, "halves", True)
+    counts = _counts(50, valid)
+    sc, cn = scores.to(triton_device), counts.to(triton_device)
+    for opts, split in (({}, True), (dict(radix_bits=2), False), (dict(early_exit=False), False),
+                        (dict(chunk=64), False), (dict(num_warps=4), False)):
+        calls.clear()
+        _same_sets(select_topk(sc, cn, k_max=50, method="triton", **opts), R.select_topk(scores, counts), counts)
+        assert bool(calls) == split, opts
+
+
+@interp
 def test_triton_method_takes_the_split_select_for_long_rows(triton_device):
     """Rows longer than TRITON_SELECT_MAX_S: method="triton" no longer falls back to torch.topk (int32 output)."""
     scores, valid = _scores(1, 2, 40000, "randn", False)

@@ -226,8 +226,9 @@ def select_topk(
     positions >= counts[b] are -1.  ``method="auto"`` is "triton" on CUDA tensors and "torch" otherwise.
     ``"split"`` splits every row over many programs (``select_split.select_topk_split``); ``"triton"`` uses it
     where ``select_split.use_split_select`` says (few rows, or rows longer than ``TRITON_SELECT_MAX_S``) and the
-    one-program-per-row select otherwise.  All methods break ties by the lowest token position
-    (``loki.reference.selection.topk_indices``), so they select the same set.
+    one-program-per-row select otherwise (always, for rows it takes, when one of its options below is given).
+    All methods break ties by the lowest token position (``loki.reference.selection.topk_indices``), so they
+    select the same set.
     ``uniform=True`` promises all counts equal K (then ``torch.topk(sorted=False)`` is enough; otherwise
     the torch method sorts so that the first counts[b] entries are the top ones).  ``num_warps`` and
     ``radix_bits`` (1 or 2 bits per search step) override the Triton launch configuration; ``chunk`` (a power
@@ -249,7 +250,9 @@ def select_topk(
         raise ValueError(f"k_max={K} must lie in [1, S={S}]")
     if method == "split":
         return select_topk_split(scores, counts, k_max=K, out=out, chunk=chunk, num_warps=num_warps)
-    if method == "triton" and use_split_select(S, B * H, num_sms(scores.device), TRITON_SELECT_MAX_S):
+    register_options = (num_warps, radix_bits, chunk, early_exit) != (None, None, None, None)
+    if method == "triton" and (S > TRITON_SELECT_MAX_S or (
+            not register_options and use_split_select(S, B * H, num_sms(scores.device), TRITON_SELECT_MAX_S))):
         return select_topk_split(scores, counts, k_max=K, out=out)
     if method == "triton":
         return _select_triton(scores, counts, K, out, num_warps=num_warps, radix_bits=radix_bits, chunk=chunk,
