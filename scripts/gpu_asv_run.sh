@@ -163,14 +163,13 @@ restore_repo() {
       say "git: main already holds the bundle's main (${tip:0:8}); repository left as it is"
       return
     fi
-    # a checkout of the project whose main lacks the bundle's main is someone's work: leave it as it is
+    # a checkout whose main has commits the bundle's main lacks is someone's work: leave it as it is; a copy of an
+    # older tree (main an ancestor of the bundle's) moves forward, losing nothing
     if [ ! -f "$(git rev-parse --git-dir)/loki-asv-bundle" ]; then
-      git cat-file -e "$tip^{commit}" 2>/dev/null &&
-        die "this checkout's main does not hold the bundle's ${tip:0:8}: run in the GPU machine's copy of the tree"
       git fetch -q --no-tags "$bundle" "+refs/heads/main:refs/remotes/bundle/main"
       if git rev-parse -q --verify refs/heads/main >/dev/null &&
-         git merge-base refs/heads/main refs/remotes/bundle/main >/dev/null 2>&1; then
-        die "this checkout's main shares the bundle's history but lacks ${tip:0:8}: run in the GPU machine's copy"
+         ! git merge-base --is-ancestor refs/heads/main refs/remotes/bundle/main 2>/dev/null; then
+        die "this checkout's main has commits the bundle's ${tip:0:8} lacks: run in the GPU machine's copy"
       fi
     else
       git fetch -q --no-tags "$bundle" "+refs/heads/main:refs/remotes/bundle/main"
