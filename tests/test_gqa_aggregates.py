@@ -1,6 +1,7 @@
 """The shared (per KV group) selections: every aggregate of ``loki.reference.GQA_AGGREGATES`` in the decode
-references, the teacher-forced engine and the evaluation; the kernels refuse the ones they do not implement; the
-bytes accounting of the selections."""
+references, the teacher-forced engine and the evaluation; the kernels refuse the one they do not implement
+("union"; the softmax aggregates on the kernels: tests/test_softmax_aggregates_kernels.py); the bytes accounting
+of the selections."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from loki.reference import (
 from loki.reference.accounting import record_indices, tally_selections
 from loki.reference.teacher_forced import teacher_forced_rows
 
-NEW = tuple(a for a in GQA_AGGREGATES if a not in KERNEL_AGGREGATES)
+NEW = ("softmax-sum", "softmax-max", "union")  # the aggregates beyond the raw sum and max
+REFERENCE_ONLY = tuple(a for a in GQA_AGGREGATES if a not in KERNEL_AGGREGATES)
 
 
 def _decode_inputs(B=2, HQ=6, HKV=2, S=37, D=16, seed=0):
@@ -39,8 +41,8 @@ def _sets(idx: torch.Tensor) -> list:
 
 
 def test_new_aggregates_are_named():
-    assert set(NEW) == {"softmax-sum", "softmax-max", "union"}
-    assert KERNEL_AGGREGATES == ("sum", "max")
+    assert set(GQA_AGGREGATES) == {"sum", "max", *NEW}
+    assert KERNEL_AGGREGATES == ("sum", "max", "softmax-sum", "softmax-max") and REFERENCE_ONLY == ("union",)
 
 
 @pytest.mark.parametrize("aggregate", GQA_AGGREGATES)
@@ -185,8 +187,8 @@ def test_engine_rows_equal_the_decode_references(aggregate, method, kb, d):
 
 
 # ------------------------------------------------------------------------------------------ kernels refuse
-@pytest.mark.parametrize("aggregate", NEW)
-def test_kernel_entry_points_refuse_the_new_aggregates(aggregate):
+@pytest.mark.parametrize("aggregate", REFERENCE_ONLY)
+def test_kernel_entry_points_refuse_the_reference_only_aggregates(aggregate):
     from loki.kernels import approx_scores, decode_attention, plan_decode, score_select
 
     q, kc, v, lengths, starts = _decode_inputs()
@@ -198,8 +200,9 @@ def test_kernel_entry_points_refuse_the_new_aggregates(aggregate):
     with pytest.raises(ValueError, match=rf"aggregate='{aggregate}' is not implemented by approx_scores"):
         approx_scores(q, kc, 4, lengths, starts, gqa_select="kv", aggregate=aggregate)
     counts = torch.tensor([4, 4])
-    with pytest.raises(ValueError, match="aggregate"):
-        score_select(q, kc, 4, lengths.int(), starts.int(), counts, 8, gqa_select="kv", aggregate=aggregate)
+    for agg in NEW:  # the fused score-select kernel takes the raw sum and max only
+        with pytest.raises(ValueError, match="aggregate"):
+            score_select(q, kc, 4, lengths.int(), starts.int(), counts, 8, gqa_select="kv", aggregate=agg)
     # the reference runs them (backend="torch", and "auto" on the CPU)
     ref = decode_attention(q, kc, v, d=4, k=0.25, lengths=lengths, starts=starts, backend="torch", gqa_select="kv",
                            aggregate=aggregate)
@@ -208,8 +211,8 @@ def test_kernel_entry_points_refuse_the_new_aggregates(aggregate):
     torch.testing.assert_close(ref, auto)
 
 
-@pytest.mark.parametrize("aggregate", NEW)
-def test_enable_loki_refuses_the_new_aggregates_on_the_kernels(aggregate, triton_device):
+@pytest.mark.parametrize("aggregate", REFERENCE_ONLY)
+def test_enable_loki_refuses_the_reference_only_aggregates_on_the_kernels(aggregate, triton_device):
     from loki.basis import PCABasis
     from loki.integrations.transformers import disable_loki, enable_loki
     from loki.testing.models import tiny_model
@@ -223,6 +226,9 @@ def test_enable_loki_refuses_the_new_aggregates_on_the_kernels(aggregate, triton
             enable_loki(model, basis, gqa_select="kv", aggregate=aggregate)  # auto: the kernels on CUDA
     enable_loki(model, basis, gqa_select="kv", aggregate=aggregate, backend="torch")
     enable_loki(model, None, method="exact_topk", gqa_select="kv", aggregate=aggregate)  # always the reference
+    for agg in ("softmax-sum", "softmax-max"):  # on the kernels
+        enable_loki(model, basis, gqa_select="kv", aggregate=agg, backend="triton")
+        enable_loki(model, basis, gqa_select="kv", aggregate=agg)
     disable_loki(model)
     with pytest.raises(ValueError, match="aggregate must be one of"):
         enable_loki(model, basis, gqa_select="kv", aggregate="mean", backend="torch")

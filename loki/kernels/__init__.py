@@ -4,6 +4,7 @@
 - ``select_topk``: top-k per row, ``torch.topk`` or an exact Triton threshold select (line 5);
   ``select_topk_split``: the exact select with every row split over many programs (few or long rows);
 - ``score_select``: the scores and the Triton select of each row in one kernel (lines 3-5 fused);
+- ``group_softmax_scores``: a GQA group's "softmax-max" / "softmax-sum" score from per-query-head scores;
 - ``sparse_attention``: exact attention over the selected rows, flash-decoding splits (lines 6-7);
 - ``sparq_attention``: the SparQ-style baseline kernels the paper compares against;
 - ``decode_attention``: the whole Loki decode step (validated; the PyTorch reference or the kernels), and
@@ -29,6 +30,7 @@ from .decode import (
     loki_decode_step,
     selection_bound,
 )
+from .group_softmax import group_softmax_scores
 from .ops import decode_step_op
 from .plan import DecodeRun, plan_decode
 from .score_select import score_select
@@ -47,6 +49,7 @@ __all__ = [
     "approx_scores_reference",
     "decode_attention",
     "decode_step_op",
+    "group_softmax_scores",
     "loki_attention_reference",
     "loki_decode_step",
     "make_key_prefix",

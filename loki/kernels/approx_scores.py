@@ -2,7 +2,8 @@
 
 ``s[b, hq, t] = q_hat[b, hq, :d] . K_hat[b, hq // G, t, :d]`` for every cached token t, -inf outside the
 valid tokens ``starts[b] <= t < lengths[b]``.  Optionally (GQA "kv" selection) the per-KV-head aggregate
-over the G query heads of a group (sum or max).
+over the G query heads of a group: sum or max here, the softmax aggregates from the per-query-head scores in two
+more launches (``group_softmax.py``).
 
 Shape letters: B batch, HQ query heads, HKV key/value heads (G = HQ // HKV), S cache length, D head dim,
 d leading principal dims (runtime, d <= D).
@@ -25,11 +26,12 @@ import torch
 import triton
 import triton.language as tl
 
-from loki._checks import check_decode_inputs, check_no_grad, resolve_d
+from loki._checks import check_decode_inputs, check_no_grad, resolve_d, resolve_scale
 from loki.reference.selection import GQA_SELECT_MODES, check_kernel_aggregate
 from loki.reference.selection import approx_scores as approx_scores_reference
 
 from ._common import check_triton_device, interpreter_tile, interpreting, key_block
+from .group_softmax import SOFTMAX_AGGREGATES, _launch_group_softmax
 from .launch import launch, new_output, pdl
 
 __all__ = ["approx_scores", "approx_scores_reference", "make_key_prefix"]
@@ -113,7 +115,8 @@ def _check_key_prefix(k_prefix: torch.Tensor, k_hat: torch.Tensor, dd: int) -> t
 def _launch_approx_scores(q_hat, k_hat, dd, lengths, starts, heads_out, agg_out, aggregate, block_s=None,
                           num_warps=None):
     """Launch the scores kernel; ``k_hat`` is the full [B, HKV, S, D] keys or a prefix buffer [.., dp]."""
-    check_kernel_aggregate(aggregate)  # the kernel sums unless told "max": never another aggregate silently
+    if aggregate not in ("sum", "max"):  # the kernel sums unless told "max": never another aggregate silently
+        raise ValueError(f"the approximate-scores kernel aggregates by 'sum' or 'max', got {aggregate!r}")
     B, HQ, _ = q_hat.shape
     _, HKV, S, D = k_hat.shape
     G = HQ // HKV
@@ -153,12 +156,14 @@ def approx_scores(
     out: torch.Tensor | None = None,
     block_s: int | None = None,
     k_prefix: torch.Tensor | None = None,
+    scale: float | None = None,
 ):
     """Approximate scores ``q_hat[:d] . K_hat[:, :d]^T`` (unscaled, fp32), -inf outside valid tokens.
 
     q_hat: [B, HQ, D]; k_hat: [B, HKV, S, D] (last dim contiguous); lengths, starts: [B] int.
     Returns [B, H, S] fp32 with H = HQ for ``gqa_select="query"`` and H = HKV for ``"kv"`` (the group's
-    scores combined by ``aggregate``, "sum" or "max").  ``return_both`` returns
+    scores combined by ``aggregate``: "sum", "max", or a softmax aggregate with the attention ``scale``, default
+    ``1/sqrt(D)``; ``loki.reference.selection.aggregate_group_scores``).  ``return_both`` returns
     ``(per_query_head [B, HQ, S], per_kv_head [B, HKV, S])`` from the same pass over the keys.
     ``out`` (optional) receives the [B, H, S] result.  ``k_prefix`` (optional): [B, HKV, S, dp], dp >= d,
     holding ``k_hat[..., :dp]`` contiguously (``make_key_prefix``); the keys are then read from it.
@@ -171,11 +176,13 @@ def approx_scores(
     check_triton_device(q_hat, "approx_scores")
     check_no_grad("approx_scores (Triton)", q_hat=q_hat, k_hat=k_hat, k_prefix=k_prefix)
     dd = resolve_d(d, D)
+    scale = resolve_scale(scale, D)
+    softmax = aggregate in SOFTMAX_AGGREGATES
     if k_hat.stride(-1) != 1:
         k_hat = k_hat.contiguous()
     if q_hat.stride(-1) != 1:
         q_hat = q_hat.contiguous()
-    want_heads = return_both or gqa_select == "query"
+    want_heads = return_both or gqa_select == "query" or (softmax and gqa_select == "kv")
     want_agg = return_both or gqa_select == "kv"
     heads_out = agg_out = None
     if want_heads:
@@ -188,7 +195,11 @@ def approx_scores(
         if t is not None and (t.shape != (B, H, S) or t.dtype != torch.float32 or t.stride(-1) != 1):
             raise ValueError(f"out must be a contiguous fp32 tensor of shape [B, H, S]=[{B}, {H}, {S}]")
     k_src = k_hat if k_prefix is None else _check_key_prefix(k_prefix, k_hat, dd)
-    _launch_approx_scores(q_hat, k_src, dd, lengths, starts, heads_out, agg_out, aggregate, block_s)
+    if softmax and agg_out is not None:  # per-query-head scores, then the group's softmax aggregate
+        _launch_approx_scores(q_hat, k_src, dd, lengths, starts, heads_out, None, "sum", block_s)
+        _launch_group_softmax(heads_out, lengths, starts, agg_out, HKV, aggregate, scale)
+    else:
+        _launch_approx_scores(q_hat, k_src, dd, lengths, starts, heads_out, agg_out, aggregate, block_s)
     if return_both:
         return heads_out, agg_out
     return heads_out if gqa_select == "query" else agg_out

@@ -33,6 +33,7 @@ from loki.reference.selection import GQA_AGGREGATES, GQA_SELECT_MODES, budget, c
 from . import launch as _launch_mod
 from ._common import check_triton_device
 from .approx_scores import _check_key_prefix, _launch_approx_scores
+from .group_softmax import SOFTMAX_AGGREGATES, _launch_group_softmax
 from .launch import DecodePlan, new_output, recording, tensor_key
 from .score_select import score_select, score_select_fusable
 from .select import SELECT_METHODS, TRITON_SELECT_MAX_S, resolve_select_method, select_topk
@@ -220,7 +221,9 @@ def loki_decode_step(
 ):
     """The three Triton stages on already-validated inputs, with no host sync (for the integration's hot
     loop and the benchmarks; ``decode_attention`` validates and calls this).  Three or four kernel launches
-    (scores and select, fused or not; attention splits; merge), all capturable in a CUDA graph.
+    (scores and select, fused or not; attention splits; merge), two more for a softmax ``aggregate`` of a "kv"
+    selection (per-query-head scores, then ``group_softmax``; never fused with the select), all capturable in
+    a CUDA graph.
 
     lengths, starts, counts: [B] int32/int64 on the device, ``0 <= starts[b] < lengths[b] <= S`` and
     ``1 <= counts[b] <= lengths[b] - starts[b]`` (trusted: they bound the kernels' reads); d: int (1 <= d <= D);
@@ -282,8 +285,9 @@ def _decode_step_launches(q_hat, k_hat, v_cache, lengths, starts, counts, d, k_m
     H = HQ if gqa_select == "query" else HKV
     k_src = k_hat if k_prefix is None else k_prefix
     method = resolve_select_method(select_method, q_hat)
-    if fuse_select is None:
-        fuse_select = method == "triton" and score_select_fusable(B * H, S, q_hat.device)
+    softmax = gqa_select == "kv" and aggregate in SOFTMAX_AGGREGATES  # never fused with the select
+    if fuse_select is None or softmax:
+        fuse_select = not softmax and method == "triton" and score_select_fusable(B * H, S, q_hat.device)
     # the scores' rows start at multiples of 16 elements: a cache that grows by one token per step then keeps
     # the same Triton specialisation of the row stride (no recompilation every time S crosses a multiple of 16)
     S16 = -(-S // 16) * 16
@@ -294,6 +298,10 @@ def _decode_step_launches(q_hat, k_hat, v_cache, lengths, starts, counts, d, k_m
     else:
         if gqa_select == "query":
             _launch_approx_scores(q_hat, k_src, d, lengths, starts, scores, None, aggregate)
+        elif softmax:  # per-query-head scores (rows padded as ``scores``), then the group's softmax aggregate
+            heads = new_output((B, HQ, S16), torch.float32, q_hat.device)[:, :, :S]
+            _launch_approx_scores(q_hat, k_src, d, lengths, starts, heads, None, "sum")
+            _launch_group_softmax(heads, lengths, starts, scores, HKV, aggregate, resolve_scale(scale, D))
         else:
             _launch_approx_scores(q_hat, k_src, d, lengths, starts, None, scores, aggregate)
         idx = select_topk(scores, counts, k_max=k_max, method=method, uniform=uniform)

@@ -27,8 +27,8 @@ __all__ = ["GQA_SELECT_MODES", "GQA_AGGREGATES", "KERNEL_AGGREGATES", "approx_sc
 GQA_SELECT_MODES = ("query", "kv")
 #: How the scores of a GQA group are combined for a shared ("kv") selection (:func:`aggregate_group_scores`).
 GQA_AGGREGATES = ("sum", "max", "softmax-sum", "softmax-max", "union")
-#: The aggregates the Triton kernels implement; the others run on the PyTorch reference only.
-KERNEL_AGGREGATES = ("sum", "max")
+#: The aggregates the Triton kernels implement ("union" runs on the PyTorch reference only).
+KERNEL_AGGREGATES = ("sum", "max", "softmax-sum", "softmax-max")
 
 
 def _check_mode(gqa_select: str, aggregate: str) -> None:

@@ -102,7 +102,8 @@ def enable_loki(
         method: one of :data:`METHODS`.
         gqa_select: "query" (each query head selects its own tokens) or "kv" (one selection per KV head from the
             group's scores combined by ``aggregate``, one of ``loki.reference.GQA_AGGREGATES``; the Triton kernels
-            implement "sum" and "max" only: the others need ``backend="torch"`` for method "loki" on CUDA).
+            implement all but "union" (``loki.reference.KERNEL_AGGREGATES``), which needs ``backend="torch"`` for
+            method "loki" on CUDA).
         backend: "auto" (Triton kernel on CUDA, PyTorch elsewhere), "torch" or "triton" for the Loki decode step.
         semantics: "generate" (dense prefill, sparse decode steps) or "decode" (every query row attends like a
             decode step over the tokens it sees; for loglikelihood and perplexity evaluation).

@@ -1,0 +1,293 @@
+"""The softmax aggregates of a shared GQA selection ("softmax-max", "softmax-sum") on the Triton kernels, against
+the PyTorch reference (``loki.reference.loki_attention(..., gqa_select="kv", aggregate=...)``).
+
+Selections are checked by their invariants against the fp64 group scores, with a slack taken from the reference's
+own rounding (its fp32 group scores against fp64), and compared with the reference's: they may differ only at
+such near-ties.  Outputs: exact attention over the kernel's own selection, and the reference's output wherever
+the selections agree.  Under ``TRITON_INTERPRET=1`` on small awkward shapes (S = 1, 97, 1025; G = 1, 3, 4; B = 1
+and 3; ragged and left-padded rows; exact ties), every kernel output poisoned; the long rows and big batches of
+the fast path under ``-m gpu``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from loki.kernels import approx_scores, decode_attention, make_key_prefix, plan_decode
+from loki.kernels.decode import StepReplay, loki_decode_step
+from loki.kernels.group_softmax import group_softmax_scores, lse_chunking
+from loki.reference import aggregate_group_scores, loki_attention, sparse_attention
+from loki.reference.selection import approx_scores as approx_scores_reference
+from loki.testing.inputs import make_decode_inputs
+from loki.testing.invariants import check_selection
+from loki.testing.tolerances import assert_close_to_reference
+
+interp = pytest.mark.interpreter
+gpu = pytest.mark.gpu
+AGGS = ("softmax-max", "softmax-sum")
+
+
+@pytest.fixture(autouse=True)
+def _poison(monkeypatch):
+    monkeypatch.setenv("LOKI_POISON_OUTPUTS", "1")
+
+
+def _quantized(x, device, step=0.5):
+    """Inputs on a coarse grid (exact scores, many exact ties), moved to ``device``."""
+    x.q = torch.round(x.q / step) * step
+    x.k_cache = torch.round(x.k_cache / step) * step
+    for name in ("q", "k_cache", "v_cache", "lengths", "starts"):
+        setattr(x, name, getattr(x, name).to(device))
+    return x
+
+
+def _sets(idx, counts):
+    return [[sorted(t for t in row[: int(c)]) for row in rows] for rows, c in zip(idx.long().tolist(), counts.tolist())]
+
+
+def _group_scores(x, d, aggregate, dtype):
+    """The reference's group scores in ``dtype`` from the first d rotated dims (scale 1/sqrt(D) of the full D)."""
+    D = x.q.shape[-1]
+    return approx_scores_reference(x.q[..., :d].to(dtype), x.k_cache[..., :d].to(dtype), d, x.lengths, x.starts,
+                                   gqa_select="kv", aggregate=aggregate, scale=1 / math.sqrt(D), compute_dtype=dtype)
+
+
+def check_step(x, d, k, aggregate, *, k_prefix=None, select_method="triton", exact_sets=False):
+    """One Triton decode step with a softmax aggregate against the reference; returns the selected sets."""
+    B, HQ, D = x.q.shape
+    HKV = x.k_cache.shape[1]
+    dtype = x.q.dtype
+    out, (idx, counts) = decode_attention(x.q, x.k_cache, x.v_cache, d=d, k=k, lengths=x.lengths, starts=x.starts,
+                                          backend="triton", gqa_select="kv", aggregate=aggregate,
+                                          select_method=select_method, k_prefix=k_prefix, return_indices=True)
+    ref, (ref_idx, ref_counts) = loki_attention(x.q.float(), x.k_cache.float(), x.v_cache.float(), d=d, k=k,
+                                                lengths=x.lengths, starts=x.starts, gqa_select="kv",
+                                                aggregate=aggregate, return_indices=True)
+    assert idx.shape[:2] == (B, HKV) and torch.equal(counts.cpu(), ref_counts.cpu())
+    s64 = _group_scores(x, d, aggregate, torch.float64).cpu()
+    s32 = _group_scores(x, d, aggregate, torch.float32).cpu()
+    fin = torch.isfinite(s64)
+    assert torch.equal(fin, torch.isfinite(s32))
+    slack = 4 * (s32.double()[fin] - s64[fin]).abs().max().item() + 1e-6  # the reference's own rounding
+    assert check_selection(idx, s64, counts, slack=slack) == B * HKV
+    assert check_selection(ref_idx, s64, counts, slack=slack) == B * HKV
+    got, want = _sets(idx.cpu(), counts.cpu()), _sets(ref_idx.cpu(), counts.cpu())
+    for b in range(B):
+        kth = torch.topk(s64[b], int(counts[b]), dim=-1).values[:, -1]
+        for h in range(HKV):
+            diff = sorted(set(got[b][h]) ^ set(want[b][h]))
+            assert not (exact_sets and diff), f"row ({b},{h}): {diff} differ from the reference"
+            assert all(abs(s64[b, h, t].item() - kth[h].item()) <= slack for t in diff), \
+                f"row ({b},{h}): tokens {diff} differ from the reference away from a near-tie"
+    q64, k64, v64 = (t.double() for t in (x.q, x.k_cache, x.v_cache))
+    own64 = sparse_attention(q64, k64, v64, idx.long(), counts, compute_dtype=torch.float64)
+    lowp = sparse_attention(x.q, x.k_cache, x.v_cache, idx.long(), counts, compute_dtype=dtype)
+    assert_close_to_reference(out, own64, lowp, dtype, f"decode step ({aggregate})")
+    if got == want and dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    return got
+
+
+# ----------------------------------------------------------------------------------------------------
+# the group scores alone
+GROUP_CASES = [
+    pytest.param(1, 4, 4, 1, id="B1-G1-S1"),
+    pytest.param(3, 6, 2, 97, id="B3-G3-S97"),
+    pytest.param(3, 12, 3, 1025, id="B3-G4-S1025"),
+    pytest.param(1, 4, 1, 1025, id="B1-G4-S1025"),
+]
+
+
+@interp
+@pytest.mark.parametrize("aggregate", AGGS)
+@pytest.mark.parametrize("B,HQ,HKV,S", GROUP_CASES)
+def test_group_scores_equal_the_reference(triton_device, B, HQ, HKV, S, aggregate):
+    """Default launch rule and forced small tiles, chunks and token blocks (every partial combined)."""
+    x = make_decode_inputs(B, HQ, HKV, S, 16, ragged=True, left_pad=True, seed=S + HQ)
+    heads = approx_scores_reference(x.q, x.k_cache, 8, x.lengths, x.starts).contiguous()  # [B, HQ, S] fp32
+    valid = torch.isfinite(heads[:, :1])
+    want = aggregate_group_scores(heads.double(), HKV, aggregate, scale=0.3).masked_fill(~valid, -math.inf)
+    lengths, starts = x.lengths.to(triton_device), x.starts.to(triton_device)
+    for kw in ({}, dict(block=16, num_chunks=5, block_t=16), dict(block=32, num_chunks=2)):
+        got = group_softmax_scores(heads.to(triton_device), HKV, aggregate, lengths, starts, scale=0.3, **kw).cpu()
+        assert got.shape == (B, HKV, S) and not torch.isnan(got).any()
+        assert torch.equal(torch.isneginf(got), torch.isneginf(want))
+        fin = torch.isfinite(want)
+        assert (got.double()[fin] - want[fin]).abs().max().item() <= 1e-5 * max(1.0, want[fin].abs().max().item())
+
+
+def test_lse_chunking_rule():
+    """Chunks are whole tiles; few long rows get several chunks each, many rows one (132 SMs assumed)."""
+    from loki.kernels import group_softmax as gs
+
+    for rows, S in ((32, 131072), (512, 8192), (6, 1025), (1, 1), (3, 97)):
+        block, chunk, nc = lse_chunking(rows, S, "cpu")
+        assert chunk % block == 0 and (nc - 1) * chunk < S <= nc * chunk
+    assert lse_chunking(6, 1025, "cpu", block=16, num_chunks=5) == (16, 208, 5)
+    if not gs.interpreting():
+        assert lse_chunking(32, 131072, "cpu") == (1024, 8192, 16)
+        assert lse_chunking(512, 8192, "cpu")[2] == 2
+
+
+@interp
+@pytest.mark.parametrize("aggregate", AGGS)
+def test_approx_scores_with_a_softmax_aggregate(triton_device, aggregate):
+    x = make_decode_inputs(2, 6, 2, 300, 32, ragged=True, left_pad=True, seed=3)
+    q, kc = x.q.to(triton_device), x.k_cache.to(triton_device)
+    heads, agg = approx_scores(q, kc, 8, x.lengths, x.starts, gqa_select="kv", aggregate=aggregate, return_both=True)
+    alone = approx_scores(q, kc, 8, x.lengths, x.starts, gqa_select="kv", aggregate=aggregate, scale=0.2,
+                          k_prefix=make_key_prefix(kc, 8))
+    for got, scale in ((agg, None), (alone, 0.2)):
+        want = approx_scores_reference(x.q.double(), x.k_cache.double(), 8, x.lengths, x.starts, gqa_select="kv",
+                                       aggregate=aggregate, scale=scale, compute_dtype=torch.float64)
+        assert torch.equal(torch.isneginf(got.cpu()), torch.isneginf(want))
+        fin = torch.isfinite(want)
+        assert (got.cpu().double()[fin] - want[fin]).abs().max().item() < 1e-5 * max(1.0, want[fin].abs().max())
+    assert heads.shape == (2, 6, 300)
+
+
+# ----------------------------------------------------------------------------------------------------
+# the decode step
+STEP_CASES = [
+    # B, HQ, HKV, S, D, d, k
+    pytest.param(1, 4, 4, 1, 32, 8, 1, id="B1-G1-S1"),
+    pytest.param(3, 6, 2, 97, 32, 8, 0.3, id="B3-G3-S97"),
+    pytest.param(3, 12, 3, 1025, 32, 8, 0.25, id="B3-G4-S1025"),
+    pytest.param(1, 4, 1, 1025, 32, 32, 64, id="B1-G4-S1025-d=D"),
+]
+
+
+@interp
+@pytest.mark.parametrize("aggregate", AGGS)
+@pytest.mark.parametrize("B,HQ,HKV,S,D,d,k", STEP_CASES)
+def test_decode_step_equals_the_reference(triton_device, B, HQ, HKV, S, D, d, k, aggregate):
+    x = make_decode_inputs(B, HQ, HKV, S, D, ragged=True, left_pad=True, seed=S + B, device=triton_device)
+    check_step(x, d, k, aggregate)
+
+
+@interp
+@pytest.mark.parametrize("aggregate", AGGS)
+def test_decode_step_key_prefix_and_torch_select(triton_device, aggregate):
+    x = make_decode_inputs(3, 6, 2, 200, 32, ragged=True, left_pad=True, seed=5, device=triton_device)
+    a = check_step(x, 8, 0.25, aggregate, k_prefix=make_key_prefix(x.k_cache, 8))
+    b = check_step(x, 8, 0.25, aggregate, select_method="torch")
+    assert a == b
+
+
+@interp
+@pytest.mark.parametrize("aggregate", AGGS)
+def test_ties_go_to_the_lowest_position(triton_device, aggregate):
+    """Quantized inputs and duplicated keys: identical group scores tie exactly and the earlier token is taken
+    first, as in the reference (same sets)."""
+    x = make_decode_inputs(3, 6, 2, 97, 16, ragged=True, left_pad=True, seed=8)
+    x.k_cache[:, :, 50:80] = x.k_cache[:, :, 10:40]
+    x.lengths[1:] = torch.clamp(x.lengths[1:], min=85)
+    x.starts = torch.minimum(x.starts, torch.full_like(x.starts, 5))
+    x = _quantized(x, triton_device)
+    sets = check_step(x, 4, 0.3, aggregate, exact_sets=True)
+    for rows in sets:
+        for row in rows:
+            assert all(t - 40 in row for t in row if 50 <= t < 80), "a later duplicate was taken before its twin"
+
+
+@interp
+@pytest.mark.parametrize("aggregate", AGGS)
+def test_one_head_per_group_selects_as_per_query_head(triton_device, aggregate):
+    x = _quantized(make_decode_inputs(3, 3, 3, 97, 16, ragged=True, left_pad=True, seed=9), triton_device)
+    kw = dict(d=4, k=0.3, lengths=x.lengths, starts=x.starts, backend="triton", return_indices=True)
+    per_head, (idx_q, counts) = decode_attention(x.q, x.k_cache, x.v_cache, gqa_select="query", **kw)
+    shared, (idx_kv, _) = decode_attention(x.q, x.k_cache, x.v_cache, gqa_select="kv", aggregate=aggregate, **kw)
+    assert _sets(idx_q, counts) == _sets(idx_kv, counts) == check_step(x, 4, 0.3, aggregate, exact_sets=True)
+    torch.testing.assert_close(per_head, shared, rtol=1e-6, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------------
+# recorded launches: StepReplay and plan_decode
+def _new_positions(g, B, S):
+    lengths = torch.randint(S // 2, S + 1, (B,), generator=g, dtype=torch.int32)
+    starts = torch.stack([torch.randint(0, int(n) // 3 + 1, (1,), generator=g)[0] for n in lengths]).int()
+    return lengths, starts
+
+
+@interp
+@pytest.mark.parametrize("aggregate", AGGS)
+def test_step_replay_and_plan_change_every_input(triton_device, aggregate):
+    """Recorded then replayed launches with a new query, lengths, starts and counts every call; every output
+    equals the reference of its own inputs and stays as it was."""
+    B, HQ, HKV, S, D, d, K = 2, 8, 2, 150, 32, 8, 40
+    dev = triton_device
+    x = make_decode_inputs(B, HQ, HKV, S, D, ragged=True, left_pad=True, seed=11, device=dev)
+    g = torch.Generator().manual_seed(12)
+    replay = StepReplay()
+    plan = plan_decode(x.k_cache, x.v_cache, num_q_heads=HQ, d=d, k=0.3, gqa_select="kv", aggregate=aggregate)
+    kept = []
+    for _call in range(4):
+        q = torch.randn(B, HQ, D, generator=g).to(dev)
+        lengths, starts = _new_positions(g, B, S)
+        counts = torch.minimum(lengths - starts, torch.randint(1, K + 1, (B,), generator=g, dtype=torch.int32))
+        lengths, starts, counts = lengths.to(dev), starts.to(dev), counts.to(dev)
+        _, res = loki_decode_step(q, x.k_cache, x.v_cache, lengths, starts, counts, d=d, k_max=K,
+                                  gqa_select="kv", aggregate=aggregate, select_method="triton", replay=replay)
+        kept.append((q, lengths, starts, dict(counts=counts.long()), res))
+        kept.append((q, lengths, starts, dict(k=0.3), plan.run(q, lengths, starts)))
+    assert len([p for p in replay.plans.values() if p]) == 1 and plan._plan
+    assert len({r.data_ptr() for *_, r in kept}) == len(kept)
+    for q, lengths, starts, budget, res in kept:
+        want = loki_attention(q, x.k_cache, x.v_cache, d=d, lengths=lengths, starts=starts, gqa_select="kv",
+                              aggregate=aggregate, **budget)
+        torch.testing.assert_close(res, want, rtol=1e-4, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------------------------------
+# GPU: the fast path's shapes
+GPU_STEP = [
+    pytest.param(1, 32, 8, 131072, id="B1-HQ32-HKV8-S131072"),
+    pytest.param(16, 32, 8, 8192, id="B16-HQ32-HKV8-S8192"),
+    pytest.param(3, 24, 8, 4099, id="B3-HQ24-HKV8-S4099-G3"),
+]
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("aggregate", AGGS)
+@pytest.mark.parametrize("B,HQ,HKV,S", GPU_STEP)
+def test_gpu_decode_step(B, HQ, HKV, S, aggregate, dtype):
+    D, d = 128, 32
+    x = make_decode_inputs(B, HQ, HKV, S, D, dtype=dtype, device="cuda", ragged=True, left_pad=True, seed=S)
+    check_step(x, d, 0.25, aggregate, k_prefix=make_key_prefix(x.k_cache, d))
+
+
+@gpu
+@pytest.mark.parametrize("aggregate", AGGS)
+def test_gpu_op_replay_and_cuda_graph(aggregate):
+    """torch.ops.loki.decode_step on CUDA (the kernels) against its CPU registration (the reference), a
+    StepReplay's replays and a captured CUDA graph replayed with new inputs."""
+    from loki.kernels.decode import selection_width
+
+    B, HQ, HKV, S, D, d = 4, 32, 8, 4099, 128, 32
+    x = make_decode_inputs(B, HQ, HKV, S, D, dtype=torch.bfloat16, device="cuda", ragged=True, left_pad=True)
+    kp = make_key_prefix(x.k_cache, d)
+    counts = torch.clamp((x.lengths - x.starts) // 4, min=1).long()
+    W = selection_width(0.25, S)
+    args = (x.lengths, x.starts, counts, d, W, "kv", aggregate, 1 / math.sqrt(D))
+    got = torch.ops.loki.decode_step(x.q, x.k_cache, x.v_cache, kp, *args)
+    want = torch.ops.loki.decode_step(*(t.cpu().float() for t in (x.q, x.k_cache, x.v_cache)), None,
+                                      *(t.cpu() for t in args[:3]), *args[3:])
+    torch.testing.assert_close(got.float().cpu(), want, rtol=3e-2, atol=3e-2)
+    kw = dict(d=d, k_max=W, gqa_select="kv", aggregate=aggregate, select_method="triton", k_prefix=kp)
+    replay = StepReplay()
+    for _ in range(3):
+        _, res = loki_decode_step(x.q, x.k_cache, x.v_cache, x.lengths, x.starts, counts, replay=replay, **kw)
+        torch.testing.assert_close(res, got, rtol=0, atol=0)
+    q = x.q.clone()
+    loki_decode_step(q, x.k_cache, x.v_cache, x.lengths, x.starts, counts, **kw)  # compile before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _, static_out = loki_decode_step(q, x.k_cache, x.v_cache, x.lengths, x.starts, counts, **kw)
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    _, eager = loki_decode_step(q, x.k_cache, x.v_cache, x.lengths, x.starts, counts, **kw)
+    torch.testing.assert_close(static_out, eager, rtol=0, atol=0)
