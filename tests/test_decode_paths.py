@@ -4,8 +4,9 @@ The matrix: path (dynamic cache on the PyTorch reference and on the Triton kerne
 compiled static cache on CUDA) x batch (one unpadded sequence passed without a mask, two unpadded, one row
 left-padded, ragged left padding) x basis (an orthogonal PCA basis; a score-aware pair whose key transform is not
 orthogonal) x budget (k = 1.0 and an int k above every valid length must equal dense attention; k = 0.5 and int
-k in {1, P - 1, P} must equal the dynamic PyTorch path) x GQA mode.  Logits of the prefill's last position and of
-every decode step are compared (fp32, to 1e-5), never greedy tokens.
+k in {1, P - 1, P} must equal the dynamic PyTorch path) x GQA mode ("kv" with the raw sum; a few cases,
+``AGG_CASES``, of the shared selection with the softmax aggregates, written "kv:<aggregate>").  Logits of the
+prefill's last position and of every decode step are compared (fp32, to 1e-5), never greedy tokens.
 
 On the CPU the Triton kernels run in the interpreter: the PyTorch paths run the whole matrix, the Triton paths a
 pairwise-covering subset (every pair of factor values at least once; the whole matrix with
@@ -54,7 +55,8 @@ def run_path(path: str, batch_kind: str, basis: str, k, gqa: str, device: str) -
     torch._dynamo.reset()
     model = tiny_model(**MODEL).to(device)
     backend = {"torch": "torch", "triton": "triton", "static": "auto"}[path.split("-")[-1]]
-    enable_loki(model, _basis(basis), k=k, d=D_DIMS, backend=backend, gqa_select=gqa)
+    gqa, _, aggregate = gqa.partition(":")  # "kv:softmax-max": a shared selection with that aggregate
+    enable_loki(model, _basis(basis), k=k, d=D_DIMS, backend=backend, gqa_select=gqa, aggregate=aggregate or "sum")
     batch = batch_inputs(batch_kind, prompt_len=P, steps=T).to(device)
     cache = loki_static_cache(model, max_cache_len=P + T + 2) if "static" in path else None
     step = None
@@ -122,6 +124,15 @@ TORCH_CASES = list(itertools.product(("dynamic-torch", "static-torch"), KINDS, B
 TRITON_ALL = list(itertools.product(("dynamic-triton", "static-triton"), KINDS, BASES, BUDGETS, GQA))
 TRITON_PAIRS = pairwise([("dynamic-triton", "static-triton"), KINDS, BASES, BUDGETS, GQA])
 TRITON_REST = [c for c in TRITON_ALL if c not in TRITON_PAIRS]
+#: The softmax aggregates of a shared selection: a few cases on each Triton path (every batch kind, both bases,
+#: fractional and int budgets; k = 1.0 compares with dense attention too).
+SOFTMAX_AGGS = ("kv:softmax-max", "kv:softmax-sum")
+AGG_CASES = [
+    ("dynamic-triton", "B3-ragged", "pca", 0.5, SOFTMAX_AGGS[0]),
+    ("dynamic-triton", "B1-unpadded", "score", P - 1, SOFTMAX_AGGS[1]),
+    ("static-triton", "B2-left-padded", "score", 0.5, SOFTMAX_AGGS[1]),
+    ("static-triton", "B2-unpadded", "pca", 1.0, SOFTMAX_AGGS[0]),
+]
 
 
 def test_pairwise_subset_covers_every_pair():
@@ -143,7 +154,7 @@ def _triton_cpu():
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("case", TRITON_PAIRS, ids=_case_id)
+@pytest.mark.parametrize("case", TRITON_PAIRS + AGG_CASES, ids=_case_id)
 def test_triton_paths(case):
     _triton_cpu()
     check_case(*case, "cpu")
@@ -161,9 +172,14 @@ def test_triton_paths_rest_of_matrix(case):
 
 # -- the same on a GPU ------------------------------------------------------------------------------------------
 
-GPU_CASES = TORCH_CASES + TRITON_ALL
+GPU_AGG_CASES = [(path, kind, "pca", k, agg) for path in ("dynamic-triton", "static-triton")
+                 for kind, k in (("B1-unpadded", 1.0), ("B2-left-padded", 0.5), ("B3-ragged", P - 1))
+                 for agg in SOFTMAX_AGGS]
+GPU_CASES = TORCH_CASES + TRITON_ALL + GPU_AGG_CASES
 COMPILED_CASES = [("compiled-static", kind, basis, k, gqa) for kind, basis, k, gqa in
-                  pairwise([KINDS, BASES, (1.0, 0.5, 1, 2 * P), GQA])]
+                  pairwise([KINDS, BASES, (1.0, 0.5, 1, 2 * P), GQA])] + [
+                  ("compiled-static", kind, "score", k, agg) for kind, k in (("B2-left-padded", 0.5), ("B3-ragged", 1))
+                  for agg in SOFTMAX_AGGS]
 
 
 @pytest.mark.gpu
