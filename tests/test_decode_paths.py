@@ -462,3 +462,23 @@ def test_planned_runs_change_every_input_and_keep_every_output(with_out):
         want = loki_attention(q, x.k_cache, x.v_cache, d=8, k=0.3, lengths=lengths, starts=starts,
                               gqa_select="kv")
         torch.testing.assert_close(res, want, **TOL)
+
+
+@pytest.mark.gpu
+def test_gpu_write_kernel_takes_a_prefill_longer_than_a_grid_axis():
+    """A prefill of more than 65535 tokens written in one call (tokens on the grid's first axis): the same
+    cache as the reference writes (a 131072-token cache failed to launch when tokens were on the second axis)."""
+    from loki.kernels.cache_write import write_rotated, write_rotated_reference
+
+    L, S = 70000, 70010
+    g = torch.Generator(device="cuda").manual_seed(0)
+    k = torch.randn(1, 2, L, 64, device="cuda", generator=g, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    P = PCABasis.random(1, 2, 64, seed=2).components[0].cuda().contiguous()
+    pos = torch.arange(L, device="cuda")
+    caches = [[torch.zeros(1, 2, S, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3)] for _ in range(2)]
+    write_rotated(*caches[0][:2], caches[0][2][..., :16], k, v, P, pos)
+    write_rotated_reference(*caches[1][:2], caches[1][2][..., :16], k, v, P, pos)
+    torch.testing.assert_close(caches[0][0], caches[1][0], rtol=1e-2, atol=2e-2)
+    assert torch.equal(caches[0][1], caches[1][1])
+    assert bool((caches[0][0][:, :, L:] == 0).all())

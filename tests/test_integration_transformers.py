@@ -191,9 +191,16 @@ def test_decode_step_matches_reference_at_sparse_setting():
     finally:
         model._loki_config.current_cache = None
     assert weights is None and out.shape == (B, 1, q.shape[1], D)
+    cfg = model._loki_config.config
+    assert (cfg.gqa_select, cfg.aggregate) == ("query", "sum")  # the default
     want = loki_attention(rotate_query(q[:, :, 0], basis.layer(layer_idx)), k_hat, v, d=0.25, k=0.25,
                           scale=attn.scaling)
     torch.testing.assert_close(out[:, 0], want, atol=1e-5, rtol=1e-5)
+    enable_loki(model, basis, k=0.25, d=0.25, gqa_select="auto", aggregate="auto")
+    assert (model._loki_config.config.gqa_select, model._loki_config.config.aggregate) == ("kv", "softmax-max")
+    mha = tiny_model("llama", num_heads=4, num_kv_heads=4)
+    enable_loki(mha, PCABasis.random(2, 4, 16, seed=1), k=0.25, d=0.25, gqa_select="auto", aggregate="auto")
+    assert (mha._loki_config.config.gqa_select, mha._loki_config.config.aggregate) == ("query", "sum")
 
 
 def test_teacher_forced_rows_match_decode_reference():

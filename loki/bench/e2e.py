@@ -34,6 +34,7 @@ import torch
 
 from loki._checks import budget_counts, check_budget, resolve_d
 from loki._hf import cache_keyword, config_head_dim
+from loki.integrations.transformers.enable import default_gqa_mode
 
 __all__ = [
     "BATCHES",
@@ -291,7 +292,7 @@ def _free(device):
 
 def run_path(model, path: str, *, B: int, S: int, steps: int, device, dtype, basis=None, k_f: float = 0.25,
              d_f=0.25, gqa_select: str = "query", sdpa_backend: str = "default", seed: int = 0,
-             compile_mode: str | None = "reduce-overhead") -> dict:
+             compile_mode: str | None = "reduce-overhead", aggregate: str = "sum") -> dict:
     """Time ``steps`` decode steps of ``path`` reaching cache length S (after an untimed pass over the same
     steps); returns ms per step (median, mean, min), tokens/s (B / median), the first pass's wall time (compilation
     and warm-up), what ran (cache and layer classes, attention implementation, finite logits) and the largest
@@ -308,7 +309,7 @@ def run_path(model, path: str, *, B: int, S: int, steps: int, device, dtype, bas
     n0 = S - steps
     cfg = model.config
     if path.startswith("loki"):
-        enable_loki(model, basis, k=k_f, d=d_f, gqa_select=gqa_select)
+        enable_loki(model, basis, k=k_f, d=d_f, gqa_select=gqa_select, aggregate=aggregate)
     else:
         disable_loki(model)
     cache = fn = out = None
@@ -382,11 +383,13 @@ def run_grid(grid, *, device="cuda", dtype=torch.bfloat16, models=None, paths=PA
              k_f: float = 0.25, d_f=0.25, gqa_select: str = "auto", sdpa_backend: str = "default",
              copy_gbps: float | None = None, time_budget_s: float | None = None, seed: int = 0,
              compile_mode: str | None = "reduce-overhead", free_bytes: int | None = None, on_setting=None,
-             log=print) -> list[dict]:
+             log=print, aggregate: str = "sum") -> list[dict]:
     """Run ``paths`` on every :class:`Setting` of ``grid`` (one model built per model name, settings that do not
     fit the device memory or the time budget reported as skipped: a path is not started when the time spent plus
     its last duration would pass ``time_budget_s``).  ``models`` maps names to ``LlamaConfig``
-    fields (default :data:`E2E_MODELS`); ``gqa_select="auto"`` is "kv" for GQA models, else "query".
+    fields (default :data:`E2E_MODELS`); ``gqa_select="auto"`` is "kv" for GQA models, else "query";
+    ``aggregate``: how a shared selection combines the group's scores ("sum", the timed default; "auto" as
+    ``enable_loki`` resolves it).
     ``free_bytes`` overrides the device memory free beside the model (measured on CUDA, unchecked elsewhere).
     ``on_setting(result)`` is called after each setting (for incremental output).  Returns one dict per setting."""
     from loki.basis import PCABasis
@@ -400,6 +403,7 @@ def run_grid(grid, *, device="cuda", dtype=torch.bfloat16, models=None, paths=PA
         config = llama_config(models[name])
         L, HQ, HKV, D = _dims(config)
         mode = gqa_select if gqa_select != "auto" else ("kv" if HQ != HKV else "query")
+        agg = default_gqa_mode(config, "loki", mode, aggregate)[1]
         t0 = time.perf_counter()
         model = build_model(config, dev, dtype)
         build_s = time.perf_counter() - t0
@@ -408,10 +412,11 @@ def run_grid(grid, *, device="cuda", dtype=torch.bfloat16, models=None, paths=PA
         if free is None and dev.type == "cuda":
             torch.cuda.synchronize()
             free = torch.cuda.mem_get_info(dev)[0] + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
-        log(f"# {name}: built in {build_s:.1f} s; gqa_select={mode}")
+        log(f"# {name}: built in {build_s:.1f} s; gqa_select={mode}" + (f", aggregate={agg}" if mode == "kv" else ""))
         for s in (s for s in grid if s.model == name):
             res = {"id": s.id, "model": name, "B": s.B, "S": s.S, "steps": steps, "n0": s.S - steps,
-                   "k_f": k_f, "d_f": d_f, "gqa_select": mode, "model_build_s": build_s, "paths": {}}
+                   "k_f": k_f, "d_f": d_f, "gqa_select": mode, "aggregate": agg, "model_build_s": build_s,
+                   "paths": {}}
             wb = weight_bytes(model, s.B)
             res["bytes"] = byte_floor(config, s.B, range(s.S - steps + 1, s.S + 1), weights=wb, itemsize=itemsize,
                                       k_f=k_f, d_f=d_f, gqa_select=mode)
@@ -437,7 +442,8 @@ def run_grid(grid, *, device="cuda", dtype=torch.bfloat16, models=None, paths=PA
                 try:
                     res["paths"][p] = run_path(model, p, B=s.B, S=s.S, steps=steps, device=dev, dtype=dtype,
                                                basis=basis, k_f=k_f, d_f=d_f, gqa_select=mode,
-                                               sdpa_backend=sdpa_backend, seed=seed, compile_mode=compile_mode)
+                                               sdpa_backend=sdpa_backend, seed=seed, compile_mode=compile_mode,
+                                               aggregate=agg)
                 except torch.cuda.OutOfMemoryError as exc:
                     res["paths"][p] = {"skipped": f"out of memory: {str(exc).splitlines()[0][:200]}"}
                 except Exception as exc:  # noqa: BLE001 - one failing path is reported, the others still run

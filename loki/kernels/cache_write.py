@@ -39,8 +39,8 @@ def _write_rotated_kernel(
 
     Every store is masked to the cache's own rows (``0 <= pos < S_CACHE``, ``b < B_CACHE``): whatever it is
     given, the kernel never writes outside the cache tensors (the host checks raise before launching)."""
-    pid = tl.program_id(0).to(tl.int64)
-    l_idx = tl.program_id(1).to(tl.int64)
+    l_idx = tl.program_id(0).to(tl.int64)  # tokens on grid axis 0 (up to 2^31 - 1: a long prefill fits)
+    pid = tl.program_id(1).to(tl.int64)  # batch x KV heads on axis 1 (at most 65535)
     b = pid // HKV
     h = pid % HKV
     p = tl.load(pos_ptr + l_idx).to(tl.int64)
@@ -127,7 +127,9 @@ def write_rotated(keys: torch.Tensor, values: torch.Tensor, prefix: torch.Tensor
     if B == 0 or L == 0:
         return
     pre = prefix if prefix is not None else keys
-    launch(_write_rotated_kernel, (B * HKV, L), [
+    if B * HKV > 65535:
+        raise ValueError(f"batch x KV heads = {B * HKV} exceeds the 65535 programs of a grid axis")
+    launch(_write_rotated_kernel, (L, B * HKV), [
         k_new, v_new, P, pos, keys, values, pre, L, HKV, pre.shape[-1] if prefix is not None else 0,
         keys.shape[0], keys.shape[2],
         k_new.stride(0), k_new.stride(1), k_new.stride(2), v_new.stride(0), v_new.stride(1), v_new.stride(2),

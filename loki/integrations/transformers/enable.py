@@ -41,7 +41,7 @@ from .config import (
 from .metadata import build_forward_metadata
 from .parallel import local_bases
 
-__all__ = ["disable_loki", "enable_loki", "is_loki_enabled"]
+__all__ = ["default_gqa_mode", "disable_loki", "enable_loki", "is_loki_enabled"]
 
 
 def _check_architecture(model) -> None:
@@ -69,6 +69,19 @@ def _register() -> None:
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, loki_attention_forward)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+
+
+def default_gqa_mode(config, method: str, gqa_select: str = "auto", aggregate: str = "auto") -> tuple[str, str]:
+    """(gqa_select, aggregate) with "auto" resolved: one selection per KV group with softmax-normalised scores
+    ("kv", "softmax-max") for method "loki" on a GQA model, else per query head ("query"; aggregate "sum")."""
+    from loki._hf import config_kv_heads
+
+    if gqa_select == "auto":
+        heads = int(text_config(config).num_attention_heads)
+        gqa_select = "kv" if method == "loki" and config_kv_heads(config) < heads else "query"
+    if aggregate == "auto":
+        aggregate = "softmax-max" if gqa_select == "kv" and method == "loki" else "sum"
+    return gqa_select, aggregate
 
 
 def is_loki_enabled(model) -> bool:
@@ -103,7 +116,13 @@ def enable_loki(
         gqa_select: "query" (each query head selects its own tokens) or "kv" (one selection per KV head from the
             group's scores combined by ``aggregate``, one of ``loki.reference.GQA_AGGREGATES``; the Triton kernels
             implement all but "union" (``loki.reference.KERNEL_AGGREGATES``), which needs ``backend="torch"`` for
-            method "loki" on CUDA).
+            method "loki" on CUDA).  "auto": for method "loki" on a GQA model (fewer KV heads than query heads) one
+            selection per KV group, whose bytes fall with the group size, with ``aggregate`` "softmax-max" (each
+            head's scores normalised before the group's maximum: the most accurate shared selection the kernels run,
+            docs/accuracy.md; on the H100 its two extra kernels still cost more than the bytes they save,
+            docs/kernels.md); otherwise "query".  The default stays "query" (the most accurate per token read).
+        aggregate: how a shared selection combines the group's scores; "auto": "softmax-max" where "auto" chose
+            "kv", else "sum".
         backend: "auto" (Triton kernel on CUDA, PyTorch elsewhere), "torch" or "triton" for the Loki decode step.
         semantics: "generate" (dense prefill, sparse decode steps) or "decode" (every query row attends like a
             decode step over the tokens it sees; for loglikelihood and perplexity evaluation).
@@ -114,10 +133,11 @@ def enable_loki(
     _check_architecture(model)
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    if gqa_select not in ("query", "kv"):
-        raise ValueError(f"gqa_select must be 'query' or 'kv', got {gqa_select!r}")
-    if aggregate not in GQA_AGGREGATES:
-        raise ValueError(f"aggregate must be one of {GQA_AGGREGATES}, got {aggregate!r}")
+    if gqa_select not in ("auto", "query", "kv"):
+        raise ValueError(f"gqa_select must be 'auto', 'query' or 'kv', got {gqa_select!r}")
+    if aggregate != "auto" and aggregate not in GQA_AGGREGATES:
+        raise ValueError(f"aggregate must be one of {('auto', *GQA_AGGREGATES)}, got {aggregate!r}")
+    gqa_select, aggregate = default_gqa_mode(model.config, method, gqa_select, aggregate)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if semantics not in SEMANTICS:
