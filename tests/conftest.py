@@ -60,14 +60,18 @@ def device(request) -> torch.device:
     return torch.device(request.param)
 
 
-@pytest.fixture
-def triton_device() -> torch.device:
-    """The device Triton kernels run on here: cuda on a GPU machine, cpu under the interpreter."""
-    if HAS_CUDA and not INTERPRET:
+@pytest.fixture(params=[pytest.param("cpu", marks=pytest.mark.interpreter),
+                        pytest.param("cuda", marks=pytest.mark.gpu)])
+def triton_device(request) -> torch.device:
+    """The device a Triton-kernel test runs on: the CPU under the interpreter (``TRITON_INTERPRET=1``, CI) and
+    CUDA on a GPU machine; the CUDA case is marked ``gpu`` so that ``pytest -m gpu`` selects it."""
+    if request.param == "cuda":
+        if INTERPRET:
+            pytest.skip("TRITON_INTERPRET=1 is set: the kernels run in the interpreter on the CPU")
         return torch.device("cuda")
-    if INTERPRET:
-        return torch.device("cpu")
-    pytest.skip("Triton kernels need a CUDA device or TRITON_INTERPRET=1")
+    if not INTERPRET:
+        pytest.skip("the Triton kernels on the CPU need TRITON_INTERPRET=1")
+    return torch.device("cpu")
 
 
 @pytest.fixture(autouse=True)

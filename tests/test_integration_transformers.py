@@ -284,17 +284,14 @@ def test_basis_from_file(tmp_path):
 
 @pytest.mark.interpreter
 @torch.no_grad()  # the Triton backend refuses inputs that require grad
-def test_triton_backend_decode_step_matches_torch_backend():
+def test_triton_backend_decode_step_matches_torch_backend(triton_device):
     pytest.importorskip("triton")
     try:
         import loki.kernels.decode  # noqa: F401
     except ModuleNotFoundError:
         pytest.skip("loki.kernels.decode is not available")
-    import os
 
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("Triton kernels need a CUDA device or TRITON_INTERPRET=1")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = triton_device
     logits = {}
     for backend in ("torch", "triton"):
         model = tiny_model("llama", num_layers=1).to(device)
@@ -307,16 +304,13 @@ def test_triton_backend_decode_step_matches_torch_backend():
 
 
 @torch.no_grad()  # the Triton backend refuses inputs that require grad
-def test_triton_path_keeps_and_uses_a_contiguous_key_prefix(monkeypatch):
+def test_triton_path_keeps_and_uses_a_contiguous_key_prefix(monkeypatch, triton_device):
     """With the Triton backend the cache keeps K_hat[..., :d] contiguous beside the keys (appended per
     token) and the decode step hands it to the kernels; results equal the torch backend."""
-    import os
 
     import loki.kernels.decode as kd
 
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("Triton kernels need a CUDA device or TRITON_INTERPRET=1")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = triton_device
     seen = []
     original = kd.loki_decode_step
 
@@ -347,14 +341,11 @@ def test_triton_path_keeps_and_uses_a_contiguous_key_prefix(monkeypatch):
 
 
 @torch.no_grad()  # the Triton backend refuses inputs that require grad
-def test_key_prefix_is_appended_in_place():
+def test_key_prefix_is_appended_in_place(triton_device):
     """The key prefix grows inside a buffer with spare capacity (no copy of the whole prefix per decode step)
     and stays equal to the rotated keys' first dims through decode steps, crop and beam reordering."""
-    import os
 
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("Triton kernels need a CUDA device or TRITON_INTERPRET=1")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = triton_device
     model = tiny_model("llama", num_layers=1).to(device)
     enable_loki(model, _basis(model), k=0.5, d=0.25, backend="triton")
     kw = _cache_kwarg(model)
@@ -381,14 +372,11 @@ def test_key_prefix_is_appended_in_place():
 
 @pytest.mark.parametrize("gqa_select", ["query", "kv"])
 @torch.no_grad()  # the Triton backend refuses inputs that require grad
-def test_triton_decode_fast_path_with_padding_equals_torch_backend(gqa_select):
+def test_triton_decode_fast_path_with_padding_equals_torch_backend(gqa_select, triton_device):
     """The Triton decode path (visible ranges, budgets and bound computed once per forward, the kernels'
     step called directly) gives what the torch backend gives on a left-padded batch, over several steps."""
-    import os
 
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("Triton kernels need a CUDA device or TRITON_INTERPRET=1")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = triton_device
     ids = torch.cat([_prompt(24, seed=1), _prompt(24, seed=2)]).to(device)
     mask = torch.ones_like(ids)
     mask[1, :7] = 0  # left padding of the second sequence

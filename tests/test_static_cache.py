@@ -80,13 +80,13 @@ def _generate_logits(model, ids, mask, **kw):
     return out.sequences[:, ids.shape[1]:], torch.stack([x.float() for x in out.logits])
 
 
-@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.interpreter)])
+@pytest.mark.parametrize("backend,dev", [("torch", "cpu"), pytest.param("triton", "cpu", marks=pytest.mark.interpreter),
+                                         pytest.param("triton", "cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("gqa_select", ["query", "kv"])
 @pytest.mark.parametrize("padded", [False, True], ids=["B1-unpadded", "B2-left-padded"])
-def test_static_cache_generate_equals_dynamic(backend, gqa_select, padded, monkeypatch):
-    if backend == "triton" and not (INTERPRET or HAS_CUDA):
-        pytest.skip("the Triton backend needs a GPU or TRITON_INTERPRET=1")
-    dev = "cuda" if backend == "triton" and HAS_CUDA and not INTERPRET else "cpu"
+def test_static_cache_generate_equals_dynamic(backend, dev, gqa_select, padded, monkeypatch):
+    if backend == "triton" and (dev == "cpu") != INTERPRET:
+        pytest.skip("the Triton backend runs on CUDA, or on the CPU under TRITON_INTERPRET=1")
     model = tiny_model(num_heads=4, num_kv_heads=2).to(dev)
     enable_loki(model, _basis(model), k=0.5, d=0.5, backend=backend, gqa_select=gqa_select)
     ids, mask = (t.to(dev) for t in _prompt())
@@ -227,10 +227,8 @@ def test_static_cache_arguments_and_h2o_refused():
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("gqa_select,k", [("query", 0.25), ("kv", 9)])
-def test_plan_decode_equals_decode_attention(gqa_select, k):
-    if not (INTERPRET or HAS_CUDA):
-        pytest.skip("the Triton kernels need a GPU or TRITON_INTERPRET=1")
-    dev = "cuda" if HAS_CUDA else "cpu"
+def test_plan_decode_equals_decode_attention(gqa_select, k, triton_device):
+    dev = triton_device
     x = make_decode_inputs(3, 4, 2, 120, 32, ragged=True, left_pad=True, seed=5, device=dev)
     prefix = x.k_cache[..., :8].contiguous()
     plan = plan_decode(x.k_cache, x.v_cache, num_q_heads=4, d=8, k=k, k_prefix=prefix, gqa_select=gqa_select)
@@ -250,10 +248,8 @@ def test_plan_decode_equals_decode_attention(gqa_select, k):
 
 
 @pytest.mark.interpreter
-def test_plan_decode_errors_name_the_argument():
-    if not (INTERPRET or HAS_CUDA):
-        pytest.skip("the Triton kernels need a GPU or TRITON_INTERPRET=1")
-    dev = "cuda" if HAS_CUDA else "cpu"
+def test_plan_decode_errors_name_the_argument(triton_device):
+    dev = triton_device
     x = make_decode_inputs(2, 4, 2, 64, 16, seed=1, device=dev)
     with pytest.raises(ValueError, match="num_q_heads"):
         plan_decode(x.k_cache, x.v_cache, num_q_heads=3, d=4, k=8)
@@ -352,15 +348,13 @@ def test_compiled_graph_computes_ranges_once_for_all_layers():
 @pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_prefix", [True, False])
-def test_write_rotated_equals_reference(dtype, with_prefix):
+def test_write_rotated_equals_reference(dtype, with_prefix, triton_device):
     """The fused cache write (rotate, store key, value and prefix at the positions) equals rotate_keys +
     index_copy_, and leaves every other position untouched."""
     from loki.kernels.cache_write import write_rotated, write_rotated_reference
     from loki.testing.inputs import random_orthogonal
 
-    if not (INTERPRET or HAS_CUDA):
-        pytest.skip("the Triton kernel needs a GPU or TRITON_INTERPRET=1")
-    dev = "cuda" if HAS_CUDA else "cpu"
+    dev = triton_device
     g = torch.Generator().manual_seed(7)
     B, HKV, S, D, L, dp = 2, 3, 20, 32, 3, 8
     P = random_orthogonal(HKV, D, seed=2).to(dev)
