@@ -225,9 +225,10 @@ def test_split_select_recorded_launches_replay(triton_device, poison, monkeypatc
     B, H, S, K = 2, 3, 1025, 300
     scores, valid = _scores(B, H, S, "halves", True, seed=1)
     counts = _counts(K, valid).to(triton_device)
+    sc = scores.to(triton_device)  # one tensor: a plan finds its inputs by identity
     with recording() as rec:
-        idx = select_topk_split(scores.to(triton_device), counts, k_max=K, chunk=256, cand_block=64)
-    plan = DecodePlan(rec.launches, (scores.to(triton_device), counts), rec.buffers)
+        idx = select_topk_split(sc, counts, k_max=K, chunk=256, cand_block=64)
+    plan = DecodePlan(rec.launches, (sc, counts), rec.buffers)
     assert plan.ok and len(plan.launches) == 3 and len(plan.buffers) == 2
     ret = [id(b) for b in rec.buffers].index(id(idx))
     for seed in (2, 3):

@@ -137,8 +137,9 @@ def test_lse_chunking_rule():
 def test_approx_scores_with_a_softmax_aggregate(triton_device, aggregate):
     x = make_decode_inputs(2, 6, 2, 300, 32, ragged=True, left_pad=True, seed=3)
     q, kc = x.q.to(triton_device), x.k_cache.to(triton_device)
-    heads, agg = approx_scores(q, kc, 8, x.lengths, x.starts, gqa_select="kv", aggregate=aggregate, return_both=True)
-    alone = approx_scores(q, kc, 8, x.lengths, x.starts, gqa_select="kv", aggregate=aggregate, scale=0.2,
+    ln, st = x.lengths.to(triton_device), x.starts.to(triton_device)
+    heads, agg = approx_scores(q, kc, 8, ln, st, gqa_select="kv", aggregate=aggregate, return_both=True)
+    alone = approx_scores(q, kc, 8, ln, st, gqa_select="kv", aggregate=aggregate, scale=0.2,
                           k_prefix=make_key_prefix(kc, 8))
     for got, scale in ((agg, None), (alone, 0.2)):
         want = approx_scores_reference(x.q.double(), x.k_cache.double(), 8, x.lengths, x.starts, gqa_select="kv",
