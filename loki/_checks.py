@@ -252,6 +252,9 @@ def triton_interpreting() -> bool:
 def check_triton_device(device: torch.device | torch.Tensor, what: str = "the Triton kernels") -> None:
     """Triton runs on CUDA tensors, or on CPU tensors only under ``TRITON_INTERPRET=1``; raise RuntimeError
     saying what to do otherwise.  ``device``: a device or a tensor on it."""
+    from loki._triton import require_triton  # a TritonUnavailableError where triton cannot be imported
+
+    require_triton(what)
     if isinstance(device, torch.Tensor):
         device = device.device
     device = torch.device(device)

@@ -202,8 +202,6 @@ def test_triton_helper_gives_the_real_modules_where_triton_imports():
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-3000:]
 
 
-@pytest.mark.xfail(strict=True, reason="loki.kernels imports triton at module level; its modules must take triton "
-                   "and tl from loki._triton and backend='triton' must call loki._triton.require_triton()")
 def test_import_loki_without_triton():
     code = textwrap.dedent("""\
         import sys

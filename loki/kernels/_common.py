@@ -8,10 +8,10 @@ Imports nothing else of ``loki.kernels`` (``launch`` and every kernel module imp
 from __future__ import annotations
 
 import torch
-import triton
 
 from loki._checks import check_triton_device
 from loki._checks import triton_interpreting as interpreting
+from loki._triton import triton
 
 __all__ = ["NUM_SMS_DEFAULT", "check_triton_device", "interpreter_tile", "interpreting", "key_block", "num_sms"]
 

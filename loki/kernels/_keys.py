@@ -6,8 +6,7 @@ Imports nothing of ``loki.kernels`` (both selects import it).
 
 from __future__ import annotations
 
-import triton
-import triton.language as tl
+from loki._triton import tl, triton
 
 __all__: list[str] = []
 

@@ -23,10 +23,9 @@ exactly d/D of the key bytes when dp = d (78-92% of copy bandwidth on an H100).
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from loki._checks import check_decode_inputs, check_no_grad, resolve_d, resolve_scale
+from loki._triton import tl, triton
 from loki.reference.selection import GQA_SELECT_MODES, check_kernel_aggregate
 from loki.reference.selection import approx_scores as approx_scores_reference
 

@@ -13,10 +13,9 @@ Shape letters: B batch, HKV key/value heads, L new tokens, S = max cache length,
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from loki._checks import CacheOverflowError
+from loki._triton import tl, triton
 
 from ._common import interpreting
 from .launch import launch

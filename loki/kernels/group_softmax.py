@@ -30,8 +30,8 @@ Shape letters: B batch, HQ query heads, HKV key/value heads (G = HQ // HKV), S c
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from loki._triton import tl, triton
 
 from ._common import interpreter_tile, interpreting, num_sms
 from .launch import launch, new_output, pdl

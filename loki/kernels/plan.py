@@ -17,10 +17,9 @@ Shape letters: B batch, HQ query heads, HKV key/value heads, S cache length, D h
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from loki._checks import check_budget, check_decode_inputs, check_no_grad, resolve_d, resolve_scale
+from loki._triton import tl, triton
 from loki.reference.selection import GQA_SELECT_MODES, check_kernel_aggregate
 
 from . import launch as _launch

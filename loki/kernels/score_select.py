@@ -22,8 +22,8 @@ d leading principal dims, H the selection's head axis, K the selection width (>=
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from loki._triton import tl, triton
 
 from ._common import interpreter_tile, interpreting, key_block, num_sms
 from .launch import launch, new_output, pdl

@@ -25,10 +25,9 @@ where ``torch.topk`` ranks NaN).
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from loki._checks import check_counts
+from loki._triton import tl, triton
 from loki.reference.selection import select_topk as select_topk_reference
 from loki.reference.selection import topk_indices
 

@@ -44,10 +44,9 @@ level launches into one with a per-row arrival counter (a launch less per level,
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from loki._checks import check_counts
+from loki._triton import tl, triton
 
 from ._common import NUM_SMS_DEFAULT, check_triton_device, interpreting, num_sms
 from ._keys import _ordered_key

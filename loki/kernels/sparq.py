@@ -20,8 +20,6 @@ r query components, K selected tokens.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from loki._checks import (
     check_budget,
@@ -32,6 +30,7 @@ from loki._checks import (
     resolve_scale,
     valid_token_mask,
 )
+from loki._triton import tl, triton
 from loki.reference.methods import sparq_attention as sparq_attention_reference
 from loki.reference.selection import budget, topk_indices
 

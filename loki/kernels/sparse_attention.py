@@ -29,10 +29,9 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
-import triton.language as tl
 
 from loki._checks import check_count, check_no_grad, resolve_scale
+from loki._triton import tl, triton
 from loki.reference.sparse import sparse_attention as sparse_attention_reference
 
 from ._common import NUM_SMS_DEFAULT, check_triton_device, interpreter_tile, interpreting, num_sms
