@@ -23,6 +23,7 @@ __all__ = [
     "fraction_or_count",
     "load_model_from_args",
     "model_device",
+    "non_negative_int",
     "positive_int",
     "quiet_progress",
     "resolve_windows",
@@ -87,15 +88,24 @@ def model_device(args):
     return resolve_device(getattr(args, "device", "auto"))
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
+def _int_at_least(text: str, minimum: int) -> int:
     try:
         v = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+        raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}") from None
+    if v < minimum:
+        raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {text}")
     return v
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    return _int_at_least(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    return _int_at_least(text, 0)
 
 
 def check_input_file(path: str | None, option: str) -> str | None:

@@ -16,6 +16,7 @@ from loki.evaluation.commands import (
     check_output_file,
     fail,
     fraction_or_count,
+    non_negative_int,
     positive_int,
     set_threads,
 )
@@ -46,16 +47,6 @@ def _batch_size(text: str) -> str:
     if (head == "auto" and (not n or n.isdigit() and int(n) >= 1)) or (t.isdigit() and int(t) >= 1):
         return t
     raise argparse.ArgumentTypeError(f"expected a count >= 1, 'auto' or 'auto:N', got {text!r}")
-
-
-def _non_negative(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return v
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -89,7 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default: %(default)s)")
     parser.add_argument("--limit", type=_limit, default=None,
                         help="documents per task: a count >= 1 or a fraction in (0, 1) (default: all)")
-    parser.add_argument("--num-fewshot", type=_non_negative, default=0,
+    parser.add_argument("--num-fewshot", type=non_negative_int, default=0,
                         help="few-shot examples per prompt, always explicit (default 0)")
     parser.add_argument("--batch-size", type=_batch_size, default="1",
                         help="requests per forward pass: a count, 'auto' or 'auto:N' (default: %(default)s)")

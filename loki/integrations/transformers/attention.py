@@ -124,7 +124,7 @@ def loki_attention_forward(module, query, key, value, attention_mask, scaling=No
         prefix = None  # out of step with the keys (e.g. a cache edited outside Loki): read the keys in place
     if (L == 1 and cfg.method == "loki" and keys_rotated and P_q is not None
             and triton_backend(cfg.backend, query)):
-        return _loki_decode_fast(state, cfg, query, key, value, ranges, P_q, scale, prefix), None
+        return _loki_decode_fast(state, query, key, value, ranges, P_q, scale, prefix), None
     out = teacher_forced_attention(
         query, key, value, method=cfg.method, k=cfg.k, d=cfg.d, P=P, P_q=P_q, keys_rotated=keys_rotated,
         scale=scale, gqa_select=cfg.gqa_select, aggregate=cfg.aggregate, backend=cfg.backend,
@@ -133,13 +133,13 @@ def loki_attention_forward(module, query, key, value, attention_mask, scaling=No
     return out.transpose(1, 2).contiguous(), None
 
 
-def _loki_decode_fast(state, cfg, query, key, value, ranges: LayerRanges, P_q, scale, prefix):
+def _loki_decode_fast(state, query, key, value, ranges: LayerRanges, P_q, scale, prefix):
     """One decode step (L = 1) of Loki on the Triton kernels with as little host work as possible: the rows'
     visible ranges, budgets and selection width come from the step metadata (computed once per forward), and the
     kernels run through ``loki_decode_step`` with the forward's :class:`~loki.kernels.StepReplay` (layers 3+ of
     a step replay the recorded launches).  Same result as ``teacher_forced_attention`` on this path.
     Returns [B, 1, HQ, D]."""
-    meta = state.forward
+    cfg, meta = state.config, state.forward
     q_hat = rotate_rows(query, P_q)[:, :, 0]  # [B, HQ, D]
     _, out = kernel_decode.loki_decode_step(
         q_hat, key, value, ranges.dec_lengths, ranges.dec_starts, ranges.counts, d=resolve_d(cfg.d, query.shape[-1]),

@@ -244,15 +244,10 @@ def _install_hooks(model, state: LokiState) -> None:
             x = arg("inputs_embeds", args, kwargs)
         if x is None:
             raise LokiError("the decoder was called without input_ids or inputs_embeds")
-        layers = getattr(cache, "layers", None) or []
-        first = layers[0] if layers else None
-        static_batch = (first.keys.shape[0] if getattr(first, "loki_static", False)
-                        and getattr(first, "is_initialized", False) else None)
         state.current_cache = cache
         state.forward = build_forward_metadata(
             k=cfg.k, B=x.shape[0], L=x.shape[1], device=x.device, cache=cache,
-            attention_mask=arg("attention_mask", args, kwargs), windows=windows, num_layers=num_layers,
-            static_batch=static_batch)
+            attention_mask=arg("attention_mask", args, kwargs), windows=windows, num_layers=num_layers)
         state.owner.in_forward = True
         return args, kwargs
 

@@ -78,14 +78,11 @@ class LayerRanges:
 
 @dataclass(eq=False)
 class ForwardMetadata:
-    """The step metadata of one forward: the row ranges of every layer (``layer(idx)``), whether the eager checks
-    ran, and the launches the layers of this forward replay."""
+    """The step metadata of one forward: the row ranges of every layer (``layer(idx)``) and the launches the layers
+    of this forward replay (None while compiling)."""
 
-    B: int
-    L: int
     groups: list
     layer_group: list
-    checked: bool
     replay: StepReplay | None = None
 
     def layer(self, idx: int, S: int) -> LayerRanges:
@@ -141,26 +138,23 @@ _HOLES = ("Loki needs each query's visible tokens to be one contiguous range, an
           "padded prompt leave the padding in the middle of the sequence")
 
 
-def _compiling() -> bool:
-    return torch.compiler.is_compiling()
-
-
-def build_forward_metadata(*, k, B: int, L: int, device, cache, attention_mask, windows, num_layers: int,
-                           static_batch=None) -> ForwardMetadata:
+def build_forward_metadata(*, k, B: int, L: int, device, cache, attention_mask, windows,
+                           num_layers: int) -> ForwardMetadata:
     """The step metadata of one forward (see the module docstring).
 
     ``k``: the enabled budget (validated); ``cache``: the transformers Cache of the forward or None;
     ``attention_mask``: the 2-D mask the caller passed, a 4-D mask, or None; ``windows``: each layer's sliding
-    window (None for full attention); ``static_batch``: the batch a static cache was allocated for (None: not
-    allocated yet, or not a static cache).
+    window (None for full attention).  A Loki static cache's allocation (``max_cache_len``, and ``batch_size`` once
+    allocated) bounds the forward.
     """
-    compiling = _compiling()
-    if static_batch is not None and static_batch != B:
-        raise CacheOverflowError(f"the batch has {B} sequences but the static cache was allocated for batch_size="
-                                 f"{static_batch}: make the cache with batch_size={B}")
-    past = 0 if cache is None else cache.get_seq_length()
+    compiling = torch.compiler.is_compiling()
     layers = getattr(cache, "layers", None) or []
-    static_len = layers[0].max_cache_len if layers and getattr(layers[0], "loki_static", False) else None
+    static = layers[0] if layers and getattr(layers[0], "loki_static", False) else None
+    static_len = None if static is None else static.max_cache_len
+    if static is not None and getattr(static, "is_initialized", False) and static.keys.shape[0] != B:
+        raise CacheOverflowError(f"the batch has {B} sequences but the static cache was allocated for batch_size="
+                                 f"{static.keys.shape[0]}: make the cache with batch_size={B}")
+    past = 0 if cache is None else cache.get_seq_length()
     q_pos = torch.arange(L, device=device) + (past.to(device) if isinstance(past, torch.Tensor) else int(past))
     mask4d = attention_mask if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4 else None
     span = None
@@ -170,31 +164,26 @@ def build_forward_metadata(*, k, B: int, L: int, device, cache, attention_mask, 
                             f"{list(attention_mask.shape)}")
         span = _mask_span(attention_mask.to(device), B)
 
-    # the eager checks, one host sync for all of them
-    if not compiling:
-        conds, what = [], []
+    if not compiling and L:
+        # the eager checks, one host sync for all of them: (condition, the error when it does not hold)
+        last = q_pos[-1]
+        checks = []
         if span is not None:
             first, end, has, count, M = span
-            conds.append(((count == end - first) | ~has).all())
-            what.append(_HOLES)
-            conds.append(torch.as_tensor(M, device=device) >= q_pos[-1] + 1 if L else torch.ones((), dtype=torch.bool))
-            what.append(f"the attention mask covers {M} tokens but the forward writes tokens up to position "
-                        "{end}: pass the mask of every token so far (prompt and generated)")
-        if static_len is not None and L:
-            conds.append(q_pos[-1] < static_len)
-            what.append("overflow")
-        if conds:
-            ok = torch.stack([c.reshape(()).to(torch.bool) for c in conds]).tolist()
-            for good, msg in zip(ok, what):
-                if good:
-                    continue
-                last = int(q_pos[-1]) if L else 0
-                if msg == "overflow":
-                    raise CacheOverflowError(
-                        f"the static cache holds max_cache_len={static_len} tokens but this forward writes position "
-                        f"{last} (the prompt and every generated token must fit: make the cache with "
-                        f"max_cache_len >= {last + 1})")
-                raise LokiError(msg.replace("{end}", str(last)))
+            checks.append((((count == end - first) | ~has).all(), lambda: LokiError(_HOLES)))
+            checks.append((last < M, lambda: LokiError(
+                f"the attention mask covers {M} tokens but the forward writes tokens up to position {int(last)}: "
+                "pass the mask of every token so far (prompt and generated)")))
+        if static_len is not None:
+            checks.append((last < static_len, lambda: CacheOverflowError(
+                f"the static cache holds max_cache_len={static_len} tokens but this forward writes position "
+                f"{int(last)} (the prompt and every generated token must fit: make the cache with "
+                f"max_cache_len >= {int(last) + 1})")))
+        if checks:
+            ok = torch.stack([c.reshape(()).to(torch.bool) for c, _ in checks]).tolist()
+            for good, (_, error) in zip(ok, checks):
+                if not good:
+                    raise error()
     elif static_len is not None and L and q_pos.is_cuda:
         torch._assert_async(q_pos[-1] < static_len, "Loki static cache: max_cache_len exceeded")
 
@@ -210,8 +199,7 @@ def build_forward_metadata(*, k, B: int, L: int, device, cache, attention_mask, 
             index[key] = len(groups)
             groups.append(_group(key, k, B, L, device, q_pos, span, mask4d))
         layer_group.append(index[key])
-    return ForwardMetadata(B=B, L=L, groups=groups, layer_group=layer_group, checked=not compiling,
-                           replay=None if compiling else StepReplay())
+    return ForwardMetadata(groups, layer_group, None if compiling else StepReplay())
 
 
 def _group(key, k, B, L, device, q_pos, span, mask4d) -> LayerRanges:

@@ -105,23 +105,24 @@ def teacher_forced_attention(
 def decode_rows(method, q, kc, vc, *, k, d, lengths, starts, gqa_select, aggregate, scale, backend,
                  acc=None, recent_fraction=0.5, k_prefix=None):
     """Dispatch one batch of decode-step rows. q: [R, HQ, D]; kc, vc: [R, HKV, S, D]; lengths, starts: [R]."""
-    kk = k  # one budget rule (loki._checks.budget_counts): an int count above the valid tokens keeps them all
+    # k goes through as given: the one budget rule (loki._checks.budget_counts) keeps every valid token for an int
+    # count above them
     lengths = lengths.to(torch.int32)
     starts = starts.to(torch.int32)
     if method == "loki":
-        return loki_decode(q, kc, vc, d=d, k=kk, lengths=lengths, starts=starts, gqa_select=gqa_select,
+        return loki_decode(q, kc, vc, d=d, k=k, lengths=lengths, starts=starts, gqa_select=gqa_select,
                            aggregate=aggregate, scale=scale, backend=backend, k_prefix=k_prefix)
     if method == "exact_topk":
-        return exact_topk_attention(q, kc, vc, k=kk, lengths=lengths, starts=starts, gqa_select=gqa_select,
+        return exact_topk_attention(q, kc, vc, k=k, lengths=lengths, starts=starts, gqa_select=gqa_select,
                                     aggregate=aggregate, scale=scale)
     if method == "pcaattn":
         return pcaattn_attention(q, kc, vc, d=d, lengths=lengths, starts=starts, scale=scale)
     if method == "dense":
         return dense_attention(q, kc, vc, lengths, starts, scale=scale)
     if method == "sparq":
-        return sparq_attention(q, kc, vc, r=d, k=kk, lengths=lengths, starts=starts, scale=scale)
+        return sparq_attention(q, kc, vc, r=d, k=k, lengths=lengths, starts=starts, scale=scale)
     if method == "h2o":
-        return h2o_attention(q, kc, vc, acc, k=kk, lengths=lengths, starts=starts, scale=scale,
+        return h2o_attention(q, kc, vc, acc, k=k, lengths=lengths, starts=starts, scale=scale,
                              recent_fraction=recent_fraction, return_weights=True)
     raise ValueError(f"method must be one of {METHODS}, got {method!r}")
 
