@@ -27,7 +27,7 @@ import torch
 pytest.importorskip("transformers")
 
 from loki.basis import PCABasis  # noqa: E402
-from loki.integrations.transformers import enable_loki, loki_static_cache  # noqa: E402
+from loki.integrations.transformers import cache_keyword, enable_loki, loki_static_cache  # noqa: E402
 from loki.testing.decode import BATCH_KINDS, batch_inputs, decode_logits, random_score_basis  # noqa: E402
 from loki.testing.models import tiny_model  # noqa: E402
 
@@ -284,13 +284,7 @@ def test_generating_past_the_static_cache_raises_at_that_step():
     ids, mask = batch.ids, batch.mask
     with pytest.raises(CacheOverflowError, match="max_cache_len"), torch.no_grad():
         model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0,
-                       **{_kw(model): loki_static_cache(model, max_cache_len=8)})
-
-
-def _kw(model):
-    from loki._hf import cache_keyword
-
-    return cache_keyword(model)
+                       **{cache_keyword(model): loki_static_cache(model, max_cache_len=8)})
 
 
 def test_batch_other_than_the_allocated_one_is_refused():

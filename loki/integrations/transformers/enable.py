@@ -18,6 +18,7 @@ from loki._hf import (
     attention_windows,
     cache_keyword,
     config_head_dim,
+    config_kv_heads,
     config_num_layers,
     decoder,
     text_config,
@@ -74,8 +75,6 @@ def _register() -> None:
 def default_gqa_mode(config, method: str, gqa_select: str = "auto", aggregate: str = "auto") -> tuple[str, str]:
     """(gqa_select, aggregate) with "auto" resolved: one selection per KV group with softmax-normalised scores
     ("kv", "softmax-max") for method "loki" on a GQA model, else per query head ("query"; aggregate "sum")."""
-    from loki._hf import config_kv_heads
-
     if gqa_select == "auto":
         heads = int(text_config(config).num_attention_heads)
         gqa_select = "kv" if method == "loki" and config_kv_heads(config) < heads else "query"
