@@ -212,7 +212,8 @@ def _plant(monkeypatch, defect: str):
                             lambda s, layer, q, k, v, r, scale: real(s, layer, q, k, v, r, scale * 1.05))
     elif defect == "static-query-rotated-with-key-transform":
         real = static.rotate_query
-        monkeypatch.setattr(static, "rotate_query", lambda q, P_q: real(q, P_q.transpose(-1, -2).inverse()))
+        for name in ("rotate_query", "rotate_query_op", "rotate_query_fast"):  # every rotation the static path uses
+            monkeypatch.setattr(static, name, lambda q, P_q: real(q, P_q.transpose(-1, -2).inverse()))
     elif defect == "dynamic-query-rotated-with-key-transform":
         from loki.integrations.transformers.config import LayerTransforms, LokiState
 

@@ -129,8 +129,9 @@ class LokiState:
         dev = cfg.components.device if device is None else torch.device(device)
         per = self._per_device.get(dev)
         if per is None:
-            key = cfg.components.to(device=dev, dtype=torch.float32)
-            query = key if cfg.query_components is None else cfg.query_components.to(device=dev, dtype=torch.float32)
+            key = cfg.components.to(device=dev, dtype=torch.float32).contiguous()
+            query = key if cfg.query_components is None else cfg.query_components.to(
+                device=dev, dtype=torch.float32).contiguous()
             per = (key, query, query.transpose(-1, -2).contiguous())
             self._per_device[dev] = per
         return LayerTransforms(per[0][layer_idx], per[1][layer_idx], per[2][layer_idx])

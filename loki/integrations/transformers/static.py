@@ -26,6 +26,7 @@ import torch
 from loki._checks import resolve_d
 from loki.kernels.decode import loki_decode_step
 from loki.kernels.ops import decode_step_op
+from loki.kernels.rotate import rotate_query_fast, rotate_query_op
 from loki.reference import rotate_query
 from loki.reference.methods import loki_attention as loki_attention_reference
 
@@ -91,22 +92,24 @@ def static_decode(state, layer, query, key, value, ranges, scale: float):
     D = query.shape[-1]
     dd = resolve_d(cfg.d, D)
     use_kernels = triton_backend(cfg.backend, query)
-    q_hat = rotate_query(query[:, :, 0], layer.loki_P_q)
     args = (ranges.dec_lengths, ranges.dec_starts, ranges.counts)
     if use_kernels and not query.is_cuda:
-        # the Triton interpreter on the CPU (tests): the kernels called directly (the op's CPU registration is the
+        # the Triton interpreter on the CPU (tests): the kernels called directly (the ops' CPU registrations are the
         # reference)
+        q_hat = rotate_query_fast(query[:, :, 0], layer.loki_P_q)
         _, out = loki_decode_step(q_hat, key, value, *args, d=dd, k_max=ranges.width, gqa_select=cfg.gqa_select,
                                   aggregate=cfg.aggregate, scale=scale, select_method="triton",
                                   k_prefix=layer.loki_prefix)
         out = out.to(query.dtype)
     elif use_kernels or not query.is_cuda:
+        q_hat = rotate_query_op(query[:, :, 0], layer.loki_P_q)
         # the custom op: the Triton kernels on CUDA, the PyTorch reference on the CPU (both trace as one op)
         prefix = layer.loki_prefix if use_kernels else None
         out = decode_step_op(q_hat, key, value, prefix, *args, dd, ranges.width, cfg.gqa_select, cfg.aggregate,
                              float(scale))
     else:
         # backend="torch" on CUDA: the reference itself (eager; it syncs on the budgets)
+        q_hat = rotate_query(query[:, :, 0], layer.loki_P_q)
         if torch.compiler.is_compiling():
             raise LokiError("backend='torch' runs the PyTorch reference, which does not compile on CUDA: enable Loki "
                             "with backend='auto' or 'triton' for a compiled static cache")
