@@ -348,15 +348,17 @@ def test_compiled_graph_computes_ranges_once_for_all_layers():
 @pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_prefix", [True, False])
-def test_write_rotated_equals_reference(dtype, with_prefix, triton_device):
+@pytest.mark.parametrize("D", [32, 64])
+def test_write_rotated_equals_reference(dtype, with_prefix, D, triton_device):
     """The fused cache write (rotate, store key, value and prefix at the positions) equals rotate_keys +
-    index_copy_, and leaves every other position untouched."""
+    index_copy_, and leaves every other position untouched (D = 64: two programs per token and head, each
+    writing 32 of the dims)."""
     from loki.kernels.cache_write import write_rotated, write_rotated_reference
     from loki.testing.inputs import random_orthogonal
 
     dev = triton_device
     g = torch.Generator().manual_seed(7)
-    B, HKV, S, D, L, dp = 2, 3, 20, 32, 3, 8
+    B, HKV, S, L, dp = 2, 3, 20, 3, 8
     P = random_orthogonal(HKV, D, seed=2).to(dev)
     k = torch.randn(B, HKV, L, D, generator=g).to(dev, dtype)
     v = torch.randn(B, HKV, L, D, generator=g).to(dev, dtype)

@@ -46,18 +46,17 @@ def _write_rotated_kernel(
     inside = (p >= 0) & (p < S_CACHE) & (b < B_CACHE)
     p = tl.where(inside, p, 0)
     offs_i = tl.arange(0, D)
+    offs_j = tl.program_id(2) * BLOCK_J + tl.arange(0, BLOCK_J)  # this program's output dims (axis 2)
     k = tl.load(k_ptr + b * stride_kb + h * stride_kh + l_idx * stride_kl + offs_i).to(tl.float32)
-    v = tl.load(v_ptr + b * stride_vb + h * stride_vh + l_idx * stride_vl + offs_i)
-    tl.store(values_ptr + b * stride_cb + h * stride_ch + p * stride_cs + offs_i, v, mask=(offs_i < D) & inside)
-    key_row = keys_ptr + b * stride_wb + h * stride_wh + p * stride_ws
-    pre_row = prefix_ptr + b * stride_xb + h * stride_xh + p * stride_xs
-    for j0 in tl.static_range(0, D, BLOCK_J):
-        offs_j = j0 + tl.arange(0, BLOCK_J)
-        P = tl.load(p_ptr + h * D * D + offs_i[:, None] * D + offs_j[None, :])  # [D, BLOCK_J] fp32
-        y = tl.sum(k[:, None] * P, axis=0)
-        tl.store(key_row + offs_j, y.to(keys_ptr.dtype.element_ty), mask=(offs_j < D) & inside)
-        if HAS_PREFIX:
-            tl.store(pre_row + offs_j, y.to(prefix_ptr.dtype.element_ty), mask=(offs_j < dp) & inside)
+    v = tl.load(v_ptr + b * stride_vb + h * stride_vh + l_idx * stride_vl + offs_j)
+    tl.store(values_ptr + b * stride_cb + h * stride_ch + p * stride_cs + offs_j, v, mask=(offs_j < D) & inside)
+    P = tl.load(p_ptr + h * D * D + offs_i[:, None] * D + offs_j[None, :])  # [D, BLOCK_J] fp32
+    y = tl.sum(k[:, None] * P, axis=0)
+    tl.store(keys_ptr + b * stride_wb + h * stride_wh + p * stride_ws + offs_j, y.to(keys_ptr.dtype.element_ty),
+             mask=(offs_j < D) & inside)
+    if HAS_PREFIX:
+        tl.store(prefix_ptr + b * stride_xb + h * stride_xh + p * stride_xs + offs_j,
+                 y.to(prefix_ptr.dtype.element_ty), mask=(offs_j < dp) & inside)
 
 
 def write_rotated_reference(keys, values, prefix, k_new, v_new, P, pos) -> None:
@@ -128,12 +127,13 @@ def write_rotated(keys: torch.Tensor, values: torch.Tensor, prefix: torch.Tensor
     pre = prefix if prefix is not None else keys
     if B * HKV > 65535:
         raise ValueError(f"batch x KV heads = {B * HKV} exceeds the 65535 programs of a grid axis")
-    launch(_write_rotated_kernel, (L, B * HKV), [
+    block_j = min(32, D)
+    launch(_write_rotated_kernel, (L, B * HKV, D // block_j), [
         k_new, v_new, P, pos, keys, values, pre, L, HKV, pre.shape[-1] if prefix is not None else 0,
         keys.shape[0], keys.shape[2],
         k_new.stride(0), k_new.stride(1), k_new.stride(2), v_new.stride(0), v_new.stride(1), v_new.stride(2),
         values.stride(0), values.stride(1), values.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
-        pre.stride(0), pre.stride(1), pre.stride(2), D, min(32, D), prefix is not None,
+        pre.stride(0), pre.stride(1), pre.stride(2), D, block_j, prefix is not None,
     ], dict(num_warps=4))
 
 
