@@ -1,0 +1,84 @@
+"""Per-kernel device time of the decode step's stages on a GPU (torch.profiler), to see where a step's time goes.
+
+    PYTHONPATH=. python3 -m benchmarks.tuning.kernel_profile [--reps 20] [--out kernels-profile.json]
+
+Cases (bf16 caches, d = 32 of D = 128, Llama-3-8B attention dims GQA 32/8, one selection per KV group):
+the split select alone on random fp32 scores (8 x 131072 and 64 x 32768, top-2048), and ``loki_decode_step``
+at B=16 S=8192 k=2048 (k_f 0.25) with the raw-sum and softmax-max aggregates and at B=1 S=131072 k=2048.
+Each case runs ``--reps`` times under the profiler after a warm-up; per kernel name: mean device us per call
+of the case and launches per call.  Prints one block per case and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+
+import torch
+
+
+def profile(fn, reps: int) -> dict:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    per = collections.defaultdict(lambda: [0.0, 0.0])
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            per[ev.name][0] += ev.device_time_total / reps
+            per[ev.name][1] += 1 / reps
+    rows = sorted(((n, t, c) for n, (t, c) in per.items()), key=lambda r: -r[1])
+    return {"total_us": sum(t for _, t, _ in rows),
+            "kernels": [{"name": n[:80], "us": round(t, 2), "per_call": c} for n, t, c in rows]}
+
+
+def cases(dev):
+    from loki.bench.harness import make_bench_inputs
+    from loki.kernels import make_key_prefix, select_topk_split
+    from loki.kernels.decode import StepReplay, loki_decode_step
+
+    for B, H, S, k in ((1, 8, 131072, 2048), (8, 8, 32768, 2048)):
+        scores = torch.randn(B, H, S, device=dev)
+        counts = torch.full((B,), k, dtype=torch.int32, device=dev)
+        yield f"split select {B}x{H}x{S} k={k}", (lambda s=scores, c=counts, k=k: select_topk_split(s, c, k_max=k))
+    for B, S, k, agg in ((16, 8192, 2048, "sum"), (16, 8192, 2048, "softmax-max"), (1, 131072, 2048, "sum"),
+                         (8, 32768, 2048, "sum")):
+        x = make_bench_inputs(B, 32, 8, S, 128, device=dev, dtype=torch.bfloat16)
+        kp = make_key_prefix(x.k_cache, 32)
+        counts = torch.full((B,), k, dtype=torch.int32, device=dev)
+        replay = StepReplay()
+
+        def step(x=x, kp=kp, counts=counts, k=k, agg=agg, replay=replay):
+            return loki_decode_step(x.q, x.k_cache, x.v_cache, x.lengths, x.starts, counts, d=32, k_max=k,
+                                    gqa_select="kv", aggregate=agg, uniform=True, k_prefix=kp, replay=replay)
+        yield f"decode step kv:{agg} B={B} S={S} k={k}", step
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--reps", type=int, default=20, help="profiled calls per case (default 20)")
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "kernels-profile.json"),
+                    help="JSON file to write")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA device")
+    dev = torch.device("cuda")
+    res = {"device": torch.cuda.get_device_name(), "cases": {}}
+    for name, fn in cases(dev):
+        r = profile(fn, args.reps)
+        res["cases"][name] = r
+        print(f"\n## {name}: {r['total_us']:.1f} us of kernels per call")
+        for kr in r["kernels"][:12]:
+            print(f"{kr['us']:9.2f} us {kr['per_call']:5.1f}x  {kr['name']}")
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
