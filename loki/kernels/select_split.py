@@ -22,9 +22,8 @@ bits of the key per launch:
    slots from the per-chunk sure counts of the earlier chunks) and of its keys with prefix P (the
    candidates, slots from the earlier chunks' candidate counts) into the workspace.  When every candidate
    is needed they go straight to the output.  Otherwise the last program of the row to finish (a ticket,
-   ``atomic_add`` with acq_rel) selects the ``need`` largest candidates: a radix search below the bits that
-   the smallest and largest candidate share (``final_bits`` bits per step, each step one ``tl.histogram`` of
-   the candidates still in play), with early exit, then one packed prefix sum; the candidates
+   ``atomic_add`` with acq_rel) selects the ``need`` largest candidates: a bit search below the bits that
+   the smallest and largest candidate share, with early exit, then one packed prefix sum; the candidates
    are in position order, so the lowest positions win ties.  Up to CAND_BLOCK candidates this runs in
    registers; more (heavy ties in a narrow range) loop over the candidates in tiles (correct, slower).
 
@@ -57,10 +56,8 @@ __all__ = ["SPLIT_DEFAULTS", "select_topk_split", "split_launch_config", "use_sp
 
 #: Launch defaults (to be tuned on the GPU; docs/kernels.md): key bits resolved per level launch, level
 #: launches, programs aimed at per multiprocessor (sets the chunk, within ``chunk_range``), candidates the
-#: final select holds in registers, key bits the final select resolves per step (one histogram of 2**final_bits
-#: bins per step).
-SPLIT_DEFAULTS = dict(bits=6, levels=2, programs_per_sm=4, chunk_range=(1024, 16384), cand_block=4096,
-                      final_bits=6)
+#: final select holds in registers.
+SPLIT_DEFAULTS = dict(bits=6, levels=2, programs_per_sm=4, chunk_range=(1024, 16384), cand_block=4096)
 #: When ``select_topk(method="triton")`` uses the split select (to be tuned on the GPU): rows longer than the
 #: register select takes, or rows of at least ``min_s`` keys when there are fewer than ``max_rows_per_sm``
 #: rows per multiprocessor.
@@ -154,44 +151,22 @@ def _emit(key, pos, m, thr, need, n_gt, gt_base, eq_base, out):
 
 
 @triton.jit
-def _digit_hist(key, m, thr, bit, FB: tl.constexpr):
-    """Histogram (2**FB bins) of the next min(bit, FB) bits below bit ``bit`` of the keys that share thr's bits
-    from ``bit`` up (every key when bit = 32), and the shift of that digit."""
-    shift = tl.maximum(bit - FB, 0)
-    b64 = bit.to(tl.uint64)
-    match = m & ((key.to(tl.uint64) >> b64) == (thr.to(tl.uint64) >> b64))
-    width = (bit - shift).to(tl.uint32)
-    digit = ((key >> shift.to(tl.uint32)) & ((tl.full((), 1, tl.uint32) << width) - 1)).to(tl.int32)
-    return tl.histogram(digit, 1 << FB, mask=match), shift
-
-
-@triton.jit
-def _digit_pick(hist, thr, shift, above, need, FB: tl.constexpr):
-    """The largest digit j whose keys and those above it reach need - above; returns the threshold with j set,
-    the keys above that digit's bin and the keys at or above the new threshold."""
-    jj = tl.arange(0, 1 << FB)
-    ge = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # matching keys with digit >= j
-    j = tl.max(tl.where(ge >= need - above, jj, -1), axis=0)
-    at = tl.sum(tl.where(jj == j, hist, 0), axis=0)
-    above_new = above + tl.sum(tl.where(jj > j, hist, 0), axis=0)
-    return thr | (j.to(tl.uint32) << shift.to(tl.uint32)), above_new, above_new + at
-
-
-@triton.jit
-def _final_select(cand, row, n, need, out, CAND_BLOCK: tl.constexpr, FB: tl.constexpr):
+def _final_select(cand, row, n, need, out, CAND_BLOCK: tl.constexpr):
     """out[:need] = positions of the need largest of the n candidates cand[:n] (ascending positions), ties to
-    the lowest position.  Threshold: the largest T with #(key >= T) >= need, found FB bits per step below the
-    bits every candidate shares (a histogram of the next digit of the keys still in play per step), or (early
-    exit) the first T on the way with exactly need keys >= T."""
+    the lowest position.  Threshold: the largest T with #(key >= T) >= need, or (early exit) the first T on the
+    way with exactly need keys >= T."""
+    one = tl.full((), 1, tl.uint32)
     top = tl.full((CAND_BLOCK,), 0xFFFFFFFF, tl.uint32)
     if n <= CAND_BLOCK:  # the candidates stay in registers
         key, pos, m = _cand_tile(cand, row, 0, n, CAND_BLOCK)
         thr, bit = _start(tl.min(tl.where(m, key, top), axis=0), tl.max(key, axis=0))
         n_ge = n
-        above = tl.zeros((), tl.int32)
         while (bit > 0) & (n_ge != need):
-            hist, bit = _digit_hist(key, m, thr, bit, FB)
-            thr, above, n_ge = _digit_pick(hist, thr, bit, above, need, FB)
+            bit -= 1
+            c = thr | (one << bit.to(tl.uint32))
+            cnt = tl.sum((key >= c).to(tl.int32), axis=0)
+            thr = tl.where(cnt >= need, c, thr)
+            n_ge = tl.where(cnt >= need, cnt, n_ge)
         n_gt = tl.sum((key > thr).to(tl.int32), axis=0)
         _emit(key, pos, m, thr, need, n_gt, 0, 0, out)
     else:  # many candidates (ties or a narrow range): every step loops over them
@@ -203,16 +178,15 @@ def _final_select(cand, row, n, need, out, CAND_BLOCK: tl.constexpr, FB: tl.cons
             kmax = tl.maximum(kmax, tl.max(key, axis=0))
         thr, bit = _start(kmin, kmax)
         n_ge = n
-        above = tl.zeros((), tl.int32)
         while (bit > 0) & (n_ge != need):
-            hist = tl.zeros((1 << FB,), tl.int32)
-            shift = bit
+            bit -= 1
+            c = thr | (one << bit.to(tl.uint32))
+            cnt = tl.zeros((), tl.int32)
             for t0 in range(0, n, CAND_BLOCK):
                 key, pos, m = _cand_tile(cand, row, t0, n, CAND_BLOCK)
-                h, shift = _digit_hist(key, m, thr, bit, FB)
-                hist += h
-            bit = shift
-            thr, above, n_ge = _digit_pick(hist, thr, bit, above, need, FB)
+                cnt += tl.sum((key >= c).to(tl.int32), axis=0)
+            thr = tl.where(cnt >= need, c, thr)
+            n_ge = tl.where(cnt >= need, cnt, n_ge)
         n_gt = tl.zeros((), tl.int32)
         for t0 in range(0, n, CAND_BLOCK):
             key, pos, m = _cand_tile(cand, row, t0, n, CAND_BLOCK)
@@ -272,7 +246,7 @@ def _split_compact_kernel(
     S, H, K, C,
     stride_sb, stride_sh, stride_ib, stride_ih, stride_wr,
     LEVELS: tl.constexpr, BITS: tl.constexpr, NB: tl.constexpr, CH: tl.constexpr, C_BLOCK: tl.constexpr,
-    CAND_BLOCK: tl.constexpr, FINAL_BITS: tl.constexpr, PDL: tl.constexpr,
+    CAND_BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     """Compaction launch, program (row r, chunk c): sure positions to idx, candidates to the workspace (or to
     idx when all are needed); the row's last program to finish selects among the candidates."""
@@ -312,7 +286,7 @@ def _split_compact_kernel(
         tl.debug_barrier()  # every thread's candidates are stored before the ticket is taken
         ticket = tl.atomic_add(ws + off_state + 8, 1, sem="acq_rel")
         if ticket == C - 1:  # the row's last program: every candidate is in the workspace
-            _final_select(ws + off_cand, row, n_cand, need, out + n_sure, CAND_BLOCK, FINAL_BITS)
+            _final_select(ws + off_cand, row, n_cand, need, out + n_sure, CAND_BLOCK)
 
 
 def _p2(n: int) -> int:
@@ -379,8 +353,7 @@ def _launch_split(scores, counts, idx, K: int, chunk: int, bits: int, levels: in
     for level in range(1, levels + 1):
         launch(_split_level_kernel, (R, C), common + [level, bits, NB, chunk, C_BLOCK, use_pdl],
                dict(num_warps=num_warps, pdl=use_pdl))
-    launch(_split_compact_kernel, (R, C), common + [levels, bits, NB, chunk, C_BLOCK, cand_block,
-                                                    SPLIT_DEFAULTS["final_bits"], use_pdl],
+    launch(_split_compact_kernel, (R, C), common + [levels, bits, NB, chunk, C_BLOCK, cand_block, use_pdl],
            dict(num_warps=compact_warps, pdl=use_pdl))
 
 
