@@ -4,7 +4,8 @@
 
 Cases (bf16 caches, d = 32 of D = 128, Llama-3-8B attention dims GQA 32/8, one selection per KV group):
 the split select alone on random fp32 scores (8 x 131072 and 64 x 32768, top-2048), and ``loki_decode_step``
-at B=16 S=8192 k=2048 (k_f 0.25) with the raw-sum and softmax-max aggregates and at B=1 S=131072 k=2048.
+at B=16 S=8192 k=2048 (k_f 0.25) with the raw-sum and softmax-max aggregates and at B=1 S=131072 and B=8
+S=32768 (k=2048).  ``PROFILE_ONLY=<text>`` profiles only the cases whose name contains it.
 Each case runs ``--reps`` times under the profiler after a warm-up; per kernel name: mean device us per call
 of the case and launches per call.  Prints one block per case and writes JSON.
 """
@@ -69,7 +70,10 @@ def main(argv=None) -> int:
         raise SystemExit("needs a CUDA device")
     dev = torch.device("cuda")
     res = {"device": torch.cuda.get_device_name(), "cases": {}}
+    only = os.environ.get("PROFILE_ONLY")
     for name, fn in cases(dev):
+        if only and only not in name:
+            continue
         r = profile(fn, args.reps)
         res["cases"][name] = r
         print(f"\n## {name}: {r['total_us']:.1f} us of kernels per call")

@@ -52,7 +52,7 @@ from ._common import NUM_SMS_DEFAULT, check_triton_device, interpreting, num_sms
 from ._keys import _ordered_key
 from .launch import launch, new_output, pdl
 
-__all__ = ["SPLIT_DEFAULTS", "select_topk_split", "split_launch_config", "split_workspace", "use_split_select"]
+__all__ = ["SPLIT_DEFAULTS", "select_topk_split", "split_launch_config", "use_split_select"]
 
 #: Launch defaults (to be tuned on the GPU; docs/kernels.md): key bits resolved per level launch, level
 #: launches, programs aimed at per multiprocessor (sets the chunk, within ``chunk_range``), candidates the
@@ -152,18 +152,32 @@ def _emit(key, pos, m, thr, need, n_gt, gt_base, eq_base, out):
 
 @triton.jit
 def _final_in_registers(cand, row, n, need, out, TILE: tl.constexpr):
-    """The final select of n <= TILE candidates held in registers (see :func:`_final_select`)."""
+    """The final select of n <= TILE candidates held in registers (see :func:`_final_select`): two key bits per
+    step (the three counts of a step packed in one int64 reduction, 21 bits each: n < 2**21), one for an odd
+    last bit."""
     one = tl.full((), 1, tl.uint32)
     key, pos, m = _cand_tile(cand, row, 0, n, TILE)
     thr, bit = _start(tl.min(tl.where(m, key, tl.full((TILE,), 0xFFFFFFFF, tl.uint32)), axis=0),
                       tl.max(key, axis=0))
     n_ge = n
-    while (bit > 0) & (n_ge != need):
-        bit -= 1
-        c = thr | (one << bit.to(tl.uint32))
+    while (bit > 1) & (n_ge != need):
+        bit -= 2
+        b1 = one << bit.to(tl.uint32)
+        c1 = thr | b1
+        c2 = thr | (b1 << 1)
+        c3 = c1 | c2
+        tot = tl.sum((key >= c1).to(tl.int64) | ((key >= c2).to(tl.int64) << 21)
+                     | ((key >= c3).to(tl.int64) << 42), axis=0)
+        n1 = (tot & 0x1FFFFF).to(tl.int32)
+        n2 = ((tot >> 21) & 0x1FFFFF).to(tl.int32)
+        n3 = (tot >> 42).to(tl.int32)
+        new_thr = tl.where(n3 >= need, c3, tl.where(n2 >= need, c2, tl.where(n1 >= need, c1, thr)))
+        n_ge = tl.where(n3 >= need, n3, tl.where(n2 >= need, n2, tl.where(n1 >= need, n1, n_ge)))
+        thr = new_thr
+    if (bit == 1) & (n_ge != need):
+        c = thr | one
         cnt = tl.sum((key >= c).to(tl.int32), axis=0)
         thr = tl.where(cnt >= need, c, thr)
-        n_ge = tl.where(cnt >= need, cnt, n_ge)
     n_gt = tl.sum((key > thr).to(tl.int32), axis=0)
     _emit(key, pos, m, thr, need, n_gt, 0, 0, out)
 
@@ -351,28 +365,17 @@ def _check_options(S: int, chunk: int, bits: int, levels: int, cand_block: int) 
         raise ValueError(f"chunk={chunk} gives too many chunks for S={S} with bits={bits}: use a larger chunk")
 
 
-def split_workspace(R: int, S: int, chunk: int, bits: int, device) -> torch.Tensor:
-    """The int32 workspace [R, W] of one split select (``_layout``, then S candidate slots per row), from
-    ``new_output`` (nothing in it is read before this call writes it)."""
-    C = -(-S // chunk)
-    width = 2 * C * (1 << bits) + -(-C // 16) * 16 + 16 + -(-S // 16) * 16
-    return new_output((R, width), torch.int32, device)
-
-
 def _launch_split(scores, counts, idx, K: int, chunk: int, bits: int, levels: int, cand_block: int,
-                  num_warps: int, compact_warps: int, *, ws=None, first_level: int = 1) -> None:
-    """The level launches ``first_level..levels`` and the compaction launch; ``first_level = 2`` when the
-    caller's kernel did level 1 into ``ws`` (``score_split.py``: the scores kernel histograms digit 1 as it
-    writes the scores)."""
+                  num_warps: int, compact_warps: int) -> None:
     B, H, S = scores.shape
     R, NB, C = B * H, 1 << bits, -(-S // chunk)
     C_BLOCK = max(16, _p2(C))
-    if ws is None:
-        ws = split_workspace(R, S, chunk, bits, scores.device)
+    width = 2 * C * NB + -(-C // 16) * 16 + 16 + -(-S // 16) * 16  # _layout, then S candidate slots
+    ws = new_output((R, width), torch.int32, scores.device)
     use_pdl = pdl(scores.device)
     common = [scores, counts, idx, ws, S, H, K, C, scores.stride(0), scores.stride(1), idx.stride(0),
               idx.stride(1), ws.stride(0)]
-    for level in range(first_level, levels + 1):
+    for level in range(1, levels + 1):
         launch(_split_level_kernel, (R, C), common + [level, bits, NB, chunk, C_BLOCK, use_pdl],
                dict(num_warps=num_warps, pdl=use_pdl))
     launch(_split_compact_kernel, (R, C), common + [levels, bits, NB, chunk, C_BLOCK, cand_block, use_pdl],
