@@ -4,6 +4,7 @@
 - ``select_topk``: top-k per row, ``torch.topk`` or an exact Triton threshold select (line 5);
   ``select_topk_split``: the exact select with every row split over many programs (few or long rows);
 - ``score_select``: the scores and the Triton select of each row in one kernel (lines 3-5 fused);
+  ``score_select_softmax``: the same for a shared selection with a softmax aggregate;
 - ``group_softmax_scores``: a GQA group's "softmax-max" / "softmax-sum" score from per-query-head scores;
 - ``sparse_attention``: exact attention over the selected rows, flash-decoding splits (lines 6-7);
 - ``sparq_attention``: the SparQ-style baseline kernels the paper compares against;
@@ -34,6 +35,7 @@ from .group_softmax import group_softmax_scores
 from .ops import decode_step_op
 from .plan import DecodeRun, plan_decode
 from .score_select import score_select
+from .score_select_softmax import score_select_softmax
 from .select import SELECT_METHODS, select_topk, select_topk_reference
 from .select_split import select_topk_split
 from .sparq import sparq_attention, sparq_attention_reference, sparq_prepare
@@ -58,6 +60,7 @@ __all__ = [
     "select_topk_reference",
     "select_topk_split",
     "score_select",
+    "score_select_softmax",
     "selection_bound",
     "sparq_attention",
     "sparq_attention_reference",

@@ -3,7 +3,7 @@
 ``s[b, hq, t] = q_hat[b, hq, :d] . K_hat[b, hq // G, t, :d]`` for every cached token t, -inf outside the
 valid tokens ``starts[b] <= t < lengths[b]``.  Optionally (GQA "kv" selection) the per-KV-head aggregate
 over the G query heads of a group: sum or max here, the softmax aggregates from the per-query-head scores in two
-more launches (``group_softmax.py``).
+more launches (``group_softmax.py``; probabilities, of which ``approx_scores`` returns the log).
 
 Shape letters: B batch, HQ query heads, HKV key/value heads (G = HQ // HKV), S cache length, D head dim,
 d leading principal dims (runtime, d <= D).
@@ -162,7 +162,10 @@ def approx_scores(
     q_hat: [B, HQ, D]; k_hat: [B, HKV, S, D] (last dim contiguous); lengths, starts: [B] int.
     Returns [B, H, S] fp32 with H = HQ for ``gqa_select="query"`` and H = HKV for ``"kv"`` (the group's
     scores combined by ``aggregate``: "sum", "max", or a softmax aggregate with the attention ``scale``, default
-    ``1/sqrt(D)``; ``loki.reference.selection.aggregate_group_scores``).  ``return_both`` returns
+    ``1/sqrt(D)``; ``loki.reference.selection.aggregate_group_scores``).  A softmax aggregate comes back in the
+    reference's log space: the kernels compute probabilities (``group_softmax.py``, what the decode step selects
+    on) and this function takes their ``log`` (one more pass over [B, HKV, S]; a probability that underflowed to
+    0 gives -inf there, where the reference has a finite value below about -87).  ``return_both`` returns
     ``(per_query_head [B, HQ, S], per_kv_head [B, HKV, S])`` from the same pass over the keys.
     ``out`` (optional) receives the [B, H, S] result.  ``k_prefix`` (optional): [B, HKV, S, dp], dp >= d,
     holding ``k_hat[..., :dp]`` contiguously (``make_key_prefix``); the keys are then read from it.
@@ -197,6 +200,7 @@ def approx_scores(
     if softmax and agg_out is not None:  # per-query-head scores, then the group's softmax aggregate
         _launch_approx_scores(q_hat, k_src, dd, lengths, starts, heads_out, None, "sum", block_s)
         _launch_group_softmax(heads_out, lengths, starts, agg_out, HKV, aggregate, scale)
+        agg_out.clamp_(min=0).log_()  # the kernel's probabilities (-inf: invalid) -> the reference's log values
     else:
         _launch_approx_scores(q_hat, k_src, dd, lengths, starts, heads_out, agg_out, aggregate, block_s)
     if return_both:

@@ -36,6 +36,7 @@ from .approx_scores import _check_key_prefix, _launch_approx_scores
 from .group_softmax import SOFTMAX_AGGREGATES, _launch_group_softmax
 from .launch import DecodePlan, new_output, recording, tensor_key
 from .score_select import score_select, score_select_fusable
+from .score_select_softmax import SOFTMAX_FUSED_DEFAULTS, score_select_softmax
 from .select import SELECT_METHODS, TRITON_SELECT_MAX_S, resolve_select_method, select_topk
 from .sparse_attention import sparse_attention
 
@@ -75,8 +76,11 @@ class DecodeTuning:
     integration runs).
 
     ``num_splits`` (an int >= 1): the attention kernel's split of the selection (default: ``choose_num_splits``).
-    ``fuse_select``: score and select in one kernel (``score_select``; three launches instead of four); None
-    decides by ``score_select_fusable`` (enough rows to fill the GPU, S not too long).  ``reuse_scores``
+    ``fuse_select``: score and select in one kernel (``score_select``: one launch instead of two;
+    ``score_select_softmax`` for a softmax aggregate of a "kv" selection: one instead of four).  True forces and
+    False forbids it wherever a fused kernel applies (the Triton select, S <= ``TRITON_SELECT_MAX_S``, and at most
+    16 query heads per KV head for a softmax aggregate; elsewhere the unfused path runs either way); None decides
+    by ``score_select_fusable`` (enough rows to fill the GPU, S not too long), for every aggregate.  ``reuse_scores``
     (per-query-head selections): the attention kernel takes the first d dims of each selected score from the
     approximate scores instead of re-reading K[t, :d].  ``use_plan``: record and replay the step's launches
     (``DecodePlan``).  ``attn_options``: extra keyword arguments for ``sparse_attention`` (calls with them
@@ -221,9 +225,11 @@ def loki_decode_step(
 ):
     """The three Triton stages on already-validated inputs, with no host sync (for the integration's hot
     loop and the benchmarks; ``decode_attention`` validates and calls this).  Three or four kernel launches
-    (scores and select, fused or not; attention splits; merge), two more for a softmax ``aggregate`` of a "kv"
-    selection (per-query-head scores, then ``group_softmax``; never fused with the select), all capturable in
-    a CUDA graph.
+    (scores and select, fused or not; attention splits; merge), all capturable in a CUDA graph.  A softmax
+    ``aggregate`` of a "kv" selection selects on probabilities (``group_softmax.py``): fused, its scores, group
+    softmax and select are one kernel (``score_select_softmax``); unfused, they take two launches more than the
+    raw sum (per-query-head scores, then the two of ``group_softmax``), then the select.  ``tuning.fuse_select``
+    chooses as for the raw aggregates (:class:`DecodeTuning`).
 
     lengths, starts, counts: [B] int32/int64 on the device, ``0 <= starts[b] < lengths[b] <= S`` and
     ``1 <= counts[b] <= lengths[b] - starts[b]`` (trusted: they bound the kernels' reads); d: int (1 <= d <= D);
@@ -285,14 +291,20 @@ def _decode_step_launches(q_hat, k_hat, v_cache, lengths, starts, counts, d, k_m
     H = HQ if gqa_select == "query" else HKV
     k_src = k_hat if k_prefix is None else k_prefix
     method = resolve_select_method(select_method, q_hat)
-    softmax = gqa_select == "kv" and aggregate in SOFTMAX_AGGREGATES  # never fused with the select
-    if fuse_select is None or softmax:
-        fuse_select = not softmax and method == "triton" and score_select_fusable(B * H, S, q_hat.device)
+    softmax = gqa_select == "kv" and aggregate in SOFTMAX_AGGREGATES  # probability scores (group_softmax.py)
+    if fuse_select is None:
+        fuse_select = method == "triton" and score_select_fusable(B * H, S, q_hat.device)
+    fusable = method == "triton" and S <= TRITON_SELECT_MAX_S and (
+        not softmax or HQ // HKV <= SOFTMAX_FUSED_DEFAULTS["max_group"])
     # the scores' rows start at multiples of 16 elements: a cache that grows by one token per step then keeps
     # the same Triton specialisation of the row stride (no recompilation every time S crosses a multiple of 16)
     S16 = -(-S // 16) * 16
     scores = new_output((B, H, S16), torch.float32, q_hat.device)[:, :, :S]
-    if fuse_select and method == "triton" and S <= TRITON_SELECT_MAX_S:
+    if fuse_select and fusable and softmax:  # per-query-head scratch rows padded as ``scores``
+        heads = new_output((B, HQ, S16), torch.float32, q_hat.device)[:, :, :S]
+        scores, idx = score_select_softmax(q_hat, k_src, d, lengths, starts, counts, k_max, aggregate=aggregate,
+                                           scale=resolve_scale(scale, D), scores=scores, heads=heads)
+    elif fuse_select and fusable:
         scores, idx = score_select(q_hat, k_src, d, lengths, starts, counts, k_max, gqa_select=gqa_select,
                                    aggregate=aggregate, scores=scores)
     else:

@@ -1,14 +1,27 @@
 """The softmax aggregates of a shared GQA selection ("softmax-max", "softmax-sum") in Triton.
 
 From the per-query-head approximate scores ``s[b, hq, t]`` ([B, HQ, S] fp32, -inf outside the valid tokens
-``starts[b] <= t < lengths[b]``), the score of token t for KV head h is, with ``lse_g`` the log-sum-exp of
-``scale * s_g`` over the row's valid tokens (g = h*G .. h*G + G - 1):
+``starts[b] <= t < lengths[b]``), the score of token t for KV head h is, with ``y_g[t] = (scale * s_g[t] - max_g)
+- log(sum_g)`` the log-softmax of head g over the row's valid tokens (``max_g``, ``sum_g``: the max of
+``scale * s_g`` and the sum of ``exp(scale * s_g - max_g)`` over them; g = h*G .. h*G + G - 1):
 
-- ``"softmax-max"``: ``max_g (scale * s_g[t] - lse_g)`` (the log of the largest of the heads' probabilities);
-- ``"softmax-sum"``: ``logsumexp_g (scale * s_g[t] - lse_g)`` (the log of their sum);
+- ``"softmax-max"``: ``exp(max_g y_g[t])``, the largest of the heads' probabilities;
+- ``"softmax-sum"``: ``sum_g exp(y_g[t])``, their sum;
 
--inf outside the valid tokens, as ``loki.reference.selection.aggregate_group_scores`` (the reference; the same
-order of operations: ``(scale * s - max) - log(sum)``, then the max or the log-sum-exp over the group).
+fp32, -inf (not 0) outside the valid tokens, so that they rank below every valid token, a probability that
+underflowed to 0 included.  The kernels write probabilities; ``loki.reference.selection.aggregate_group_scores``
+(the reference, same order of operations for ``y_g``) returns their log (``max_g y_g``, ``logsumexp_g y_g``).
+``exp`` of the reference's value is the kernels' value up to fp32 rounding, and the order of the tokens is the
+same: exp is increasing, and distinct log-probabilities below about -2 stay distinct (``exp`` turns one ulp of
+y into several ulps of p).  Where the orders can differ: tokens whose probability underflows (y below about -87,
+or -103 where denormals are kept) tie at 0 and go lowest position first, and log-probabilities above about -2
+(probabilities above ~0.1: a handful of tokens per head) one ulp apart can round to one probability.
+
+Why probabilities: the split select resolves the top 12 bits of the fp32 score's ordered key first
+(``select_split.py``: sign, exponent, 3 mantissa bits); log-probabilities crowd into a few octaves (-30 .. -5),
+so thousands of tokens share the threshold's 12-bit prefix and overflow its final select's register tile, while
+their probabilities spread over tens of octaves.  ``loki.kernels.approx_scores`` returns the reference's log
+values (the ``log`` of these).
 
 Two launches:
 
@@ -17,8 +30,11 @@ Two launches:
    8192 tokens); each program reduces the valid tokens of its chunk to a running (max, sum of exp) pair
    (one exp per token) and writes it to the partials [2, B*HQ, NC].
 2. ``_group_aggregate_kernel``, grid (B*HKV, S/BLOCK_T): each program combines the NC partials of its G heads
-   into their log-sum-exp (G*NC pairs, read from L2), reads the G heads' scores of its BLOCK_T tokens once and
-   writes the group's aggregated score.
+   into their (max, log sum), reads the G heads' scores of its BLOCK_T tokens once and writes the group's
+   probability score.
+
+With many rows the decode step runs all of it, the scores and the select in one kernel instead
+(``score_select_softmax.py``, the same values).
 
 Bytes beyond the per-query-head scores (which the approximate-scores kernel writes instead of the per-KV-head
 ones: G times the score bytes): two reads of the [B, HQ, S] fp32 scores and one write of the [B, HKV, S] result;
@@ -86,6 +102,17 @@ def _lse_partial_kernel(
 
 
 @triton.jit
+def _group_probability(x, mx, log_sum, scale, SUM: tl.constexpr):
+    """The group's probability score of a [GP, T] tile of scores x (-inf for invalid tokens and padded heads):
+    sum (SUM) or max over axis 0 of exp(y), y = (scale * x - mx) - log_sum (each head's log-softmax; mx, log_sum:
+    [GP], finite).  The max is taken on y (one exp per token); 0 where every y is -inf."""
+    y = (x * scale - mx[:, None]) - log_sum[:, None]
+    if SUM:
+        return tl.sum(tl.exp(y), axis=0)
+    return tl.exp(tl.max(y, axis=0))
+
+
+@triton.jit
 def _group_aggregate_kernel(
     s_ptr, m_ptr, l_ptr, agg_ptr, lengths_ptr, starts_ptr,
     S, HKV, NC, scale,
@@ -94,8 +121,8 @@ def _group_aggregate_kernel(
     G: tl.constexpr, GP: tl.constexpr, NCP: tl.constexpr, BLOCK_T: tl.constexpr, SUM: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """agg[b, h, t] for one block of tokens t: max (or log-sum-exp) over the group's heads g of
-    (scale * s_g[t] - max_g) - log(sum_g), from the partials of each head's row."""
+    """agg[b, h, t] for one block of tokens t: max (or sum) over the group's heads g of
+    exp((scale * s_g[t] - max_g) - log(sum_g)), from the partials of each head's row."""
     pid = tl.program_id(0).to(tl.int64)
     b = pid // HKV
     h = pid % HKV
@@ -118,14 +145,7 @@ def _group_aggregate_kernel(
     log_sum = tl.log(tl.where(gm, tl.sum(pl * tl.exp(pm - mx[:, None]), axis=1), 1.0))
     x = tl.load(s_ptr + b * stride_sb + hq[:, None] * stride_sh + offs_t[None, :],
                 mask=gm[:, None] & valid[None, :], other=float("-inf"))
-    y = (x * scale - mx[:, None]) - log_sum[:, None]  # log_softmax; -inf for invalid tokens and padded heads
-    top = tl.max(y, axis=0)
-    if SUM:
-        top = tl.where(valid, top, 0.0)
-        agg = top + tl.log(tl.where(valid, tl.sum(tl.exp(y - top[None, :]), axis=0), 1.0))
-    else:
-        agg = top
-    agg = tl.where(valid, agg, float("-inf"))
+    agg = tl.where(valid, _group_probability(x, mx, log_sum, scale, SUM), float("-inf"))
     tl.store(agg_ptr + b * stride_ab + h * stride_ah + offs_t, agg, mask=offs_t < S)
 
 
@@ -184,10 +204,12 @@ def group_softmax_scores(scores: torch.Tensor, HKV: int, aggregate: str, lengths
                          block: int | None = None, num_chunks: int | None = None,
                          block_t: int | None = None) -> torch.Tensor:
     """The group scores [B, HKV, S] fp32 of a softmax ``aggregate`` from per-query-head scores ``scores``
-    [B, HQ, S] fp32 (-inf outside the valid tokens; last dim contiguous), as ``aggregate_group_scores(scores,
-    HKV, aggregate, scale=scale)`` masked to the valid tokens.  lengths, starts: [B] int on the scores' device,
-    ``0 <= starts[b] < lengths[b] <= S`` (trusted).  ``out``: an optional [B, HKV, S] fp32 result (last dim
-    contiguous); ``block``, ``num_chunks``, ``block_t``: launch choices beside :func:`lse_chunking`'s (tests)."""
+    [B, HQ, S] fp32 (-inf outside the valid tokens; last dim contiguous) as probabilities: ``exp`` of
+    ``aggregate_group_scores(scores, HKV, aggregate, scale=scale)`` on the valid tokens (up to fp32 rounding; the
+    module docstring says where the order of tokens can differ), -inf outside them.  lengths, starts: [B] int on
+    the scores' device, ``0 <= starts[b] < lengths[b] <= S`` (trusted).  ``out``: an optional [B, HKV, S] fp32
+    result (last dim contiguous); ``block``, ``num_chunks``, ``block_t``: launch choices beside
+    :func:`lse_chunking`'s (tests)."""
     if scores.dim() != 3 or scores.dtype != torch.float32 or scores.stride(-1) != 1:
         raise ValueError(f"scores must be a [B, HQ, S] fp32 tensor, last dim contiguous; got {scores.dtype} "
                          f"{list(scores.shape)}")
