@@ -15,7 +15,8 @@
 - ``decode_step_op`` (``torch.ops.loki.decode_step``): the step as a torch custom op, for ``torch.compile``
   (the kernels on CUDA, the PyTorch reference on the CPU);
 - ``write_rotated`` (``torch.ops.loki.write_rotated``): new tokens rotated and written into a static cache, bounds
-  checked.
+  checked;
+- ``rotate_query_op`` (``torch.ops.loki.rotate_query``): the decode step's query rotation ``q P_q`` in one kernel.
 
 Importing this package compiles nothing and probes no device; kernels are built at their first launch.
 """
@@ -34,6 +35,7 @@ from .decode import (
 from .group_softmax import group_softmax_scores
 from .ops import decode_step_op
 from .plan import DecodeRun, plan_decode
+from .rotate import rotate_query_op
 from .score_select import score_select
 from .score_select_softmax import score_select_softmax
 from .select import SELECT_METHODS, select_topk, select_topk_reference
@@ -56,6 +58,7 @@ __all__ = [
     "loki_decode_step",
     "make_key_prefix",
     "plan_decode",
+    "rotate_query_op",
     "select_topk",
     "select_topk_reference",
     "select_topk_split",
