@@ -5,20 +5,22 @@ One program per selection row (b, h), h a KV head with the G query heads h*G .. 
 
 1. pass 1 streams the row's keys once (the first d rotated dims, from ``k_hat`` in place or from the contiguous
    ``k_prefix`` buffer; ``tl.range`` with ``num_stages``, as ``score_select.py``), from the first tile that holds
-   a valid token to the last; for each tile it computes the G heads' scores ``s_g`` (fp32, one dot product per
-   head and key), stores them into a per-query-head scratch row ``heads[b, h*G + g, :]`` (valid tokens only) and
-   updates each head's online (max, sum of exp) of ``scale * s_g`` over the valid tokens;
-2. ``tl.debug_barrier()``, then pass 2 re-reads the G scratch rows tile by tile (written by this program an
-   instant ago: L2 hits) and writes the row's probability score ``max_g`` (or ``sum_g``) of
-   ``exp((scale * s_g - max_g) - log(sum_g))`` into ``scores[b, h, :]``, -inf outside the valid tokens
-   (``group_softmax.py``: the same values as its two launches, up to the rounding of the sums, and why
-   probabilities rather than the reference's log values);
+   a valid token to the last, and stores the G heads' scores ``s_g`` (fp32, one dot product per head and key) into
+   per-query-head scratch rows ``heads[b, h*G + g, :]`` (valid tokens only; contiguous stores);
+2. ``tl.debug_barrier()``, then pass 2a reads the G scratch rows back in [GP, BLOCK_T] tiles (written by this
+   program an instant ago: L2 hits) for each head's (max, sum of exp) of ``scale * s_g`` over the valid tokens (a
+   running pair per lane, one reduction per head at the end), and pass 2b reads them once more and writes the
+   row's probability score ``max_g`` (or ``sum_g``) of ``exp((scale * s_g - max_g) - log(sum_g))`` into
+   ``scores[b, h, :]``, -inf outside the valid tokens (``group_softmax.py``: the same values as its two launches,
+   up to the rounding of the sums, and why probabilities rather than the reference's log values).  Measured on
+   an H100 (B=16 S=8192, GQA 32/8): a first version kept the heads' (max, sum) in pass 1 (with a reduction
+   across the block per head and tile, or with [BLOCK_S, GP] tiles of scores) and took 150 us in pass 1 alone;
 3. ``tl.debug_barrier()``, then the exact threshold select of ``select.py`` (``_select_row``) on that row, as
    ``score_select.py`` does.
 
 Against the unfused path (per-query-head scores, two group-softmax launches, the select: four launches) this
-saves three launches and their ramps and tails, one of the two reads of the [B, HQ, S] scores, and lets the
-select of one program overlap the key streaming of the others on its multiprocessor.  Used by the decode step
+saves three launches and their ramps and tails, and lets the select of one program overlap the key streaming of
+the others on its multiprocessor.  Used by the decode step
 under the rule of ``score_select_fusable`` (enough rows to fill the GPU, rows of at most 8192 tokens).
 
 Scratch: ``heads`` [B, HQ, S] fp32 (from ``launch.new_output``; only the valid tokens are written and read).
@@ -43,13 +45,9 @@ from .select import TRITON_SELECT_MAX_S, _select_row, compaction_chunk, select_l
 
 __all__ = ["SOFTMAX_FUSED_DEFAULTS", "score_select_softmax"]
 
-#: Launch choices (not yet timed on a GPU): at most ``max_group`` query heads per KV head (the heads' loop is
-#: unrolled); pass 1 reads ``key_tile // GP`` keys per step (GP: G padded to a power of two), at most the tile of
-#: ``score_select`` and at least 16: compiled for sm_90 on the CPU (ptxas, triton 3.7.1, S = 8192, 8 warps) this
-#: keeps the kernel at the 128 registers of the fused sum kernel for every G (1 to 16; spills of at most 32 bytes
-#: at G = 2 and 16), where ``score_select``'s tile took 179 registers at G = 4 and 244 at G = 8; pass 2 reads
-#: ``tile`` scores ([GP, BLOCK_T]) per step.
-SOFTMAX_FUSED_DEFAULTS = dict(max_group=16, key_tile=512, tile=4096)
+#: Launch choices: at most ``max_group`` query heads per KV head (the heads' loop is unrolled); pass 1 reads the key
+#: tile of ``score_select`` (``key_block``) per step; passes 2a and 2b read ``tile`` scores ([GP, BLOCK_T]) per step.
+SOFTMAX_FUSED_DEFAULTS = dict(max_group=16, tile=4096)
 
 
 @triton.jit
@@ -83,10 +81,8 @@ def _score_select_softmax_kernel(
     dmask = offs_d < d
     gi = tl.arange(0, GP)
     ar = tl.arange(0, BLOCK_S)
-    # pass 1: every tile from the one holding `start` on has a valid token, so each head's max is finite after
-    # its first tile (exp(-inf - finite) = 0 rescales the empty initial sum)
-    m = tl.full((GP,), float("-inf"), tl.float32)
-    l = tl.zeros((GP,), tl.float32)
+    # pass 1: stream the keys once; per tile, each head's scores (a dot product per key, as the fused raw-"max"
+    # kernel computes them) stored into its scratch row: contiguous stores, nothing else per tile
     for s0 in tl.range(start // BLOCK_S * BLOCK_S, length, BLOCK_S, num_stages=NUM_STAGES):
         offs_s = s0 + ar
         valid = (offs_s >= start) & (offs_s < length)
@@ -94,21 +90,28 @@ def _score_select_softmax_kernel(
                      other=0.0).to(tl.float32)
         for g in tl.static_range(G):
             q = tl.load(q_base + g * stride_qh + offs_d, mask=dmask, other=0.0).to(tl.float32)
-            s = tl.sum(kt * q[None, :], axis=1)
-            tl.store(h_base + g * stride_hh + offs_s, s, mask=valid)
-            x = tl.where(valid, s * scale, float("-inf"))
-            mine = gi == g
-            m_old = tl.max(tl.where(mine, m, float("-inf")), axis=0)
-            m_new = tl.maximum(m_old, tl.max(x, axis=0))
-            l_new = tl.sum(tl.where(mine, l, 0.0), axis=0) * tl.exp(m_old - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
-            m = tl.where(mine, m_new, m)
-            l = tl.where(mine, l_new, l)
+            tl.store(h_base + g * stride_hh + offs_s, tl.sum(kt * q[None, :], axis=1), mask=valid)
     tl.debug_barrier()  # the heads' scores, written by every thread, are read back by every thread
-    # pass 2: the group's probability score of every token of the row (-inf outside the valid tokens)
+    # pass 2a: each head's (max, sum of exp) of scale * s over the valid tokens, from its scratch row (L2): a
+    # running pair per lane and head (elementwise), one reduction per head after the loop
     gm = gi < G
-    mx = tl.where(gm, m, 0.0)
-    log_sum = tl.log(tl.where(gm, l, 1.0))
     at = tl.arange(0, BLOCK_T)
+    lo = start // BLOCK_T * BLOCK_T
+    m2 = tl.full((GP, BLOCK_T), float("-inf"), tl.float32)
+    l2 = tl.zeros((GP, BLOCK_T), tl.float32)
+    for t0 in range(lo, length, BLOCK_T):
+        offs_t = t0 + at
+        ok = gm[:, None] & ((offs_t >= start) & (offs_t < length))[None, :]
+        x = tl.load(h_base + gi[:, None] * stride_hh + offs_t[None, :], mask=ok, other=float("-inf")) * scale
+        m_new = tl.maximum(m2, x)
+        base = tl.where(m_new == float("-inf"), 0.0, m_new)  # lanes without a valid token so far: no NaN
+        l2 = l2 * tl.exp(m2 - base) + tl.exp(x - base)
+        m2 = m_new
+    top = tl.where(gm, tl.max(m2, axis=1), 0.0)  # [GP]: each real head's max (finite: a row has a valid token)
+    l = tl.sum(l2 * tl.exp(m2 - top[:, None]), axis=1)
+    # pass 2: the group's probability score of every token of the row (-inf outside the valid tokens)
+    mx = top
+    log_sum = tl.log(tl.where(gm, l, 1.0))
     for t0 in range(0, S, BLOCK_T):
         offs_t = t0 + at
         valid = (offs_t >= start) & (offs_t < length)
@@ -170,8 +173,7 @@ def score_select_softmax(q_hat, k_src, d: int, lengths, starts, counts, K: int, 
     BLOCK_D = triton.next_power_of_2(d)
     BLOCK = triton.next_power_of_2(S)
     if block_s is None:
-        block_s = interpreter_tile(S, 1024) if interpreting() else min(
-            key_block(BLOCK_D, k_src.stride(2) == d), max(16, SOFTMAX_FUSED_DEFAULTS["key_tile"] // GP))
+        block_s = interpreter_tile(S, 1024) if interpreting() else key_block(BLOCK_D, k_src.stride(2) == d)
     if block_t is None:
         cap = interpreter_tile(S, 1024) if interpreting() else max(16, SOFTMAX_FUSED_DEFAULTS["tile"] // GP)
         block_t = min(cap, max(16, BLOCK))
