@@ -27,8 +27,9 @@ Two launches:
 
 1. ``_lse_partial_kernel``, grid (B*HQ, NC): every row is cut into NC chunks of CHUNK tokens (NC chosen so that
    few long rows still give a few programs per multiprocessor: B=1, 32 query heads, S=131072 gives 16 chunks of
-   8192 tokens); each program reduces the valid tokens of its chunk to a running (max, sum of exp) pair
-   (one exp per token) and writes it to the partials [2, B*HQ, NC].
+   8192 tokens); each program reduces the valid tokens of its chunk to a (max, sum of exp) pair (a running pair
+   per lane, two exps per token, one reduction across the block at the end: a reduction per tile took 10.9 us at
+   B=1 S=131072 with 32 heads on an H100) and writes it to the partials [2, B*HQ, NC].
 2. ``_group_aggregate_kernel``, grid (B*HKV, S/BLOCK_T): each program combines the NC partials of its G heads
    into their (max, log sum), reads the G heads' scores of its BLOCK_T tokens once and writes the group's
    probability score.
@@ -87,16 +88,20 @@ def _lse_partial_kernel(
     lo = c0 + (tl.maximum(start, c0) - c0) // BLOCK * BLOCK  # the first tile holding a valid token
     base = s_ptr + b * stride_sb + hq * stride_sh
     ar = tl.arange(0, BLOCK)
-    # every tile the loop visits holds at least one valid token, so m is finite after the first one
-    m = tl.max(tl.full((BLOCK,), float("-inf"), tl.float32), axis=0)
-    l = tl.sum(tl.zeros((BLOCK,), tl.float32), axis=0)
+    # a running (max, sum of exp) per lane (elementwise: no reduction across the block per tile), one reduction
+    # of each at the end; lanes that saw no valid token yet keep (-inf, 0) without a NaN
+    m2 = tl.full((BLOCK,), float("-inf"), tl.float32)
+    l2 = tl.zeros((BLOCK,), tl.float32)
     for t0 in range(lo, hi, BLOCK):
         offs = t0 + ar
         ok = (offs >= start) & (offs < hi)
         x = tl.load(base + offs, mask=ok, other=float("-inf")) * scale
-        m_new = tl.maximum(m, tl.max(x, axis=0))
-        l = l * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
-        m = m_new
+        m_new = tl.maximum(m2, x)
+        ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        l2 = l2 * tl.exp(m2 - ref) + tl.exp(x - ref)
+        m2 = m_new
+    m = tl.max(m2, axis=0)  # -inf for a chunk without a valid token
+    l = tl.sum(l2 * tl.exp(m2 - tl.where(m == float("-inf"), 0.0, m)), axis=0)
     tl.store(m_ptr + row * NC + c, m)
     tl.store(l_ptr + row * NC + c, l)
 
