@@ -353,6 +353,7 @@ def test_write_rotated_equals_reference(dtype, with_prefix, D, triton_device):
     """The fused cache write (rotate, store key, value and prefix at the positions) equals rotate_keys +
     index_copy_, and leaves every other position untouched (D = 64: two programs per token and head, each
     writing 32 of the dims)."""
+    from loki.kernels import cache_write
     from loki.kernels.cache_write import write_rotated, write_rotated_reference
     from loki.testing.inputs import random_orthogonal
 
@@ -363,6 +364,9 @@ def test_write_rotated_equals_reference(dtype, with_prefix, D, triton_device):
     k = torch.randn(B, HKV, L, D, generator=g).to(dev, dtype)
     v = torch.randn(B, HKV, L, D, generator=g).to(dev, dtype)
     pos = torch.tensor([4, 9, 17], device=dev)
+    assert not P.is_contiguous()  # the basis as random_orthogonal gives it: the kernel must still take it
+    assert cache_write._kernel_fits(torch.empty(B, HKV, S, D, dtype=dtype, device=dev),
+                                    torch.empty(B, HKV, S, D, dtype=dtype, device=dev), None, k, v, P)
     caches = []
     for fn in (write_rotated, write_rotated_reference):
         keys = torch.full((B, HKV, S, D), 3.0, dtype=dtype, device=dev)

@@ -73,7 +73,7 @@ def write_rotated_reference(keys, values, prefix, k_new, v_new, P, pos) -> None:
 def _kernel_fits(keys, values, prefix, k_new, v_new, P) -> bool:
     D = keys.shape[-1]
     ok = (keys.is_cuda or interpreting()) and D >= 16 and D & (D - 1) == 0 and P.dtype == torch.float32
-    ok = ok and all(t.stride(-1) == 1 for t in (keys, values, k_new, v_new)) and P.is_contiguous()
+    ok = ok and all(t.stride(-1) == 1 for t in (keys, values, k_new, v_new))
     return ok and (prefix is None or prefix.stride(-1) == 1)
 
 
@@ -124,6 +124,7 @@ def write_rotated(keys: torch.Tensor, values: torch.Tensor, prefix: torch.Tensor
     B, HKV, L, D = k_new.shape
     if B == 0 or L == 0:
         return
+    P = P.contiguous()  # a no-op for the integration's bases (``LokiState.transforms`` keeps them contiguous)
     pre = prefix if prefix is not None else keys
     if B * HKV > 65535:
         raise ValueError(f"batch x KV heads = {B * HKV} exceeds the 65535 programs of a grid axis")
