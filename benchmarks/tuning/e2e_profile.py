@@ -7,7 +7,6 @@ SDPA and static-cache Loki, CUDA graphs), from torch.profiler over a few steps, 
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
 
@@ -19,6 +18,8 @@ def profile_path(model, path, B, S, steps=8, prof_steps=4, k=0.25, aggregate="su
     from loki.basis import PCABasis
     from loki.bench import e2e
     from loki.integrations.transformers import disable_loki, enable_loki
+
+    from .kernel_profile import kernel_rows
 
     cfg = model.config
     if path.startswith("loki"):
@@ -45,17 +46,12 @@ def profile_path(model, path, B, S, steps=8, prof_steps=4, k=0.25, aggregate="su
             for i in range(steps, steps + prof_steps):
                 step(i)
             torch.cuda.synchronize()
-    per = collections.defaultdict(lambda: [0.0, 0])
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            per[ev.name][0] += ev.device_time_total / prof_steps
-            per[ev.name][1] += 1 / prof_steps
+    rows = kernel_rows(prof, prof_steps)
     if path.startswith("loki"):
         disable_loki(model)
     cache = fn = None  # the closure above holds them: released here
     torch._dynamo.reset()
     torch.cuda.empty_cache()
-    rows = sorted(((n, t, c) for n, (t, c) in per.items()), key=lambda r: -r[1])
     return {"total_us": sum(t for _, t, _ in rows), "kernels": sum(c for _, _, c in rows),
             "top": [{"name": n[:90], "us": t, "count": c} for n, t, c in rows[:30]]}
 

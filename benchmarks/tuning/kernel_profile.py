@@ -21,6 +21,17 @@ import os
 import torch
 
 
+def kernel_rows(prof, calls: int) -> list[tuple[str, float, float]]:
+    """(kernel name, device us per call, launches per call) of a torch.profiler run over ``calls`` calls, the
+    most expensive first (shared with ``e2e_profile``)."""
+    per = collections.defaultdict(lambda: [0.0, 0.0])
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            per[ev.name][0] += ev.device_time_total / calls
+            per[ev.name][1] += 1 / calls
+    return sorted(((n, t, c) for n, (t, c) in per.items()), key=lambda r: -r[1])
+
+
 def profile(fn, reps: int) -> dict:
     for _ in range(3):
         fn()
@@ -29,12 +40,7 @@ def profile(fn, reps: int) -> dict:
         for _ in range(reps):
             fn()
         torch.cuda.synchronize()
-    per = collections.defaultdict(lambda: [0.0, 0.0])
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            per[ev.name][0] += ev.device_time_total / reps
-            per[ev.name][1] += 1 / reps
-    rows = sorted(((n, t, c) for n, (t, c) in per.items()), key=lambda r: -r[1])
+    rows = kernel_rows(prof, reps)
     return {"total_us": sum(t for _, t, _ in rows),
             "kernels": [{"name": n[:80], "us": round(t, 2), "per_call": c} for n, t, c in rows]}
 

@@ -66,6 +66,15 @@ GROUP_SOFTMAX_DEFAULTS = dict(block=1024, programs_per_sm=4, max_chunks=64, tile
 
 
 @triton.jit
+def _running_lse(m2, l2, x):
+    """One step of a running (max, sum of exp) kept per lane: the pairs (m2, l2) with the new values x (-inf for
+    none), elementwise; lanes that saw nothing yet stay (-inf, 0) without a NaN."""
+    m_new = tl.maximum(m2, x)
+    ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    return m_new, l2 * tl.exp(m2 - ref) + tl.exp(x - ref)
+
+
+@triton.jit
 def _lse_partial_kernel(
     s_ptr, lengths_ptr, starts_ptr, m_ptr, l_ptr,
     HQ, CHUNK, NC, scale,
@@ -95,11 +104,7 @@ def _lse_partial_kernel(
     for t0 in range(lo, hi, BLOCK):
         offs = t0 + ar
         ok = (offs >= start) & (offs < hi)
-        x = tl.load(base + offs, mask=ok, other=float("-inf")) * scale
-        m_new = tl.maximum(m2, x)
-        ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        l2 = l2 * tl.exp(m2 - ref) + tl.exp(x - ref)
-        m2 = m_new
+        m2, l2 = _running_lse(m2, l2, tl.load(base + offs, mask=ok, other=float("-inf")) * scale)
     m = tl.max(m2, axis=0)  # -inf for a chunk without a valid token
     l = tl.sum(l2 * tl.exp(m2 - tl.where(m == float("-inf"), 0.0, m)), axis=0)
     tl.store(m_ptr + row * NC + c, m)

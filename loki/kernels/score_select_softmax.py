@@ -38,7 +38,7 @@ from loki._checks import resolve_scale
 from loki._triton import tl, triton
 
 from ._common import interpreter_tile, interpreting, key_block, num_sms
-from .group_softmax import SOFTMAX_AGGREGATES, _group_probability
+from .group_softmax import SOFTMAX_AGGREGATES, _group_probability, _running_lse
 from .launch import launch, new_output, pdl
 from .score_select import FUSED_DEFAULTS
 from .select import TRITON_SELECT_MAX_S, _select_row, compaction_chunk, select_launch_config
@@ -103,10 +103,7 @@ def _score_select_softmax_kernel(
         offs_t = t0 + at
         ok = gm[:, None] & ((offs_t >= start) & (offs_t < length))[None, :]
         x = tl.load(h_base + gi[:, None] * stride_hh + offs_t[None, :], mask=ok, other=float("-inf")) * scale
-        m_new = tl.maximum(m2, x)
-        base = tl.where(m_new == float("-inf"), 0.0, m_new)  # lanes without a valid token so far: no NaN
-        l2 = l2 * tl.exp(m2 - base) + tl.exp(x - base)
-        m2 = m_new
+        m2, l2 = _running_lse(m2, l2, x)
     top = tl.where(gm, tl.max(m2, axis=1), 0.0)  # [GP]: each real head's max (finite: a row has a valid token)
     l = tl.sum(l2 * tl.exp(m2 - top[:, None]), axis=1)
     # pass 2: the group's probability score of every token of the row (-inf outside the valid tokens)
