@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import math
 
 import pytest
 import torch
@@ -72,8 +73,8 @@ def test_selection():
     assert [s.id for s in sel["grid"]] == ["llama2-7b-B8-S4096", "llama3-8b-B16-S8192", "llama2-7b-B1-S16384",
                                            "llama3-8b-B1-S16384"]
     assert sel["paths"] == e2e.PATHS and (sel["k_f"], sel["d_f"]) == (0.25, 0.25)
-    # every target setting is in --quick
-    assert {e2e.Setting(m, b, s).id for m, b, s, _ in e2e.TARGETS} <= {s.id for s in sel["grid"]}
+    # every target setting without its own budget is in --quick (the k = 2048 one is named with --settings)
+    assert {s.id for s, _ in e2e.TARGETS if s.k is None} <= {s.id for s in sel["grid"]}
     assert [s.id for s in e2e_report.select(_args("--e2e", "--quick", "--models", "llama2-7b"))["grid"]] == [
         "llama2-7b-B8-S4096", "llama2-7b-B1-S16384"]
     full = e2e_report.select(_args("--e2e"))["grid"]
@@ -132,7 +133,7 @@ def cpu_results():
     logs = []
     res = e2e.run_grid([e2e.Setting("tiny", 2, 40)], device="cpu", dtype=torch.float32, models=TINY, steps=3,
                        paths=("sdpa_eager", "sdpa_compiled", "loki_eager"), copy_gbps=10.0, compile_mode=None,
-                       log=logs.append)
+                       log=logs.append, generate=True, generate_tokens=6, generate_reps=3)
     return res, logs
 
 
@@ -152,6 +153,25 @@ def test_measurement_loop_on_cpu(cpu_results):
     assert res["best_loki"] == "loki_eager" and res["speedup"] > 0
     assert res["floor_ms"]["loki"] < res["floor_ms"]["dense"] and set(res["x_floor"]) == set(res["paths"])
     assert any("loki_eager" in line for line in logs)
+    # whole generate calls beside the forward: finite, positive, from the documented difference
+    assert res["generate"] == {"new_tokens": 6, "reps": 3, "prompt": "cache"}
+    for p, r in res["paths"].items():
+        assert "generate_error" not in r, (p, r.get("generate_error"))
+        per = r["generate_ms_per_token"]
+        assert math.isfinite(per) and per > 0, (p, r)
+        assert per == pytest.approx((r["generate_tn_ms"] - r["generate_t1_ms"]) / 6)
+        assert len(r["generate_times_ms"]["1"]) == len(r["generate_times_ms"]["N+1"]) == 3
+        assert r["generate_prompt_tokens"] == 40 - 6 - 1 and r["generate_same_tokens"]
+        assert r["generate_tokens_per_s"] == pytest.approx(2 / (per * 1e-3))
+        # peak memory is a CUDA number: None on the CPU
+        assert r["peak_memory_gib"] is None and r["generate_peak_memory_gib"] is None
+    for key in ("generate_speedup", "ceiling_speedup", "fraction_of_ceiling", "generate_fraction_of_ceiling"):
+        assert math.isfinite(res[key]) and res[key] > 0, key
+    assert res["ceiling_speedup"] == pytest.approx(res["floor_ms"]["dense"] / res["floor_ms"]["loki"])
+    assert res["fraction_of_ceiling"] == pytest.approx(res["speedup"] / res["ceiling_speedup"])
+    assert res["generate_speedup"] == pytest.approx(
+        res["paths"][res["best_dense_generate"]]["generate_ms_per_token"]
+        / res["paths"][res["best_loki_generate"]]["generate_ms_per_token"])
 
 
 def test_static_path_matches_dynamic_logits():
@@ -178,9 +198,11 @@ def test_loki_compiled_path_uncompiled_on_cpu():
     if e2e._loki_import_error():
         pytest.skip(e2e._loki_import_error())
     (res,) = e2e.run_grid([e2e.Setting("tiny", 2, 40)], device="cpu", dtype=torch.float32, models=TINY, steps=3,
-                          paths=("loki_compiled",), compile_mode=None, log=lambda m: None)
+                          paths=("loki_compiled",), compile_mode=None, log=lambda m: None, generate=True,
+                          generate_tokens=4, generate_reps=1)
     r = res["paths"]["loki_compiled"]
     assert r.get("finite"), r
+    assert r["generate_ms_per_token"] > 0 and not r["generate_compiled"]  # generate on the LokiStaticCache
     assert r["rewind_diff"] < 1e-4 and r["attn_implementation"] == "loki" and r["cache_layer"] == "LokiStaticLayer"
 
 
@@ -205,7 +227,13 @@ def test_reports(cpu_results, tmp_path):
     assert "tiny-B2-S40" in text and "| llama2-7b-B8-S16384 | skip" in text and "loki+compile" in text
     rows = e2e_report.target_rows(doc["results"])
     assert rows[0]["pass"] is True and rows[1]["note"] == "not run" and rows[2]["pass"] is None
-    assert rows[-1]["value"] == 1.3 and rows[-1]["pass"] is False
+    assert rows[3]["target"].startswith("llama3-8b B=1 S=131072 k=2048") and rows[3]["note"] == "not run"
+    (floor,) = [r for r in rows if "byte floor" in r["target"]]
+    assert floor["value"] == 1.3 and floor["pass"] is False
+    ceiling = [r for r in rows if "byte ceiling" in r["target"]]
+    assert [r["target"].split(":")[0] for r in ceiling] == ["tiny-B2-S40", "tiny-B2-S40"]  # forward and generate
+    assert ceiling[0]["value"] == res["fraction_of_ceiling"] and ceiling[0]["pass"] is False
+    assert "## Byte ceiling, generate and memory" in text and "loki gen ms/token" in text
     short = e2e_report.short_table(doc)
     assert "NOT met" in short and "skipped: does not fit" in short
     e2e_report.write_plot(doc, str(tmp_path / "r.png"))
@@ -217,11 +245,15 @@ def test_all_paths_on_gpu():
     """The four paths on a tiny model on the GPU, compiled ones included (the LokiStaticCache path where the
     checkout has it)."""
     res, = e2e.run_grid([e2e.Setting("tiny", 2, 256)], device="cuda", dtype=torch.bfloat16, models=TINY, steps=4,
-                        copy_gbps=1000.0, log=print)
+                        copy_gbps=1000.0, log=print, generate=True, generate_tokens=4, generate_reps=2)
     for p, r in res["paths"].items():
         if p == "loki_compiled" and e2e._loki_import_error():
             assert "LokiStaticCache" in r["skipped"]
             continue
         assert r.get("finite"), (p, r)
         assert r["rewind_diff"] < 0.1, (p, r)
+        assert r["peak_memory_gib"] > 0 and r["generate_peak_memory_gib"] > 0, (p, r)
+        assert "generate_error" not in r and r["generate_ms_per_token"] > 0, (p, r)
+        assert r["generate_compiled"] == p.endswith("_compiled")
     assert res["paths"]["sdpa_compiled"]["compiled"]
+    assert res["generate_speedup"] > 0 and res["fraction_of_ceiling"] > 0

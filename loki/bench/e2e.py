@@ -12,35 +12,45 @@ path is filled with the same random keys and values (drawn per layer from one se
 ``n0 = S - steps`` positions through ``cache.update`` (no prefill forward); then ``steps`` decode steps run once
 untimed (compilation, CUDA-graph recording, per-length SDPA plans and Triton specialisations), the cache is rewound
 to ``n0`` and the same steps are timed (CUDA events around each step; ``time.perf_counter`` on the CPU).  The
-cache length reached by the last timed step is S.
+cache length reached by the last timed step is S.  With ``generate=True`` each path then times whole greedy
+``model.generate`` calls on the same cache (:mod:`loki.bench.e2e_generate`: per token, (t(N + 1 new tokens) -
+t(1)) / N).  On CUDA each phase records its peak of ``torch.cuda.max_memory_allocated`` (weights included).
 
 Byte floor of a step: the weights a decode step reads (every parameter except the input embedding table, of which
 only B rows are read) plus the KV bytes attention must read (dense: K and V of every cached token; Loki: the d/D
-key prefix of every token plus the k_f selected rows of K and V per selecting head), averaged over the timed steps
-and divided by the device-to-device copy bandwidth measured in the same run.
+key prefix of every token plus the k selected rows of K and V per selecting head), averaged over the timed steps
+and divided by the device-to-device copy bandwidth measured in the same run.  The byte ceiling of Loki's speed-up
+is the dense floor over the Loki floor (bytes over bytes: the bandwidth cancels); ``fraction_of_ceiling`` = the
+measured speed-up over that ceiling.
 
 Shape letters: B batch, S cache length, L layers, HQ query heads, HKV key/value heads, D head dim.
 """
 
 from __future__ import annotations
 
-import gc
 import inspect
+import re
 import time
-from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
 
 from loki._checks import budget_counts, check_budget, resolve_d
-from loki._hf import cache_keyword, config_head_dim
+from loki._hf import cache_keyword
 from loki.integrations.transformers.enable import default_gqa_mode
+
+from .e2e_cache import PeakMemory, _Clock, _dims, _free, fill_cache, make_cache, rewind, sdpa_context
+from .e2e_cache import _native_gqa as _native_gqa  # re-exported: scripts import it from here
+from .e2e_cache import sdpa_backend_config as sdpa_backend_config  # re-exported: the report imports it from here
+from .e2e_generate import PROMPTS, time_generate
 
 __all__ = [
     "BATCHES",
+    "CEILING_TARGET",
     "E2E_MODELS",
     "FLOOR_TARGET",
     "PATHS",
+    "PROMPTS",
     "QUICK_SETTINGS",
     "SEQ_LENS",
     "TARGETS",
@@ -54,6 +64,7 @@ __all__ = [
     "run_grid",
     "run_path",
     "settings",
+    "summarize",
     "weight_bytes",
 ]
 
@@ -71,21 +82,50 @@ BATCHES = (1, 8, 16)
 SEQ_LENS = (4096, 16384)
 #: ``--quick``: the three settings with speed targets, plus the GQA model at B=1 and a long cache.
 QUICK_SETTINGS = (("llama2-7b", 8, 4096), ("llama3-8b", 16, 8192), ("llama2-7b", 1, 16384), ("llama3-8b", 1, 16384))
-#: Issue targets (H100): Loki's fastest path over the faster dense path, same run.
-TARGETS = (("llama2-7b", 8, 4096, 1.35), ("llama3-8b", 16, 8192, 1.35), ("llama2-7b", 1, 16384, 1.2))
 #: Compiled Loki's step time over its byte floor must stay within this.
 FLOOR_TARGET = 1.25
+#: Every setting's measured speed-up over its byte ceiling's (dense floor / Loki floor) must reach this.
+CEILING_TARGET = 0.85
+_ID = re.compile(r"^(?P<model>.+)-B(?P<B>\d+)-S(?P<S>\d+)(?:-k(?P<k>\d+(?:\.\d*)?(?:e-?\d+)?))?$")
 
 
 @dataclass(frozen=True)
 class Setting:
+    """One end-to-end setting: model dims, batch, cache length and optionally its own budget ``k`` (an int count
+    of tokens or a fraction in (0, 1]; None: the grid's ``k_f``).  Ids: ``<model>-B<B>-S<S>`` without a budget
+    (the grid's, 0.25 by default), ``<model>-B<B>-S<S>-k<k>`` with one (``llama3-8b-B1-S131072-k2048``,
+    ``llama3-8b-B8-S32768-k0.5``)."""
+
     model: str
     B: int
     S: int
+    k: int | float | None = None
 
     @property
     def id(self) -> str:
-        return f"{self.model}-B{self.B}-S{self.S}"
+        return f"{self.model}-B{self.B}-S{self.S}" + ("" if self.k is None else f"-k{self.k}")
+
+    @classmethod
+    def parse(cls, text: str) -> Setting:
+        """The setting of an id (ValueError for another string); a budget with a '.' or an exponent is a
+        fraction, else a count."""
+        m = _ID.match(text)
+        if m is None:
+            raise ValueError(f"not a setting id <model>-B<B>-S<S>[-k<k>]: {text!r}")
+        k = m["k"]
+        if k is not None:
+            k = float(k) if any(c in k for c in ".e") else int(k)
+            check_budget(k, name="k")
+        return cls(m["model"], int(m["B"]), int(m["S"]), k)
+
+    def budget(self, k_f):
+        """This setting's budget: its own, else the grid's ``k_f``."""
+        return k_f if self.k is None else self.k
+
+
+#: Issue targets (H100): Loki's fastest path over the faster dense path, same run.
+TARGETS = ((Setting("llama2-7b", 8, 4096), 1.35), (Setting("llama3-8b", 16, 8192), 1.35),
+           (Setting("llama2-7b", 1, 16384), 1.2), (Setting("llama3-8b", 1, 131072, 2048), 1.5))
 
 
 def settings(models=tuple(E2E_MODELS), batches=BATCHES, seq_lens=SEQ_LENS) -> list[Setting]:
@@ -136,13 +176,6 @@ def weight_bytes(model, B: int) -> int:
     return total
 
 
-def _dims(config) -> tuple[int, int, int, int]:
-    """(L, HQ, HKV, D)."""
-    HQ = int(config.num_attention_heads)
-    return int(config.num_hidden_layers), HQ, int(getattr(config, "num_key_value_heads", None) or HQ), \
-        config_head_dim(config)
-
-
 def byte_floor(config, B: int, lengths, *, weights: int, itemsize: int, k_f: float, d_f, gqa_select: str) -> dict:
     """Bytes a decode step must read, averaged over steps attending ``lengths`` tokens each (the new token
     included): ``dense`` = weights + K and V of every token; ``loki`` = weights + the first d key dims of every
@@ -173,132 +206,24 @@ def memory_needed(config, B: int, S: int, *, itemsize: int, d_f) -> int:
     return L * (2 * layer_k + layer_k * d // D) + (5 + 2 * HQ // HKV) * layer_k + (3 << 29)
 
 
-def fill_cache(cache, config, B: int, n0: int, *, device, dtype, seed: int = 0) -> None:
-    """Write random keys and values (std 1, the same for every cache from the same seed) for positions
-    ``0 .. n0-1`` of every layer through ``cache.update`` (``cache_position`` passed for the transformers versions
-    whose static layers write at it)."""
-    L, _, HKV, D = _dims(config)
-    pos = torch.arange(n0, device=device)
-    for layer in range(L):
-        g = torch.Generator(device=device).manual_seed(seed + 1000 * layer)
-        k = torch.randn(B, HKV, n0, D, generator=g, device=device, dtype=dtype)
-        v = torch.randn(B, HKV, n0, D, generator=g, device=device, dtype=dtype)
-        cache.update(k, v, layer, {"cache_position": pos})
-        del k, v
-
-
-def rewind(cache, n0: int) -> None:
-    """Take ``cache`` back to its first ``n0`` tokens without re-filling it: static layers with a write counter
-    (``cumulative_length``, transformers 5.2x) get the counter set to n0 (the stale entries beyond are masked,
-    then overwritten); static layers that write at ``cache_position`` need nothing; dynamic layers are cropped."""
-    for layer in cache.layers:
-        counter = getattr(layer, "cumulative_length", None)
-        if isinstance(counter, torch.Tensor):
-            counter.fill_(n0)
-            if hasattr(layer, "cumulative_length_int"):
-                layer.cumulative_length_int = n0
-            continue
-        if getattr(layer, "max_cache_len", None) is not None:
-            continue
-        keys = getattr(layer, "keys", None)
-        if keys is not None and keys.dim() == 4 and keys.shape[-2] > n0:
-            layer.crop(n0 - keys.shape[-2])  # a negative count: tokens to remove (every 5.x version)
-
-
-def _make_cache(model, path: str, B: int, S: int):
-    if path == "sdpa_eager":
-        from transformers import DynamicCache
-
-        return DynamicCache(config=model.config)
-    if path == "loki_eager":
-        from loki.integrations.transformers import loki_cache
-
-        return loki_cache(model)
-    if path == "sdpa_compiled":
-        from transformers import StaticCache
-
-        return StaticCache(config=model.config, max_cache_len=S)
-    from loki.integrations.transformers import LokiStaticCache
-
-    return LokiStaticCache(model, max_cache_len=S, batch_size=B)
-
-
-def _sdpa_context(backend: str):
-    if backend == "flash":
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        return sdpa_kernel(SDPBackend.FLASH_ATTENTION)
-    if backend == "native-gqa":
-        return _native_gqa()
-    return nullcontext()
-
-
-@contextmanager
-def _native_gqa():
-    """transformers' SDPA function hands grouped keys and values to SDPA as they are (``enable_gqa=True``) even
-    with an attention mask; by default it copies them to every query head first (``repeat_kv``) whenever a mask is
-    given, as a static cache's decode steps always do (``use_gqa_in_sdpa``)."""
-    from transformers.integrations import sdpa_attention
-
-    old = sdpa_attention.use_gqa_in_sdpa
-    sdpa_attention.use_gqa_in_sdpa = lambda *args, **kwargs: True
-    try:
-        yield
-    finally:
-        sdpa_attention.use_gqa_in_sdpa = old
-
-
-def sdpa_backend_config() -> dict:
-    """Which SDPA backends torch may pick (the global switches, as the dense paths ran under them)."""
-    b = torch.backends.cuda
-    out = {"flash": b.flash_sdp_enabled(), "mem_efficient": b.mem_efficient_sdp_enabled(), "math": b.math_sdp_enabled()}
-    if hasattr(b, "cudnn_sdp_enabled"):
-        out["cudnn"] = b.cudnn_sdp_enabled()
-    return out
-
-
-class _Clock:
-    """Per-step times in ms: CUDA events on a GPU, perf_counter elsewhere."""
-
-    def __init__(self, device):
-        self.cuda = torch.device(device).type == "cuda"
-
-    def sync(self):
-        if self.cuda:
-            torch.cuda.synchronize()
-
-    def run(self, steps, fn) -> list[float]:
-        if self.cuda:
-            ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
-            for i in range(steps):
-                ev[i][0].record()
-                fn(i)
-                ev[i][1].record()
-            torch.cuda.synchronize()
-            return [a.elapsed_time(b) for a, b in ev]
-        out = []
-        for i in range(steps):
-            t = time.perf_counter()
-            fn(i)
-            out.append((time.perf_counter() - t) * 1e3)
-        return out
-
-
-def _free(device):
-    gc.collect()
-    if torch.device(device).type == "cuda":
-        torch.cuda.empty_cache()
-
-
 def run_path(model, path: str, *, B: int, S: int, steps: int, device, dtype, basis=None, k_f: float = 0.25,
              d_f=0.25, gqa_select: str = "query", sdpa_backend: str = "default", seed: int = 0,
-             compile_mode: str | None = "reduce-overhead", aggregate: str = "sum") -> dict:
+             compile_mode: str | None = "reduce-overhead", aggregate: str = "sum", generate: bool = False,
+             generate_tokens: int | None = None, generate_reps: int = 3, generate_prompt: str = "cache") -> dict:
     """Time ``steps`` decode steps of ``path`` reaching cache length S (after an untimed pass over the same
     steps); returns ms per step (median, mean, min), tokens/s (B / median), the first pass's wall time (compilation
-    and warm-up), what ran (cache and layer classes, attention implementation, finite logits) and the largest
+    and warm-up), what ran (cache and layer classes, attention implementation, finite logits), the largest
     difference between the last step's logits in the two passes (``rewind_diff``: 0 up to rounding when the
-    rewound cache holds what the first pass saw).  ``compile_mode=None`` runs a ``*_compiled`` path's static
-    cache without compiling (tests on the CPU)."""
+    rewound cache holds what the first pass saw) and on CUDA the peak memory of these steps (``peak_memory_gib``,
+    weights included; ``base_memory_gib`` allocated before the path; None elsewhere).  ``k_f``: the budget, a
+    fraction or an int count of tokens.  ``compile_mode=None`` runs a ``*_compiled`` path's static cache without
+    compiling (tests on the CPU).
+
+    ``generate=True``: then whole greedy ``model.generate`` calls on the same cache
+    (:func:`loki.bench.e2e_generate.time_generate`; ``generate_tokens`` = N, default ``steps``; the compiled
+    paths let ``generate`` compile its decode step as it does for a static cache, after the forward's compiled
+    graphs are dropped): ``generate_ms_per_token`` and the fields beside it, ``generate_peak_memory_gib``, or
+    ``generate_error`` when the calls fail (the forward's numbers stay)."""
     from loki.integrations.transformers import disable_loki, enable_loki
 
     dev = torch.device(device)
@@ -313,8 +238,10 @@ def run_path(model, path: str, *, B: int, S: int, steps: int, device, dtype, bas
     else:
         disable_loki(model)
     cache = fn = out = None
+    memory = PeakMemory(dev)
     try:
-        cache = _make_cache(model, path, B, S)
+        memory.start()
+        cache = make_cache(model, path, B, S)
         fill_cache(cache, cfg, B, n0, device=dev, dtype=dtype, seed=seed)
         g = torch.Generator(device="cpu").manual_seed(seed + 7)
         ids = torch.randint(0, int(cfg.vocab_size), (steps, B, 1), generator=g).to(dev)
@@ -335,7 +262,7 @@ def run_path(model, path: str, *, B: int, S: int, steps: int, device, dtype, bas
             last["out"] = fn(input_ids=ids[i], **kw)
 
         clock = _Clock(dev)
-        with torch.no_grad(), _sdpa_context(sdpa_backend):
+        with torch.no_grad(), sdpa_context(sdpa_backend):
             t0 = time.perf_counter()
             for i in range(steps):
                 step(i)
@@ -350,10 +277,12 @@ def run_path(model, path: str, *, B: int, S: int, steps: int, device, dtype, bas
             logits = out.logits[:, -1].float()
             finite = bool(torch.isfinite(logits).all().item())
             rewind_diff = float((logits - ref).abs().max().item())
+        out = logits = ref = None
+        memory.stop()
         layer0 = cache.layers[0] if getattr(cache, "layers", None) else None
         srt = sorted(times)
         med = srt[len(srt) // 2] if len(srt) % 2 else 0.5 * (srt[len(srt) // 2 - 1] + srt[len(srt) // 2])
-        return {
+        res = {
             "ms_median": med, "ms_mean": sum(times) / len(times), "ms_min": srt[0], "wall_ms_per_step": wall,
             "tokens_per_s": B / (med * 1e-3), "first_pass_s": first_pass_s, "steps": steps, "finite": finite,
             "rewind_diff": rewind_diff, "compiled": compiled,
@@ -361,13 +290,34 @@ def run_path(model, path: str, *, B: int, S: int, steps: int, device, dtype, bas
             "compile_s": max(0.0, first_pass_s - sum(times) * 1e-3) if compiled else None,
             "cache": type(cache).__name__, "cache_layer": type(layer0).__name__ if layer0 is not None else None,
             "attn_implementation": getattr(cfg, "_attn_implementation", None),
+            "peak_memory_gib": memory.peak_gib, "base_memory_gib": memory.base_gib,
         }
+        if generate:
+            fn = step = None
+            if compiled:
+                torch._dynamo.reset()  # the forward's graphs and their memory pool: generate compiles its own
+            _free(dev)
+            gen_memory = PeakMemory(dev).start()
+            try:
+                with sdpa_context(sdpa_backend):
+                    res.update(time_generate(model, cache, B=B, S=S, new_tokens=generate_tokens or steps, key=key,
+                                             device=dev, reps=generate_reps, prompt=generate_prompt,
+                                             compile=compile_mode is not None, seed=seed))
+                res["generate_compiled"] = compiled
+            except torch.cuda.OutOfMemoryError as exc:
+                res["generate_error"] = f"out of memory: {str(exc).splitlines()[0][:200]}"
+            except Exception as exc:  # noqa: BLE001 - the forward's numbers are kept, the failure reported
+                res["generate_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            res["generate_peak_memory_gib"] = gen_memory.stop()
+        return res
     finally:
         cache = fn = out = None  # the closure above sees these cells: the cache and the graphs are released
         if path.startswith("loki"):
             disable_loki(model)
         if compiled:
             torch._dynamo.reset()  # drops the compiled graphs and their CUDA-graph memory pool
+            if generate and hasattr(model, "_compiled_call"):
+                del model._compiled_call  # generate's compiled forward (transformers keeps it on the model)
         _free(dev)
 
 
@@ -383,13 +333,16 @@ def run_grid(grid, *, device="cuda", dtype=torch.bfloat16, models=None, paths=PA
              k_f: float = 0.25, d_f=0.25, gqa_select: str = "auto", sdpa_backend: str = "default",
              copy_gbps: float | None = None, time_budget_s: float | None = None, seed: int = 0,
              compile_mode: str | None = "reduce-overhead", free_bytes: int | None = None, on_setting=None,
-             log=print, aggregate: str = "sum") -> list[dict]:
+             log=print, aggregate: str = "sum", generate: bool = False, generate_tokens: int | None = None,
+             generate_reps: int = 3, generate_prompt: str = "cache") -> list[dict]:
     """Run ``paths`` on every :class:`Setting` of ``grid`` (one model built per model name, settings that do not
     fit the device memory or the time budget reported as skipped: a path is not started when the time spent plus
     its last duration would pass ``time_budget_s``).  ``models`` maps names to ``LlamaConfig``
     fields (default :data:`E2E_MODELS`); ``gqa_select="auto"`` is "kv" for GQA models, else "query";
     ``aggregate``: how a shared selection combines the group's scores ("sum", the timed default; "auto" as
-    ``enable_loki`` resolves it).
+    ``enable_loki`` resolves it).  ``k_f``: the budget of settings without their own (``Setting.k``), a fraction
+    or an int count of tokens.  ``generate`` and the ``generate_*`` options: whole ``generate`` calls per path
+    (:func:`run_path`).
     ``free_bytes`` overrides the device memory free beside the model (measured on CUDA, unchecked elsewhere).
     ``on_setting(result)`` is called after each setting (for incremental output).  Returns one dict per setting."""
     from loki.basis import PCABasis
@@ -414,12 +367,16 @@ def run_grid(grid, *, device="cuda", dtype=torch.bfloat16, models=None, paths=PA
             free = torch.cuda.mem_get_info(dev)[0] + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
         log(f"# {name}: built in {build_s:.1f} s; gqa_select={mode}" + (f", aggregate={agg}" if mode == "kv" else ""))
         for s in (s for s in grid if s.model == name):
+            k = s.budget(k_f)
             res = {"id": s.id, "model": name, "B": s.B, "S": s.S, "steps": steps, "n0": s.S - steps,
-                   "k_f": k_f, "d_f": d_f, "gqa_select": mode, "aggregate": agg, "model_build_s": build_s,
+                   "k_f": k, "d_f": d_f, "gqa_select": mode, "aggregate": agg, "model_build_s": build_s,
                    "paths": {}}
+            if generate:
+                res["generate"] = {"new_tokens": generate_tokens or steps, "reps": generate_reps,
+                                   "prompt": generate_prompt}
             wb = weight_bytes(model, s.B)
             res["bytes"] = byte_floor(config, s.B, range(s.S - steps + 1, s.S + 1), weights=wb, itemsize=itemsize,
-                                      k_f=k_f, d_f=d_f, gqa_select=mode)
+                                      k_f=k, d_f=d_f, gqa_select=mode)
             if copy_gbps:
                 res["floor_ms"] = {p: res["bytes"][p] / (copy_gbps * 1e9) * 1e3 for p in ("dense", "loki")}
             need = memory_needed(config, s.B, s.S, itemsize=itemsize, d_f=d_f)
@@ -441,19 +398,17 @@ def run_grid(grid, *, device="cuda", dtype=torch.bfloat16, models=None, paths=PA
                     continue
                 try:
                     res["paths"][p] = run_path(model, p, B=s.B, S=s.S, steps=steps, device=dev, dtype=dtype,
-                                               basis=basis, k_f=k_f, d_f=d_f, gqa_select=mode,
+                                               basis=basis, k_f=k, d_f=d_f, gqa_select=mode,
                                                sdpa_backend=sdpa_backend, seed=seed, compile_mode=compile_mode,
-                                               aggregate=agg)
+                                               aggregate=agg, generate=generate, generate_tokens=generate_tokens,
+                                               generate_reps=generate_reps, generate_prompt=generate_prompt)
                 except torch.cuda.OutOfMemoryError as exc:
                     res["paths"][p] = {"skipped": f"out of memory: {str(exc).splitlines()[0][:200]}"}
                 except Exception as exc:  # noqa: BLE001 - one failing path is reported, the others still run
                     res["paths"][p] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
                 _free(dev)
                 cost[p] = time.perf_counter() - t0  # a path's last duration predicts its next one
-                r = res["paths"][p]
-                log(f"{s.id} {p}: " + (f"{r['ms_median']:.2f} ms/step, {r['tokens_per_s']:.0f} tok/s, first pass "
-                                       f"{r['first_pass_s']:.1f} s" if "ms_median" in r else
-                                       r.get("skipped") or r.get("error")))
+                log(f"{s.id} {p}: {_path_line(res['paths'][p])}")
             summarize(res)
             results.append(res)
             if on_setting is not None:
@@ -463,18 +418,56 @@ def run_grid(grid, *, device="cuda", dtype=torch.bfloat16, models=None, paths=PA
     return results
 
 
+def _path_line(r: dict) -> str:
+    if "ms_median" not in r:
+        return r.get("skipped") or r.get("error")
+    line = f"{r['ms_median']:.2f} ms/step, {r['tokens_per_s']:.0f} tok/s, first pass {r['first_pass_s']:.1f} s"
+    if r.get("peak_memory_gib") is not None:
+        line += f", peak {r['peak_memory_gib']:.1f} GiB"
+    if "generate_ms_per_token" in r:
+        line += f"; generate {r['generate_ms_per_token']:.2f} ms/token"
+    elif "generate_error" in r:
+        line += f"; generate failed: {r['generate_error']}"
+    return line
+
+
+def _best(times: dict, prefix: str):
+    side = {p: v for p, v in times.items() if p.startswith(prefix)}
+    return min(side, key=side.get) if side else None
+
+
+def _ceiling_fields(res: dict, speedup_key: str, prefix: str) -> None:
+    c, x = res.get("ceiling_speedup"), res.get(speedup_key)
+    if c is None or x is None:
+        return
+    res[prefix + "fraction_of_ceiling"] = x / c
+    res[prefix + "fraction_of_ceiling_gain"] = (x - 1.0) / (c - 1.0) if c > 1.0 else None
+
+
 def summarize(res: dict) -> dict:
     """Add the comparisons to a setting's result: the best dense and best Loki paths (by median ms), Loki's
-    speed-up over the faster dense path, and each Loki path's time over the Loki byte floor."""
+    speed-up over the faster dense path, each path's time over its byte floor (``x_floor``), the byte ceiling of
+    the speed-up (``ceiling_speedup`` = dense bytes / Loki bytes = dense floor / Loki floor), the speed-up as a
+    fraction of it (``fraction_of_ceiling`` = speed-up / ceiling, the headline; ``fraction_of_ceiling_gain`` =
+    (speed-up - 1) / (ceiling - 1), the share of the possible gain reached), and where ``generate`` ran the same
+    at the level of whole ``generate`` calls (``best_dense_generate``, ``best_loki_generate``,
+    ``generate_speedup``, ``generate_fraction_of_ceiling``, ``generate_fraction_of_ceiling_gain``)."""
     ms = {p: r["ms_median"] for p, r in res["paths"].items() if "ms_median" in r}
-    dense = {p: v for p, v in ms.items() if p.startswith("sdpa")}
-    loki = {p: v for p, v in ms.items() if p.startswith("loki")}
-    if dense:
-        res["best_dense"] = min(dense, key=dense.get)
-    if loki:
-        res["best_loki"] = min(loki, key=loki.get)
-    if dense and loki:
-        res["speedup"] = dense[res["best_dense"]] / loki[res["best_loki"]]
+    for key, times, prefix in (("speedup", ms, ""), ("generate_speedup", {
+            p: r["generate_ms_per_token"] for p, r in res["paths"].items()
+            if (r.get("generate_ms_per_token") or 0) > 0}, "_generate")):
+        dense, loki = _best(times, "sdpa"), _best(times, "loki")
+        if dense:
+            res["best_dense" + prefix] = dense
+        if loki:
+            res["best_loki" + prefix] = loki
+        if dense and loki:
+            res[key] = times[dense] / times[loki]
+    b = res.get("bytes")
+    if b and b.get("loki"):
+        res["ceiling_speedup"] = b["dense"] / b["loki"]
+    _ceiling_fields(res, "speedup", "")
+    _ceiling_fields(res, "generate_speedup", "generate_")
     floor = res.get("floor_ms")
     if floor:
         res["x_floor"] = {p: v / floor["loki" if p.startswith("loki") else "dense"] for p, v in ms.items()}

@@ -14,7 +14,19 @@ import os
 
 from loki.evaluation.commands import UsageError
 
-from .e2e import BATCHES, E2E_MODELS, FLOOR_TARGET, PATHS, QUICK_SETTINGS, SEQ_LENS, TARGETS, Setting, settings
+from .e2e import (
+    BATCHES,
+    CEILING_TARGET,
+    E2E_MODELS,
+    FLOOR_TARGET,
+    PATHS,
+    PROMPTS,
+    QUICK_SETTINGS,
+    SEQ_LENS,
+    TARGETS,
+    Setting,
+    settings,
+)
 
 __all__ = ["add_arguments", "select", "run", "target_rows", "short_table", "write_markdown", "write_plot"]
 
@@ -30,13 +42,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(StaticCache, torch.compile mode=reduce-overhead fullgraph), loki_eager (enable_loki, DynamicCache), "
         "loki_compiled (LokiStaticCache, compiled). Per setting: ms per step (CUDA events, median of --steps "
         "steps after an untimed pass over the same steps), tokens/s = B / step time, the first pass's time "
-        "(compilation), the byte floor (weights + KV bytes to read, over the measured copy bandwidth), Loki's "
-        "best path over the faster dense path, and the issue's targets. Grid: --models (llama2-7b, llama3-8b), "
+        "(compilation), the peak memory (CUDA), the byte floor (weights + KV bytes to read, over the measured copy "
+        "bandwidth), Loki's best path over the faster dense path, the byte ceiling of that speed-up (dense floor / "
+        "Loki floor) and the fraction of it reached (speed-up / ceiling), and the issue's targets. --generate adds "
+        "whole greedy model.generate calls per path: ms per token = (t(N+1 new tokens) - t(1)) / N, the generate-"
+        "level speed-up and its fraction of the ceiling. Grid: --models (llama2-7b, llama3-8b), "
         f"--batches (default {' '.join(map(str, BATCHES))}), --seq-lens (S = the cache length the last timed "
         f"step reaches; default {' '.join(map(str, SEQ_LENS))}); --quick = the target settings "
         + ", ".join(f"{m} B={b} S={s}" for m, b, s in QUICK_SETTINGS)
-        + " (filtered by --models/--batches/--seq-lens when given). Settings whose caches do not fit the GPU are "
-        "reported as skipped. --budgets takes one k_f:d_f pair (default 0.25:0.25), --dtype the model dtype.")
+        + " (filtered by --models/--batches/--seq-lens when given); --settings names setting ids instead "
+        "(<model>-B<B>-S<S>[-k<k>], e.g. llama3-8b-B1-S131072-k2048: a setting with -k<k> has its own budget). "
+        "Settings whose caches do not fit the GPU are reported as skipped. --budgets takes one k:d_f pair "
+        "(default 0.25:0.25; k with a '.' is a fraction k_f, an integer a count of tokens, e.g. 2048:0.25), "
+        "--dtype the model dtype.")
     g.add_argument("--e2e", action="store_true", help="run the end-to-end decode benchmark instead of the kernels")
     g.add_argument("--steps", type=int, default=32, help="timed decode steps per path and setting (default 32)")
     g.add_argument("--paths", nargs="+", choices=PATHS, default=None, help="paths to run (default: all four)")
@@ -47,6 +65,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    "query head whenever a mask is given, as on every static-cache decode step)")
     g.add_argument("--gqa-select", choices=("auto", "query", "kv"), default="auto",
                    help="Loki's selection for GQA models: per query head or per KV head (auto: kv for GQA)")
+    g.add_argument("--settings", nargs="+", default=None, metavar="ID",
+                   help="setting ids to run, e.g. llama3-8b-B1-S131072-k2048 llama3-8b-B8-S32768 (instead of the "
+                   "grid of --models/--batches/--seq-lens/--quick)")
+    g.add_argument("--generate", action="store_true",
+                   help="also time whole greedy model.generate calls per path (per token: (t(N+1) - t(1)) / N, "
+                   "each length warmed once; compiled paths: generate's own compilation on the static cache)")
+    g.add_argument("--generate-tokens", type=int, default=None, metavar="N",
+                   help="N of --generate (default: --steps)")
+    g.add_argument("--generate-reps", type=int, default=3, help="timed calls per length (median; default 3)")
+    g.add_argument("--generate-prompt", choices=PROMPTS, default="cache",
+                   help="cache (default): the cache already holds the prompt but its last token, generate runs that "
+                   "token first; prefill: generate prefills the whole S - N - 1 token prompt (seconds per call at "
+                   "S = 131072; it cancels in the per-token time)")
     g.add_argument("--time-budget", type=float, default=540.0,
                    help="seconds after which paths not started yet are skipped (default 540; results so far are "
                    "written after every setting)")
@@ -69,12 +100,27 @@ def select(args) -> dict:
     if len(budgets) != 1:
         raise UsageError(f"--e2e takes one --budgets pair k_f:d_f, got {len(budgets)}")
     try:
-        k_f, d_f = (float(v) for v in budgets[0].split(":"))
+        k_text, d_text = budgets[0].split(":")
+        k_f = int(k_text) if k_text.strip().isdigit() else float(k_text)
+        d_f = float(d_text)
     except ValueError:
-        raise UsageError(f"--budgets: expected k_f:d_f like 0.25:0.25, got {budgets[0]!r}") from None
-    if not (0 < k_f <= 1 and 0 < d_f <= 1):
-        raise UsageError(f"--budgets: k_f and d_f must lie in (0, 1], got {budgets[0]}")
-    if args.quick:
+        raise UsageError(f"--budgets: expected k_f:d_f like 0.25:0.25 (or k:d_f like 2048:0.25), got "
+                         f"{budgets[0]!r}") from None
+    if not ((k_f >= 1 if isinstance(k_f, int) else 0 < k_f <= 1) and 0 < d_f <= 1):
+        raise UsageError(f"--budgets: k_f and d_f must lie in (0, 1] (k an integer >= 1), got {budgets[0]}")
+    if args.settings:
+        if args.quick or args.models or args.batches or args.seq_lens:
+            raise UsageError("--settings names the settings: leave out --quick, --models, --batches and --seq-lens")
+        grid = []
+        for text in args.settings:
+            try:
+                grid.append(Setting.parse(text))
+            except (ValueError, TypeError) as exc:
+                raise UsageError(f"--settings: {exc}") from None
+            if grid[-1].model not in E2E_MODELS:
+                raise UsageError(f"--settings {text}: unknown model {grid[-1].model}; choose from "
+                                 f"{', '.join(E2E_MODELS)}")
+    elif args.quick:
         grid = [Setting(m, b, s) for m, b, s in QUICK_SETTINGS if m in models
                 and (args.batches is None or b in args.batches) and (args.seq_lens is None or s in args.seq_lens)]
     else:
@@ -85,26 +131,45 @@ def select(args) -> dict:
     if short:
         raise UsageError(f"--steps {args.steps} must be below every S (the cache holds S - steps tokens before "
                          f"the timed steps): {', '.join(short)}")
+    n_gen = args.generate_tokens or args.steps
+    if args.generate:
+        if n_gen < 1 or args.generate_reps < 1:
+            raise UsageError(f"--generate-tokens and --generate-reps must be >= 1, got {n_gen} and "
+                             f"{args.generate_reps}")
+        short = [s.id for s in grid if s.S - n_gen - 1 < 2]
+        if short:
+            raise UsageError(f"--generate-tokens {n_gen} must leave a prompt of at least 2 tokens (S - N - 1): "
+                             f"{', '.join(short)}")
     return {"grid": grid, "k_f": k_f, "d_f": d_f, "paths": tuple(args.paths or PATHS), "steps": args.steps,
-            "gqa_select": args.gqa_select, "sdpa_backend": args.sdpa_backend, "time_budget_s": args.time_budget}
+            "gqa_select": args.gqa_select, "sdpa_backend": args.sdpa_backend, "time_budget_s": args.time_budget,
+            "generate": args.generate, "generate_tokens": n_gen if args.generate else None,
+            "generate_reps": args.generate_reps, "generate_prompt": args.generate_prompt}
 
 
 def target_rows(results: list[dict]) -> list[dict]:
     """The issue's targets against ``results``: Loki's best path over the faster dense path at the target
-    settings, and compiled Loki's time over its byte floor at every setting where it ran."""
+    settings, compiled Loki's time over its byte floor at every setting where it ran, and at every setting the
+    speed-up as a fraction of its byte ceiling (forward-level; generate-level too where ``generate`` ran)."""
     by_id = {r["id"]: r for r in results}
     rows = []
-    for m, b, s, want in TARGETS:
-        r = by_id.get(Setting(m, b, s).id)
+    for setting, want in TARGETS:
+        r = by_id.get(setting.id)
         got = None if r is None else r.get("speedup")
-        rows.append({"target": f"{m} B={b} S={s}: Loki best / dense best >= {want}", "value": got,
-                     "pass": None if got is None else got >= want,
+        budget = "" if setting.k is None else f" k={setting.k}"
+        rows.append({"target": f"{setting.model} B={setting.B} S={setting.S}{budget}: Loki best / dense best >= "
+                               f"{want}", "value": got, "pass": None if got is None else got >= want,
                      "note": "not run" if r is None else ("" if got is not None else "a path is missing")})
     for r in results:
         x = r.get("x_floor", {}).get("loki_compiled")
         if x is not None:
             rows.append({"target": f"{r['id']}: compiled Loki / byte floor <= {FLOOR_TARGET}", "value": x,
                          "pass": x <= FLOOR_TARGET, "note": ""})
+    for r in results:
+        for key, level in (("fraction_of_ceiling", "speed-up"), ("generate_fraction_of_ceiling", "generate speed-up")):
+            x = r.get(key)
+            if x is not None:
+                rows.append({"target": f"{r['id']}: {level} / byte ceiling ({_f(r.get('ceiling_speedup'))}x) >= "
+                                       f"{CEILING_TARGET}", "value": x, "pass": x >= CEILING_TARGET, "note": ""})
     return rows
 
 
@@ -120,6 +185,40 @@ def _f(v, fmt=".2f") -> str:
     return "-" if v is None else format(v, fmt)
 
 
+def _ceiling_table(doc: dict) -> list[str]:
+    """The second table: per setting the budget, the byte ceiling and the fraction of it reached, and where they
+    were measured the generate-level times and speed-up and each path's peak memory."""
+    paths = doc["paths"]
+    res = [r for r in doc["results"] if "skipped" not in r]
+    gen = any("generate" in r for r in res)
+    mem = any((r["paths"].get(p) or {}).get("peak_memory_gib") is not None for r in res for p in paths)
+    head = "| setting | k | ceiling | speed-up | / ceiling | gain / ceiling gain |"
+    if gen:
+        head += " " + " | ".join(f"{SHORT[p]} gen ms/token" for p in paths) + " | gen speed-up | gen / ceiling |"
+    if mem:
+        head += " peak GiB (" + " / ".join(SHORT[p] for p in paths) + ") |"
+    lines = ["", "## Byte ceiling, generate and memory", "",
+             "ceiling = dense floor / Loki floor (bytes over bytes), the speed-up Loki would reach if both ran at "
+             "their floors; / ceiling = speed-up / ceiling (the headline); gain / ceiling gain = (speed-up - 1) / "
+             "(ceiling - 1)."
+             + (" gen ms/token = whole greedy generate calls, (t(N+1 new tokens) - t(1)) / N (median of the timed "
+                "calls, each length warmed once); gen speed-up = the faster Loki path over the faster dense path "
+                "at that level." if gen else "")
+             + (" peak GiB = torch.cuda.max_memory_allocated over the path's decode steps, weights included "
+                "(generate's own peak in the JSON)." if mem else ""),
+             "", head, "|---" * head.count(" | ") + "|---|"]
+    for r in res:
+        cells = [r["id"], str(r.get("k_f")), _f(r.get("ceiling_speedup")), _f(r.get("speedup")),
+                 _f(r.get("fraction_of_ceiling")), _f(r.get("fraction_of_ceiling_gain"))]
+        if gen:
+            cells += [_cell(r["paths"].get(p), "generate_ms_per_token", ".2f") for p in paths]
+            cells += [_f(r.get("generate_speedup")), _f(r.get("generate_fraction_of_ceiling"))]
+        if mem:
+            cells.append(" / ".join(_f((r["paths"].get(p) or {}).get("peak_memory_gib"), ".1f") for p in paths))
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def write_markdown(doc: dict, path: str) -> str:
     paths = doc["paths"]
     compiled = [p for p in paths if p.endswith("_compiled")]
@@ -129,8 +228,8 @@ def write_markdown(doc: dict, path: str) -> str:
         f"torch {doc['torch']}, transformers {doc['transformers']}, triton {doc.get('triton') or '-'}; {doc['dtype']}; "
         f"copy bandwidth {_f(doc.get('copy_gbps'), '.0f')} GB/s; SDPA backend {doc['sdpa_backend']} "
         f"(enabled: {', '.join(k for k, v in doc.get('sdpa_backends', {}).items() if v) or '-'}); Loki k_f = "
-        f"{doc['k_f']}, d_f = {doc['d_f']}, random orthogonal basis; {doc['steps']} timed steps per path "
-        "ending at cache length S.",
+        f"{doc['k_f']} (a setting id ending in -k<k> carries its own budget), d_f = {doc['d_f']}, random orthogonal "
+        f"basis; {doc['steps']} timed steps per path ending at cache length S.",
         "",
         "ms = median ms per decode step (CUDA events), tok/s = B / median step time. Floors: bytes one step must "
         "read (weights without the input embedding table + dense K and V, or Loki's d/D key prefix and k_f rows of "
@@ -160,6 +259,7 @@ def write_markdown(doc: dict, path: str) -> str:
         comp = " / ".join(_f((r["paths"].get(p) or {}).get("compile_s"), ".1f") for p in compiled)
         lines.append(f"| {r['id']} | " + " | ".join(cells) + f" | {_f(fl.get('dense'))} | {_f(fl.get('loki'))} | "
                      f"{_f(r.get('speedup'))} | {_f(r.get('x_floor', {}).get('loki_compiled'))} | {first} | {comp} |")
+    lines += _ceiling_table(doc)
     lines += ["", "## Targets (H100)", "", "| target | value | met |", "|---|---|---|"]
     for t in target_rows(doc["results"]):
         met = {True: "yes", False: "no", None: t["note"] or "-"}[t["pass"]]
@@ -175,14 +275,16 @@ def write_markdown(doc: dict, path: str) -> str:
 def short_table(doc: dict) -> str:
     """The few lines printed last: tokens/s per path, speed-up and floor ratio per setting, then the targets."""
     paths = doc["paths"]
-    out = [f"{'setting':<22}" + "".join(f"{SHORT[p]:>14}" for p in paths) + f"{'speed-up':>10}{'x floor':>9}"]
+    out = [f"{'setting':<28}" + "".join(f"{SHORT[p]:>14}" for p in paths)
+           + f"{'speed-up':>10}{'x floor':>9}{'/ceiling':>9}{'gen x':>7}"]
     for r in doc["results"]:
         if "skipped" in r:
-            out.append(f"{r['id']:<22}skipped: {r['skipped']}")
+            out.append(f"{r['id']:<28}skipped: {r['skipped']}")
             continue
-        out.append(f"{r['id']:<22}" + "".join(f"{_cell(r['paths'].get(p), 'tokens_per_s', '.0f'):>14}" for p in paths)
-                   + f"{_f(r.get('speedup')):>10}{_f(r.get('x_floor', {}).get('loki_compiled')):>9}")
-    out.append("(tokens/s per path)")
+        out.append(f"{r['id']:<28}" + "".join(f"{_cell(r['paths'].get(p), 'tokens_per_s', '.0f'):>14}" for p in paths)
+                   + f"{_f(r.get('speedup')):>10}{_f(r.get('x_floor', {}).get('loki_compiled')):>9}"
+                   + f"{_f(r.get('fraction_of_ceiling')):>9}{_f(r.get('generate_speedup')):>7}")
+    out.append("(tokens/s per path; /ceiling = speed-up over its byte ceiling; gen x = the generate-level speed-up)")
     for t in target_rows(doc["results"]):
         met = {True: "met", False: "NOT met", None: t["note"] or "-"}[t["pass"]]
         out.append(f"target {t['target']}: {_f(t['value'])} ({met})")
@@ -246,6 +348,8 @@ def run(args, copy_bandwidth=None) -> int:
            "transformers": transformers.__version__, "triton": triton_version, "dtype": args.dtype,
            "copy_gbps": copy_gbps, "sdpa_backend": sel["sdpa_backend"], "sdpa_backends": sdpa_backend_config(),
            "k_f": sel["k_f"], "d_f": sel["d_f"], "steps": sel["steps"], "paths": list(sel["paths"]),
+           "generate": {k: sel[k] for k in ("generate_tokens", "generate_reps", "generate_prompt")}
+           if sel["generate"] else None,
            "grid": [s.id for s in sel["grid"]], "results": []}
     os.makedirs(args.out, exist_ok=True)
     dev = "h100" if "H100" in name else ("h200" if "H200" in name else "gpu")
@@ -259,7 +363,9 @@ def run(args, copy_bandwidth=None) -> int:
 
     run_grid(sel["grid"], device="cuda", dtype=dtype, paths=sel["paths"], steps=sel["steps"], k_f=sel["k_f"],
              d_f=sel["d_f"], gqa_select=sel["gqa_select"], sdpa_backend=sel["sdpa_backend"], copy_gbps=copy_gbps,
-             time_budget_s=sel["time_budget_s"], on_setting=save, log=lambda m: print(m, flush=True))
+             time_budget_s=sel["time_budget_s"], on_setting=save, log=lambda m: print(m, flush=True),
+             generate=sel["generate"], generate_tokens=sel["generate_tokens"], generate_reps=sel["generate_reps"],
+             generate_prompt=sel["generate_prompt"])
     with open(stem + ".json", "w") as f:
         json.dump(doc, f, indent=1)
     write_markdown(doc, stem + ".md")

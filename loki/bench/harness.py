@@ -368,7 +368,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="batch sizes B to time (default: the grid's)")
     parser.add_argument("--seq-lens", nargs="+", type=int, default=None,
                         help="cache lengths S to time (default: the grid's)")
-    parser.add_argument("--budgets", nargs="+", default=None, help="k_f:d_f pairs, e.g. 0.25:0.25 (--e2e: one)")
+    parser.add_argument("--budgets", nargs="+", default=None,
+                        help="k_f:d_f pairs, e.g. 0.25:0.25 (--e2e: one; an integer k is a count of tokens, e.g. "
+                        "2048:0.25)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                         help="dtype of the caches and queries (default: %(default)s)")
     parser.add_argument("--providers", nargs="+", default=None,
