@@ -17,8 +17,8 @@ except ImportError:  # pragma: no cover - only on commits that predate the harne
     harness = None
 
 __all__ = ["ACCURACY_BASES", "ACCURACY_METHODS", "ACCURACY_PROFILE", "E2E_SETTINGS", "FUSION_SHAPES", "KERNEL_CONFIGS",
-           "KERNEL_SHAPES", "SHAPES", "SPARQ_CONFIGS", "SPARQ_SHAPES", "TARGET_SHAPES", "UNAVAILABLE", "config_by_id",
-           "shape_dims"]
+           "KERNEL_SHAPES", "SELECT_CONFIGS", "SELECT_SHAPES", "SHAPES", "SPARQ_CONFIGS", "SPARQ_SHAPES",
+           "TARGET_SHAPES", "UNAVAILABLE", "config_by_id", "shape_dims"]
 
 UNAVAILABLE = "harness-unavailable"
 
@@ -79,9 +79,19 @@ KERNEL_CONFIGS = list(_KERNEL) or [UNAVAILABLE]
 SPARQ_CONFIGS = list(_SPARQ) or [UNAVAILABLE]
 
 #: The end-to-end decode benchmark (``loki.bench.e2e``, whole models with random weights): setting ids
-#: ``<model>-B<B>-S<S>`` of ``loki.bench.e2e.E2E_MODELS`` (Llama-2-7B and Llama-3-8B dimensions), two of the
-#: issue's target settings.
-E2E_SETTINGS = ["llama2-7b-B8-S4096", "llama3-8b-B16-S8192"]
+#: ``<model>-B<B>-S<S>[-k<k>]`` of ``loki.bench.e2e.E2E_MODELS`` (Llama-2-7B and Llama-3-8B dimensions;
+#: ``loki.bench.e2e.Setting.parse``).  An id without ``-k`` runs at k_f = 0.25 (the ids recorded before budgets
+#: were part of them mean that); ``-k2048`` is a fixed budget of 2048 tokens, ``-k0.5`` a fraction.  Two of the
+#: issue's speed-target settings, then the KV-dominated ones: Llama-3-8B dims at B=1 S=131072 with k = 2048, and
+#: at B=8 S=32768 with k_f = 0.25 and with k = 2048.
+E2E_SETTINGS = ["llama2-7b-B8-S4096", "llama3-8b-B16-S8192", "llama3-8b-B1-S131072-k2048", "llama3-8b-B8-S32768",
+                "llama3-8b-B8-S32768-k2048"]
+
+#: The split select (``loki.kernels.select_topk_split``) alone at the KV-dominated settings' shapes, one row per
+#: KV head: name -> (B, H, S, k).  ``8x131072``: Llama-3-8B dims (8 KV heads) at B=1 S=131072; ``64x32768``: at
+#: B=8 S=32768; k = 2048 both.
+SELECT_SHAPES = {"8x131072-k2048": (1, 8, 131072, 2048), "64x32768-k2048": (8, 8, 32768, 2048)}
+SELECT_CONFIGS = list(SELECT_SHAPES)
 
 #: The profile of loki/evaluation/accuracy_thresholds.json whose settings the accuracy benchmarks run with (and whose
 #: limits ci/gate.py applies to them): "tests", the budgets of the CPU accuracy tests (4 x 512 WikiText-2 tokens,

@@ -11,13 +11,13 @@ divides come from the same run; the ``track_*`` functions only read the values. 
 records why and every ``setup`` skips (``SkipNotImplemented``, reported by ASV as skipped, not failed).
 
 Parameters (``config``): harness configuration ids, ``<model>-B<B>-S<S>-k<k_f>-d<d_f>-<dtype>``, from
-``benchmarks/_shapes.py``.
+``benchmarks/_shapes.py``; ``SplitSelect`` takes ``rows`` (``<rows>x<S>-k<k>``, ``SELECT_SHAPES`` there).
 """
 
 from __future__ import annotations
 
 from ._common import SkipNotImplemented, unit, why_not_runnable_on_gpu
-from ._shapes import KERNEL_CONFIGS, SPARQ_CONFIGS, UNAVAILABLE, config_by_id
+from ._shapes import KERNEL_CONFIGS, SELECT_CONFIGS, SELECT_SHAPES, SPARQ_CONFIGS, UNAVAILABLE, config_by_id
 
 MIB = 1 << 20
 
@@ -274,6 +274,66 @@ class SparQComparison(_HarnessBenchmark):
     @unit("x")
     def track_sparq_speedup_vs_sdpa(self, cache, config):
         return self._ms("sdpa") / self._ms("sparq")
+
+
+def _measure_selects(names) -> dict:
+    """The split select alone per shape of ``SELECT_SHAPES``: ``{"results": {name: {"us": ..., "ok": ...}}}`` (a
+    failing shape records its error), or ``{"skip": reason}`` without CUDA."""
+    why = why_not_runnable_on_gpu(("loki.bench.harness", "loki.kernels.select_split"), "the split select")
+    if why is not None:
+        return {"skip": why}
+    import torch
+
+    from loki.bench.harness import time_ms_graph
+    from loki.kernels import select_topk_split
+
+    out = {"device": torch.cuda.get_device_name(), "results": {}}
+    for name in names:
+        B, H, S, k = SELECT_SHAPES[name]
+        try:
+            g = torch.Generator(device="cuda").manual_seed(S + k)
+            scores = torch.randn(B, H, S, generator=g, device="cuda")
+            counts = torch.full((B,), k, dtype=torch.int32, device="cuda")
+            idx = select_topk_split(scores, counts, k_max=k)
+            want = torch.topk(scores, k, dim=-1).indices.sort(-1).values
+            ok = bool(torch.equal(idx.long().sort(-1).values, want))  # the exact top-k (no ties in random fp32)
+            us = time_ms_graph(lambda s=scores, c=counts, k=k: select_topk_split(s, c, k_max=k)) * 1e3
+            out["results"][name] = {"us": us, "ok": ok}
+            del scores, counts, idx, want
+        except Exception as exc:  # noqa: BLE001 - recorded; that shape's benchmark then fails
+            out["results"][name] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        torch.cuda.empty_cache()
+    return out
+
+
+class SplitSelect:
+    """The split select (``loki.kernels.select_topk_split``: every row split over many programs) alone, at the
+    KV-dominated end-to-end shapes with one selection per KV head: 8 rows of 131072 scores (Llama-3-8B dims, B=1)
+    and 64 rows of 32768 (B=8), k = 2048.  Device time of one CUDA-graph replay with the L2 flushed before each
+    (``loki.bench.harness.time_ms_graph``, median), in microseconds; targets in ci/thresholds.json."""
+
+    params = [SELECT_CONFIGS]
+    param_names = ["rows"]
+    version = "1"
+    timeout = 600
+
+    def setup_cache(self):
+        return _measure_selects(SELECT_CONFIGS)
+
+    setup_cache.timeout = 600
+
+    def setup(self, cache, rows):
+        if "skip" in cache:
+            raise SkipNotImplemented(cache["skip"])
+        self.res = cache["results"][rows]
+        if "error" in self.res:
+            raise RuntimeError(f"{rows}: {self.res['error']}")
+        if not self.res["ok"]:
+            raise RuntimeError(f"{rows}: the split select did not return the exact top-k")
+
+    @unit("us")
+    def track_select_us(self, cache, rows):
+        return float(self.res["us"])
 
 
 class Device:

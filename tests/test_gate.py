@@ -430,13 +430,27 @@ def _committed_bench_filter(newest) -> str:
     return "^(" + "|".join(sorted(measured)) + r")\."
 
 
+def _added_after(newest, check) -> bool:
+    """A gated case the suite did not have when ``newest`` was recorded: its benchmark or its parameter value was
+    added later (a new end-to-end setting, a new track function), so the gate reports it ``absent``, as it does
+    any gated result a run lacks."""
+    if check.kind != "threshold" or check.value != "absent":
+        return False
+    params = newest.params.get(check.benchmark)
+    if params is None:
+        return True
+    recorded = {gate._param_value(v) for values in params for v in values}
+    return any(str(v) not in recorded for v in check.params.values())
+
+
 def test_committed_results_pass():
     """The newest committed results of every machine in .asv/results pass the gate against their predecessor
     (older commits are history: they may predate a threshold), except for the failures documented in
     ``known_misses`` of ci/thresholds.json (targets the kernels miss; noise flagged as a regression at one
-    commit).  The gate's verdict must match that list exactly: every failure is listed, so the gate passes
-    with --allow-known-misses; and it still fails without it whenever a listed miss applies (a known miss is
-    reported, never hidden)."""
+    commit) and the gated cases added to the suite after those results were recorded (reported ``absent``, never
+    excused by a known miss; ``--allow-missing`` accepts them).  The gate's verdict must match that exactly: every
+    other failure is listed, so the gate passes with --allow-known-misses once nothing is absent; and it still
+    fails without it whenever a listed miss applies (a known miss is reported, never hidden)."""
     results = ROOT / ".asv" / "results"
     machines = sorted(p.parent.name for p in results.glob("*/machine.json")) if results.is_dir() else []
     checked = 0
@@ -451,16 +465,26 @@ def test_committed_results_pass():
                                    bench=bench, out=buf)
         text = buf.getvalue()
         failed = [c for c in checks if not c.ok]
+        added = [c for c in failed if _added_after(newest, c)]
+        failed = [c for c in failed if not _added_after(newest, c)]
         unlisted = [c.label for c in failed if not c.known]
         assert not unlisted, f"failures not in known_misses of ci/thresholds.json: {unlisted}\n{text}"
-        assert ok == (not failed), text
-        if failed:
+        assert ok == (not failed and not added), text
+        for c in added:
+            assert f"FAIL threshold: {c.label} = absent" in text and not c.known
+        if failed and not added:
             assert "gate: FAILED: only known misses" in text, text
-            for c in failed:
-                assert f"FAIL {c.kind}: {c.label}" in text
-        ok_allowed, _ = gate.run_gate(results, machine, commit=newest.commit_hash, env=newest.env_name, repo=ROOT,
-                                      bench=bench, allow_known_misses=True, out=io.StringIO())
-        assert ok_allowed, text
+        for c in failed:
+            assert f"FAIL {c.kind}: {c.label}" in text
+        buf = io.StringIO()
+        ok_allowed, checks = gate.run_gate(results, machine, commit=newest.commit_hash, env=newest.env_name,
+                                           repo=ROOT, bench=bench, allow_known_misses=True, out=buf)
+        left = {c.label for c in checks if not c.ok and not c.known}
+        assert left == {c.label for c in added}, buf.getvalue()
+        assert ok_allowed == (not added)
+        ok_missing, _ = gate.run_gate(results, machine, commit=newest.commit_hash, env=newest.env_name, repo=ROOT,
+                                      bench=bench, allow_known_misses=True, allow_missing=True, out=io.StringIO())
+        assert ok_missing
         checked += 1
     if not checked:
         pytest.skip("no committed ASV results under .asv/results yet")
