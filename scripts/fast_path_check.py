@@ -10,6 +10,16 @@ engine) decides the exit status.
     PYTHONPATH=$PWD python scripts/fast_path_check.py --out fast-path.json        # GPU, a few minutes
     python scripts/fast_path_check.py --tiny --out /tmp/fast-path.json            # CPU smoke run (uncompiled)
 
+``--retrieval`` checks the retrieval suite instead (``loki check --long``'s retrieval-through-generate section,
+``loki.evaluation.retrieval_generate``): the long profile's retrieval samples (4 tasks at 1024-8192 tokens, 32 per
+task and length; ``--contexts``, ``--samples``) answered by the engine and by ``generate`` over the compiled Loki
+static cache, for the default basis' Loki in both GQA modes at the suite's retrieval budget (k_f 0.125, d_f 0.25);
+the gate: for each setting, the paired 95% interval of the accuracy difference over every task and length contains
+0 or the difference is within ``retrieval_generate_tol`` (2 points).
+
+    PYTHONPATH=$PWD python scripts/fast_path_check.py --retrieval --out fast-path-retrieval.json   # GPU
+    python scripts/fast_path_check.py --retrieval --tiny --out /tmp/fast-path-retrieval.json     # CPU smoke run
+
 Writes the section as JSON and prints a table last; exit status 1 when the gate fails.
 """
 
@@ -50,12 +60,87 @@ def _tiny_section(windows_spec):
                         "aggregate": "sum"}, "engine": {"ppl": engine.ppl, "dtype": "float32"}, "rows": rows}
 
 
+def _retrieval(args, tol: float) -> tuple[dict, bool]:
+    """The retrieval section (engine, then generate) on the embedded model (CUDA, compiled), or with ``--tiny`` on
+    a tiny random model on the CPU (uncompiled), and whether every setting agrees within ``tol``."""
+    import torch
+
+    from loki.evaluation.perplexity import MethodSpec
+    from loki.evaluation.retrieval import evaluate_retrieval
+    from loki.evaluation.retrieval_generate import retrieval_generate_section
+
+    specs = [MethodSpec(f"loki-score[{g}]", "loki", k=0.125, d=0.25, basis="score", gqa_select=g)
+             for g in ("query", "kv")]
+    if args.tiny:
+        from loki.testing.decode import random_score_basis
+        from loki.testing.models import ByteTokenizer, tiny_model
+
+        model = tiny_model("llama", num_layers=2, num_heads=6, num_kv_heads=2, head_dim=16, vocab_size=256, seed=0)
+        tok, bases = ByteTokenizer(256), {"score": random_score_basis(2, 2, 16, seed=1)}
+        kw = {"context_lens": (1152,), "samples": 2, "batch_size": 2}
+        compile, backend = False, "torch"
+    else:
+        from loki.evaluation.bases import DEFAULT_RECIPE, get_bases
+        from loki.evaluation.models import load_default_model
+
+        model, tok = load_default_model(device="cuda", dtype="float32", progress=_log)
+        bases = get_bases(model, tok, ("score",), DEFAULT_RECIPE, progress=True, log=_log)
+        kw = {"context_lens": args.contexts, "samples": args.samples, "batch_size": min(32, args.samples)}
+        compile, backend = True, "auto"
+    _log(f"engine: {', '.join(s.name for s in specs)} on {kw['samples']} samples per task and length at "
+         f"{', '.join(str(L) for L in kw['context_lens'])} tokens")
+    t0 = time.perf_counter()
+    engine = evaluate_retrieval(model, tok, specs, bases, progress=True, **kw)
+    engine_s = time.perf_counter() - t0
+    sec = retrieval_generate_section(model, tok, bases, engine, default_basis="score", tol=tol, compile=compile,
+                                     backend=backend, progress=True, log=_log)
+    if "skipped" in sec:
+        _log(f"skipped: {sec['skipped']}")
+        return sec, False
+    sec["engine_seconds"] = engine_s
+    pooled = [r for r in sec["rows"] if r["task"] == "all" and r["context_len"] is None]
+    ok = bool(pooled) and all(r["agrees"] for r in pooled)
+    if torch.cuda.is_available():
+        sec["card"] = torch.cuda.get_device_name()
+    return sec, ok
+
+
+def _print_retrieval(sec: dict, tol: float, ok: bool, out: Path) -> None:
+    print(f"{'setting':18s} {'task':18s} {'n':>4s} {'engine':>7s} {'generate':>8s} {'diff [95% interval]':>26s} "
+          f"{'same':>6s}")
+    for r in sec["rows"]:
+        if r["context_len"] is None:
+            same = "-" if r["same_prediction"] is None else f"{r['same_prediction']:.3f}"
+            print(f"{r['name']:18s} {r['task']:18s} {r['n']:4d} {r['engine_accuracy']:7.3f} "
+                  f"{r['generate_accuracy']:8.3f} {r['diff']:+7.3f} [{r['lo']:+.3f}, {r['hi']:+.3f}] {same:>6s}")
+    print(f"gate (interval contains 0 or |diff| <= {tol:g}): {'PASS' if ok else 'FAIL'}; {out} "
+          f"(engine {sec['engine_seconds']:.0f} s, generate {sec['seconds']:.0f} s)")
+
+
+def _contexts(text: str) -> tuple[int, ...]:
+    try:
+        out = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N[,N...] such as 1024,8192, got {text!r}") from None
+    if not out or min(out) < 512:
+        raise argparse.ArgumentTypeError(f"expected context lengths >= 512, got {text!r}")
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="JSON file to write")
     p.add_argument("--windows", default="8192x2", help="TOKENSxCOUNT of WikiText-2 (default: %(default)s)")
     p.add_argument("--tiny", action="store_true", help="a tiny random model on the CPU, uncompiled: a smoke run")
+    p.add_argument("--retrieval", action="store_true",
+                   help="the retrieval suite through generate against the engine instead of the perplexity")
+    p.add_argument("--contexts", type=_contexts, default=(1024, 2048, 4096, 8192),
+                   help="--retrieval: context lengths (default: 1024,2048,4096,8192, the long profile's)")
+    p.add_argument("--samples", type=int, default=32,
+                   help="--retrieval: samples per task and length (default: %(default)s, the long profile's)")
     args = p.parse_args(argv)
+    if args.samples < 1:
+        p.error(f"--samples must be >= 1, got {args.samples}")
     try:
         T, N = (int(x) for x in args.windows.lower().split("x"))
     except ValueError:
@@ -63,6 +148,16 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     from loki.evaluation.gates import load_thresholds
 
+    if args.retrieval:
+        tol = float(load_thresholds().get("retrieval_generate_tol", 0.02))
+        sec, ok = _retrieval(args, tol)
+        sec["gate"] = {"retrieval_generate_tol": tol, "passed": ok}
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(sec, indent=1, default=str))
+        if "skipped" not in sec:
+            _print_retrieval(sec, tol, ok, out)
+        return 0 if ok else 1
     tol = float(load_thresholds().get("fast_path_rel_tol", 0.003))
     if args.tiny:
         sec = _tiny_section((64, 2))

@@ -94,7 +94,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "gates: 4 x 512), long (--long; for a GPU: windows of 1024/4096/8192 tokens, k_f 0.25/0.125/0.0625, the\n"
         "paper's protocol, retrieval at 1k-8k, about 10 minutes on an H200; since then the fixed counts 512/1024/2048\n"
         "at 8192 tokens and the fast path's own accuracy, 2 x 8192 tokens decoded token by token through the\n"
-        "compiled static cache in fp32 and bf16, add a few minutes: --k-counts none and --no-fast-path skip them)."
+        "compiled static cache in fp32 and bf16, and the retrieval suite's answers through generate on the compiled\n"
+        "static cache against the engine's add a few minutes: --k-counts none and --no-fast-path skip them)."
     )
     parser.add_argument("--profile", default="check", choices=tuple(PROFILES), help="suite profile (default: check)")
     parser.add_argument("--long", action="store_true", help="the long-context profile (same as --profile long)")
@@ -130,7 +131,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-retrieval", action="store_true", help="skip the synthetic retrieval suite")
     parser.add_argument("--no-fast-path", action="store_true",
                         help="skip the fast path's own accuracy (long profile: the primary windows decoded token by "
-                        "token through the compiled static cache and the Triton kernels, fp32 and bf16; CUDA only)")
+                        "token through the compiled static cache and the Triton kernels, fp32 and bf16, and the "
+                        "retrieval suite answered through generate on that cache; CUDA only)")
+    parser.add_argument("--retrieval-generate", action="store_true",
+                        help="also answer the retrieval suite's samples with generate over the compiled Loki static "
+                        "cache (Triton kernels) for the default basis' Loki settings, compare each answer with the "
+                        "engine's (paired 95%% interval of the accuracy difference) and gate their agreement "
+                        "(default in the long profile; CUDA only, skipped with a note elsewhere; e.g. with "
+                        "--retrieval-only)")
     parser.add_argument("--retrieval-only", action="store_true",
                         help="run the synthetic retrieval suite only (with --update-thresholds: record its limits, "
                         "keeping the profile's perplexity limits)")
@@ -167,7 +175,9 @@ def _options(args) -> SuiteOptions:
     if args.no_retrieval:
         opts = replace(opts, retrieval=None)
     if args.no_fast_path:
-        opts = replace(opts, fast_path=False)
+        opts = replace(opts, fast_path=False, retrieval_generate=False)
+    if args.retrieval_generate:
+        opts = replace(opts, retrieval_generate=True)
     if args.retrieval_only:
         opts = replace(opts, perplexity=False, rank=False, generalization=False, downstream=False)
     if args.downstream:
@@ -216,6 +226,9 @@ def run(args: argparse.Namespace) -> int:
         return fail(err)
     if args.retrieval_only and args.no_retrieval:
         return fail("--retrieval-only and --no-retrieval exclude each other")
+    if args.retrieval_generate and (args.no_retrieval or args.no_fast_path):
+        return fail("--retrieval-generate needs the retrieval suite and the fast path: it excludes --no-retrieval "
+                    "and --no-fast-path")
     if args.calib_tokens is not None and args.calib_tokens < 1:
         return fail(f"--calib-tokens must be >= 1, got {args.calib_tokens}")
     if args.threads is not None and args.threads < 1:

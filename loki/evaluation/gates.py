@@ -27,6 +27,10 @@ How an interval decides (a gate fails only on evidence):
 - fast path: the perplexity of the compiled static cache on the Triton kernels (token by token, fp32) within
   ``fast_path_rel_tol`` of the engine's on the same windows (:mod:`loki.evaluation.fast_path`): deterministic up
   to rounding, no interval; a section skipped off CUDA is reported, not failed;
+- retrieval through generate: the retrieval suite's answers through ``generate`` on the compiled static cache
+  agree with the engine's on the same samples (:mod:`loki.evaluation.retrieval_generate`), per setting over every
+  task and length: the paired 95% interval of the accuracy difference contains 0 or the difference is within
+  ``retrieval_generate_tol``; skipped off CUDA like the fast path;
 - regression: a perplexity increase fails when its interval lies entirely above the recorded limit; Jaccard and
   attention mass (means over thousands of rows and every layer and head) fail below their limits; retrieval
   accuracy fails when its interval lies entirely below the recorded limit.
@@ -216,6 +220,7 @@ def evaluate_gates(results: dict, thresholds: dict, profile: str = "check", *,
                                    f"interval {_ci(c, None)} not all above 0"))
     gates += _downstream_gates(results, thresholds)
     gates += _fast_path_gates(results, thresholds, parts, allow_missing)
+    gates += _retrieval_generate_gates(results, thresholds, parts, allow_missing)
     gates += _regression_gates(results, thresholds, profile, parts, allow_missing)
     return gates
 
@@ -237,6 +242,26 @@ def _fast_path_gates(results, thresholds, parts, allow_missing) -> list[dict]:
     s = fp["setting"]
     return [_gate(f"{name} ({s['name']}, T={s['seq_len']}, k={s['k']:g})", abs(r["rel_diff"]), tol,
                   abs(r["rel_diff"]) <= tol, f"<= {tol:g}") for r in rows]
+
+
+def _retrieval_generate_gates(results, thresholds, parts, allow_missing) -> list[dict]:
+    """Retrieval through ``generate`` agrees with the engine, per setting over every task and length (module
+    docstring)."""
+    sec = results.get("retrieval_generate")
+    if not parts.get("retrieval_generate"):
+        return []
+    name = "fast path: retrieval through generate (compiled static cache) agrees with the engine"
+    if not sec:
+        return [_missing(name, "no retrieval-through-generate section although it was asked for", allow_missing)]
+    if "skipped" in sec:
+        return [_gate(name, None, None, True, bound_text="skipped", note=sec["skipped"])]
+    tol = float(thresholds.get("retrieval_generate_tol", 0.02))
+    rows = [r for r in sec.get("rows", []) if r.get("task") == "all" and r.get("context_len") is None]
+    if not rows:
+        return [_missing(name, "no pooled retrieval-through-generate row", allow_missing)]
+    return [_gate(f"{name} ({r['name']}, n={r['n']})", r["diff"], tol,
+                  r["lo"] <= 0.0 <= r["hi"] or abs(r["diff"]) <= tol,
+                  f"interval [{r['lo']:+.3f}, {r['hi']:+.3f}] contains 0 or |diff| <= {tol:g}") for r in rows]
 
 
 def verdict(gates: list[dict], *, allow_known_misses: bool = False) -> tuple[bool, str]:

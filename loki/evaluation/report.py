@@ -253,6 +253,10 @@ def markdown_report(results: dict, thresholds: dict | None = None) -> str:
 
         out += ["## Synthetic retrieval (exact match, 95% intervals)", "",
                 retrieval.markdown_table(results["retrieval"]), ""]
+    if results.get("retrieval_generate"):
+        from loki.evaluation.retrieval_report import generate_markdown
+
+        out += generate_markdown(results["retrieval_generate"])
     if results.get("rank"):
         out += ["## Rank@90 of the keys", "", "| basis | mean Rank@90 | of D | per layer |", "|---|---:|---:|---|"]
         for name, r in results["rank"].items():

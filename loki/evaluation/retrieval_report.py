@@ -1,5 +1,6 @@
 """Reports of :func:`loki.evaluation.retrieval.evaluate_retrieval` results: a markdown table, a PNG plot and
-:func:`write_report` (JSON + markdown + PNG in one folder)."""
+:func:`write_report` (JSON + markdown + PNG in one folder), and the section comparing the answers through ``generate``
+with the engine's (:func:`generate_markdown`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 from loki._io import atomic_path, atomic_write
 
-__all__ = ["markdown_table", "plot_retrieval", "write_report"]
+__all__ = ["generate_markdown", "markdown_table", "plot_retrieval", "write_report"]
 
 
 def _fmt_cell(c: dict) -> str:
@@ -100,3 +101,31 @@ def write_report(result: dict, out_dir, stem: str = "retrieval") -> dict:
     atomic_write(paths["md"], head + markdown_table(result))
     plot_retrieval(result, paths["png"])
     return {k: str(v) for k, v in paths.items()}
+
+
+def generate_markdown(section: dict | None) -> list[str]:
+    """The report's section of :func:`loki.evaluation.retrieval_generate.retrieval_generate_section`: per setting
+    and task (pooled over the lengths) and over all, the engine's and ``generate``'s accuracy, the paired difference
+    [95% interval], the discordant samples, the share of identical answers and whether the two agree."""
+    if not section:
+        return []
+    out = ["## Retrieval through generate (compiled static cache, Triton kernels) against the engine", ""]
+    if "skipped" in section:
+        return out + [f"Skipped: {section['skipped']}.", ""]
+    s = section["setting"]
+    lens = ", ".join(str(L) for L in s["context_lens"])
+    out += [f"The retrieval suite's samples ({len(s['tasks'])} tasks at {lens} tokens, {s['samples']} per task and "
+            f"length, seed {s['seed']}) answered by `generate` over one Loki static cache of {s['max_cache_len']} "
+            f"tokens ({'compiled' if s['compiled'] else 'eager'}, {s['dtype']}) beside the evaluation engine's "
+            f"answers ({s.get('engine_dtype')}); Δ = generate - engine with Newcombe's paired 95% interval; the two "
+            f"agree when it contains 0 or |Δ| <= {s['tolerance']:g}.", "",
+            "| setting | task | n | engine | generate | Δ [95% interval] | only generate / only engine | same answer "
+            "| agrees |", "|---|---|---:|---:|---:|---|---:|---:|---|"]
+    for r in section["rows"]:
+        if r["context_len"] is not None:
+            continue
+        same = "-" if r["same_prediction"] is None else f"{r['same_prediction']:.3f}"
+        out.append(f"| {r['name']} | {r['task']} | {r['n']} | {r['engine_accuracy']:.3f} | "
+                   f"{r['generate_accuracy']:.3f} | {r['diff']:+.3f} [{r['lo']:+.3f}, {r['hi']:+.3f}] | "
+                   f"{r['only_generate']} / {r['only_engine']} | {same} | {'yes' if r['agrees'] else 'NO'} |")
+    return out + ["", f"Time: {section['seconds']:.0f} s.", ""]

@@ -13,7 +13,9 @@ budget, where the gates look):
   (the model's whole context), agreement at every length, the retrieval suite at 1k-8k, generalisation across
   calibration and evaluation texts, the fixed budgets k = 512, 1024 and 2048 tokens at 8192-token windows, and the
   fast path's own accuracy (:mod:`loki.evaluation.fast_path`: the primary windows decoded token by token through
-  the compiled static cache and the Triton kernels, in fp32 and bf16, against the engine; CUDA only).
+  the compiled static cache and the Triton kernels, in fp32 and bf16, against the engine; CUDA only), and the
+  retrieval suite's answers through ``generate`` on the compiled static cache against the engine's
+  (:mod:`loki.evaluation.retrieval_generate`: the default basis' Loki settings; CUDA only).
 
 Budgets are fractions k_f (row i keeps ``ceil(k_f (i + 1))`` of its tokens) or int counts (``min(k, i + 1)``):
 ``k``/``k_values`` may hold either; ``k_counts`` adds counts at one window length (``count_window``, default the
@@ -67,6 +69,7 @@ class SuiteOptions:
     paper_protocol: bool = False
     agreement: bool = True
     fast_path: bool = False  # the fast path's perplexity beside the engine's (loki.evaluation.fast_path; CUDA)
+    retrieval_generate: bool = False  # the retrieval answers through generate beside the engine's (CUDA)
     rank: bool = True
     generalization: bool = False
     downstream: bool = False
@@ -116,7 +119,7 @@ PROFILES: dict[str, SuiteOptions] = {
     "long": SuiteOptions(
         profile="long", k_values=(0.125, 0.0625), k_counts=(512, 1024, 2048), recipe=DEFAULT_RECIPE,
         windows=((8192, 2), (4096, 4), (1024, 8)), methods="long", paper_protocol=True, generalization=True,
-        fast_path=True,
+        fast_path=True, retrieval_generate=True,
         retrieval={"context_lens": (1024, 2048, 4096, 8192), "samples": 32, "batch_size": 32}, batch_size=2),
 }
 
@@ -217,7 +220,8 @@ def run_suite(model, tokenizer, opts: SuiteOptions | None = None, out_dir=None) 
             # the parts the run was asked for: a part that ran and left no rows fails its gates
             "parts": {"perplexity": opts.perplexity, "agreement": opts.agreement and opts.perplexity,
                       "fast_path": opts.fast_path and opts.perplexity,
-                      "retrieval": bool(opts.retrieval), "downstream": opts.downstream},
+                      "retrieval": bool(opts.retrieval), "downstream": opts.downstream,
+                      "retrieval_generate": bool(opts.retrieval) and opts.retrieval_generate},
         },
         "perplexity": [], "paper_protocol": [], "comparisons": [],
     }
@@ -297,6 +301,14 @@ def run_suite(model, tokenizer, opts: SuiteOptions | None = None, out_dir=None) 
         results["generalization"] = _generalization(model, tokenizer, bases, opts)
     if opts.retrieval:
         results["retrieval"] = _retrieval(model, tokenizer, bases, opts, out_dir, plots)
+        if opts.retrieval_generate:
+            from loki.evaluation.retrieval_generate import retrieval_generate_section
+
+            results["retrieval_generate"] = retrieval_generate_section(
+                model, tokenizer, bases, results["retrieval"], default_basis=opts.default_basis,
+                progress=opts.progress, log=log)
+            if "skipped" in results["retrieval_generate"]:
+                log(f"retrieval through generate: skipped ({results['retrieval_generate']['skipped']})")
     if out_dir is not None and opts.perplexity and len(opts.windows) * len(opts.all_k) > 1:
         from loki.evaluation.report import write_length_plot
 
