@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -280,10 +281,9 @@ def run_path(model, path: str, *, B: int, S: int, steps: int, device, dtype, bas
         out = logits = ref = None
         memory.stop()
         layer0 = cache.layers[0] if getattr(cache, "layers", None) else None
-        srt = sorted(times)
-        med = srt[len(srt) // 2] if len(srt) % 2 else 0.5 * (srt[len(srt) // 2 - 1] + srt[len(srt) // 2])
+        med = statistics.median(times)
         res = {
-            "ms_median": med, "ms_mean": sum(times) / len(times), "ms_min": srt[0], "wall_ms_per_step": wall,
+            "ms_median": med, "ms_mean": sum(times) / len(times), "ms_min": min(times), "wall_ms_per_step": wall,
             "tokens_per_s": B / (med * 1e-3), "first_pass_s": first_pass_s, "steps": steps, "finite": finite,
             "rewind_diff": rewind_diff, "compiled": compiled,
             # compilation and recording: the first pass beyond what its steps take once warm

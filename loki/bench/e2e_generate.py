@@ -21,6 +21,7 @@ model's ``generation_config`` compile settings (``compile=False``: ``disable_com
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -33,12 +34,6 @@ PROMPTS = ("cache", "prefill")
 
 #: The clock of the timed calls (seconds); a test replaces it.
 _now = time.perf_counter
-
-
-def _median(xs: list[float]) -> float:
-    s = sorted(xs)
-    n = len(s)
-    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
 
 
 def time_generate(model, cache, *, B: int, S: int, new_tokens: int, key: str, device, reps: int = 3,
@@ -99,7 +94,7 @@ def time_generate(model, cache, *, B: int, S: int, new_tokens: int, key: str, de
         if warm[name].shape != (B, n0 + n):
             raise RuntimeError(f"generate returned {list(warm[name].shape)} for {n} new tokens, expected "
                                f"{[B, n0 + n]}")
-    t1, tn = _median(times["1"]), _median(times["N+1"])
+    t1, tn = statistics.median(times["1"]), statistics.median(times["N+1"])
     per_token = (tn - t1) / N
     return {"generate_ms_per_token": per_token, "generate_t1_ms": t1, "generate_tn_ms": tn,
             "generate_times_ms": times, "generate_new_tokens": N, "generate_reps": reps,

@@ -95,6 +95,14 @@ def _approx_scores_kernel(
             tl.store(agg_ptr + b * stride_ab + h * stride_ah + offs_s, agg, mask=in_range)
 
 
+def _launch_softmax_group_scores(q_hat, k_src, dd, lengths, starts, heads_out, agg_out, HKV, aggregate, scale,
+                                 block_s=None):
+    """A softmax ``aggregate`` of a "kv" selection, unfused: the per-query-head scores into ``heads_out`` [B, HQ, S],
+    then the group's probability scores into ``agg_out`` [B, HKV, S] (``group_softmax.py``; two launches)."""
+    _launch_approx_scores(q_hat, k_src, dd, lengths, starts, heads_out, None, "sum", block_s)
+    _launch_group_softmax(heads_out, lengths, starts, agg_out, HKV, aggregate, scale)
+
+
 def make_key_prefix(k_hat: torch.Tensor, d: int) -> torch.Tensor:
     """The contiguous prefix buffer ``k_prefix: [B, HKV, S, d]`` (a copy of ``k_hat[..., :d]``) that lets
     the approximate scores read exactly d/D of the key bytes.  A cache keeps it beside ``k_hat`` and
@@ -198,8 +206,8 @@ def approx_scores(
             raise ValueError(f"out must be a contiguous fp32 tensor of shape [B, H, S]=[{B}, {H}, {S}]")
     k_src = k_hat if k_prefix is None else _check_key_prefix(k_prefix, k_hat, dd)
     if softmax and agg_out is not None:  # per-query-head scores, then the group's softmax aggregate
-        _launch_approx_scores(q_hat, k_src, dd, lengths, starts, heads_out, None, "sum", block_s)
-        _launch_group_softmax(heads_out, lengths, starts, agg_out, HKV, aggregate, scale)
+        _launch_softmax_group_scores(q_hat, k_src, dd, lengths, starts, heads_out, agg_out, HKV, aggregate, scale,
+                                     block_s)
         agg_out.clamp_(min=0).log_()  # the kernel's probabilities (-inf: invalid) -> the reference's log values
     else:
         _launch_approx_scores(q_hat, k_src, dd, lengths, starts, heads_out, agg_out, aggregate, block_s)

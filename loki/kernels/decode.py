@@ -32,8 +32,8 @@ from loki.reference.selection import GQA_AGGREGATES, GQA_SELECT_MODES, budget, c
 
 from . import launch as _launch_mod
 from ._common import check_triton_device
-from .approx_scores import _check_key_prefix, _launch_approx_scores
-from .group_softmax import SOFTMAX_AGGREGATES, _launch_group_softmax
+from .approx_scores import _check_key_prefix, _launch_approx_scores, _launch_softmax_group_scores
+from .group_softmax import SOFTMAX_AGGREGATES
 from .launch import DecodePlan, new_output, recording, tensor_key
 from .score_select import score_select, score_select_fusable
 from .score_select_softmax import SOFTMAX_FUSED_DEFAULTS, score_select_softmax
@@ -312,8 +312,8 @@ def _decode_step_launches(q_hat, k_hat, v_cache, lengths, starts, counts, d, k_m
             _launch_approx_scores(q_hat, k_src, d, lengths, starts, scores, None, aggregate)
         elif softmax:  # per-query-head scores (rows padded as ``scores``), then the group's softmax aggregate
             heads = new_output((B, HQ, S16), torch.float32, q_hat.device)[:, :, :S]
-            _launch_approx_scores(q_hat, k_src, d, lengths, starts, heads, None, "sum")
-            _launch_group_softmax(heads, lengths, starts, scores, HKV, aggregate, resolve_scale(scale, D))
+            _launch_softmax_group_scores(q_hat, k_src, d, lengths, starts, heads, scores, HKV, aggregate,
+                                         resolve_scale(scale, D))
         else:
             _launch_approx_scores(q_hat, k_src, d, lengths, starts, None, scores, aggregate)
         idx = select_topk(scores, counts, k_max=k_max, method=method, uniform=uniform)

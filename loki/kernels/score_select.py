@@ -96,6 +96,24 @@ def score_select_fusable(rows: int, S: int, device, *, min_rows_per_sm: float | 
     return S <= min(max_s, TRITON_SELECT_MAX_S) and rows >= min_rows_per_sm * num_sms(device)
 
 
+def check_fused_args(q_hat, k_src, d: int, K: int, name: str) -> tuple[int, int, int, int]:
+    """The shapes of a fused score-select kernel's inputs (``score_select``, ``score_select_softmax``), checked:
+    q_hat [B, HQ, D], k_src [B, HKV, S, Dk] with HQ a multiple of HKV, S <= ``TRITON_SELECT_MAX_S``,
+    1 <= d <= Dk, 1 <= K <= S.  Returns (B, HQ, HKV, S)."""
+    if q_hat.dim() != 3 or k_src.dim() != 4 or k_src.shape[0] != q_hat.shape[0] or q_hat.shape[1] % k_src.shape[1]:
+        raise ValueError(f"expected q_hat [B, HQ, D] and k_src [B, HKV, S, Dk] with HQ a multiple of HKV; got "
+                         f"{list(q_hat.shape)} and {list(k_src.shape)}")
+    B, HQ, _ = q_hat.shape
+    _, HKV, S, _ = k_src.shape
+    if S > TRITON_SELECT_MAX_S:
+        raise ValueError(f"{name} handles rows of at most {TRITON_SELECT_MAX_S} tokens, got S={S}")
+    if not 1 <= d <= k_src.shape[-1]:
+        raise ValueError(f"d={d} must lie in [1, {k_src.shape[-1]}] (the key dims k_src holds)")
+    if not 1 <= K <= S:
+        raise ValueError(f"K={K} must lie in [1, S={S}]")
+    return B, HQ, HKV, S
+
+
 def score_select(q_hat, k_src, d: int, lengths, starts, counts, K: int, *, gqa_select: str = "query",
                  aggregate: str = "sum", scores: torch.Tensor | None = None, idx: torch.Tensor | None = None,
                  block_s: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
@@ -108,17 +126,7 @@ def score_select(q_hat, k_src, d: int, lengths, starts, counts, K: int, *, gqa_s
     <= valid tokens of b <= K <= S).  ``chunk`` (a power of two): the select's compaction chunk for longer
     rows.  Returns ``(scores, idx)``.
     """
-    if q_hat.dim() != 3 or k_src.dim() != 4 or k_src.shape[0] != q_hat.shape[0] or q_hat.shape[1] % k_src.shape[1]:
-        raise ValueError(f"expected q_hat [B, HQ, D] and k_src [B, HKV, S, Dk] with HQ a multiple of HKV; got "
-                         f"{list(q_hat.shape)} and {list(k_src.shape)}")
-    B, HQ, _ = q_hat.shape
-    _, HKV, S, _ = k_src.shape
-    if S > TRITON_SELECT_MAX_S:
-        raise ValueError(f"score_select handles rows of at most {TRITON_SELECT_MAX_S} tokens, got S={S}")
-    if not 1 <= d <= k_src.shape[-1]:
-        raise ValueError(f"d={d} must lie in [1, {k_src.shape[-1]}] (the key dims k_src holds)")
-    if not 1 <= K <= S:
-        raise ValueError(f"K={K} must lie in [1, S={S}]")
+    B, HQ, HKV, S = check_fused_args(q_hat, k_src, d, K, "score_select")
     if gqa_select not in ("query", "kv") or aggregate not in ("sum", "max"):
         raise ValueError(f"gqa_select must be 'query' or 'kv' and aggregate 'sum' or 'max'; got {gqa_select!r}, "
                          f"{aggregate!r}")

@@ -40,8 +40,8 @@ from loki._triton import tl, triton
 from ._common import interpreter_tile, interpreting, key_block, num_sms
 from .group_softmax import SOFTMAX_AGGREGATES, _group_probability, _running_lse
 from .launch import launch, new_output, pdl
-from .score_select import FUSED_DEFAULTS
-from .select import TRITON_SELECT_MAX_S, _select_row, compaction_chunk, select_launch_config
+from .score_select import FUSED_DEFAULTS, check_fused_args
+from .select import _select_row, compaction_chunk, select_launch_config
 
 __all__ = ["SOFTMAX_FUSED_DEFAULTS", "score_select_softmax"]
 
@@ -140,23 +140,14 @@ def score_select_softmax(q_hat, k_src, d: int, lengths, starts, counts, K: int, 
     ``num_stages``, ``early_exit``, ``chunk``: launch choices beside the defaults (tests, tuning).  Returns
     ``(scores, idx)``.
     """
-    if q_hat.dim() != 3 or k_src.dim() != 4 or k_src.shape[0] != q_hat.shape[0] or q_hat.shape[1] % k_src.shape[1]:
-        raise ValueError(f"expected q_hat [B, HQ, D] and k_src [B, HKV, S, Dk] with HQ a multiple of HKV; got "
-                         f"{list(q_hat.shape)} and {list(k_src.shape)}")
-    B, HQ, D = q_hat.shape
-    _, HKV, S, _ = k_src.shape
+    B, HQ, HKV, S = check_fused_args(q_hat, k_src, d, K, "score_select_softmax")
+    D = q_hat.shape[-1]
     G = HQ // HKV
     if aggregate not in SOFTMAX_AGGREGATES:
         raise ValueError(f"aggregate must be one of {SOFTMAX_AGGREGATES}, got {aggregate!r}")
     if G > SOFTMAX_FUSED_DEFAULTS["max_group"]:
         raise ValueError(f"score_select_softmax takes at most {SOFTMAX_FUSED_DEFAULTS['max_group']} query heads per "
                          f"KV head, got G={G}")
-    if S > TRITON_SELECT_MAX_S:
-        raise ValueError(f"score_select_softmax handles rows of at most {TRITON_SELECT_MAX_S} tokens, got S={S}")
-    if not 1 <= d <= k_src.shape[-1]:
-        raise ValueError(f"d={d} must lie in [1, {k_src.shape[-1]}] (the key dims k_src holds)")
-    if not 1 <= K <= S:
-        raise ValueError(f"K={K} must lie in [1, S={S}]")
     scale = resolve_scale(scale, D)
     dev = q_hat.device
     for name, t, shape, dtype in (("scores", scores, (B, HKV, S), torch.float32),
