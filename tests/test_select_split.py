@@ -14,15 +14,14 @@ import torch
 
 import loki.kernels.select_split as split_mod
 import loki.reference as R
-from loki._checks import valid_token_mask
 from loki.kernels import select_topk, select_topk_split
 from loki.kernels.launch import DecodePlan, recording
 from loki.kernels.select_split import split_launch_config, use_split_select
-from loki.testing.invariants import check_selection
+from loki.testing.inputs import score_rows
+from loki.testing.invariants import assert_same_sets, check_selection
 
 interp = pytest.mark.interpreter
 gpu = pytest.mark.gpu
-SENTINEL = 2**30 + 7  # launch.new_output's poisoned int
 
 
 @pytest.fixture(autouse=True)
@@ -32,44 +31,8 @@ def _poison(monkeypatch):
     monkeypatch.setenv("LOKI_POISON_OUTPUTS", "1")
 
 
-def _same_sets(idx, ref, counts):
-    """idx selects exactly the reference's set in every row (any order), -1 after counts[b]."""
-    idx, ref = idx.cpu().long(), ref.cpu().long()
-    assert not (idx == SENTINEL).any(), "an output slot was never written"
-    for b in range(idx.shape[0]):
-        c = int(counts[b])
-        assert bool((idx[b, :, c:] == -1).all()), f"batch {b}: padding after counts[b]={c} is not -1"
-        got, want = idx[b, :, :c].sort(-1).values, ref[b, :, :c].sort(-1).values
-        bad = (got != want).any(-1).nonzero().flatten().tolist()
-        assert not bad, f"batch {b}: rows {bad[:8]} select another set than the reference"
-
-
-def _scores(B, H, S, kind, ragged, seed=0):
-    """Scores of one kind with -inf outside each sequence's valid tokens (ragged: batches > 0 shorter and
-    left-padded), and the valid token counts [B]."""
-    g = torch.Generator().manual_seed(1000 * S + seed)
-    s = torch.randn(B, H, S, generator=g)
-    if kind == "halves":  # few distinct values: heavy ties, negatives, zeros and -0.0
-        s = torch.round(s * 2) / 2
-        s[..., ::7] = -0.0
-    elif kind == "equal":
-        s = torch.full((B, H, S), 0.75)
-    elif kind == "narrow":  # one value plus tiny noise: every score shares the top bits of the key
-        s = 20.0 + 1e-4 * s
-    elif kind == "signed-zeros":
-        s = torch.where(torch.rand(B, H, S, generator=g) < 0.5, 0.0, -0.0)
-        s[..., ::5] = torch.randn(B, H, S, generator=g)[..., ::5]
-    elif kind == "nan":
-        s[..., ::11] = float("nan")
-        s[..., 5::13] = -float("nan")
-        s[..., 3::17] = float("inf")
-    lengths = torch.full((B,), S, dtype=torch.int32)
-    starts = torch.zeros(B, dtype=torch.int32)
-    if ragged and B > 1:
-        lengths[1:] = torch.randint(1, S + 1, (B - 1,), generator=g, dtype=torch.int32)
-        starts = (torch.rand(B, generator=g) * (lengths - 1)).floor().to(torch.int32)
-    s = s.masked_fill(~valid_token_mask(lengths, starts, S)[:, None, :], float("-inf"))
-    return s, (lengths - starts).long()
+_same_sets = assert_same_sets
+_scores = score_rows
 
 
 def _counts(k, valid):
@@ -164,6 +127,7 @@ def test_triton_method_follows_the_rule_unless_given_register_options(triton_dev
     real = select_mod.select_topk_split
     monkeypatch.setattr(select_mod, "select_topk_split", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     monkeypatch.setitem(split_mod.SPLIT_RULE, "min_s", 64)
+    monkeypatch.setitem(select_mod.COOP_DEFAULTS, "enabled", False)  # test_select_coop.py: the coop select
     scores, valid = _scores(2, 2, 300, "halves", True)
     counts = _counts(50, valid)
     sc, cn = scores.to(triton_device), counts.to(triton_device)
@@ -242,11 +206,13 @@ def test_split_select_recorded_launches_replay(triton_device, poison, monkeypatc
 def test_decode_step_records_and_replays_the_split_select(triton_device, monkeypatch):
     """With the rule forced to the split select, the decode step's recorded plan holds its launches and every
     replay equals the reference attention of its own inputs."""
+    import loki.kernels.select as select_mod
     from loki.kernels.decode import StepReplay, loki_decode_step
     from loki.reference.methods import loki_attention
     from loki.testing.inputs import make_decode_inputs
 
     monkeypatch.setitem(split_mod.SPLIT_RULE, "min_s", 1)
+    monkeypatch.setitem(select_mod.COOP_DEFAULTS, "enabled", False)  # test_select_coop.py: the coop select
     B, HQ, HKV, S, D, d, K = 1, 4, 2, 300, 32, 8, 75
     x = make_decode_inputs(B, HQ, HKV, S, D, dtype=torch.float32, device=triton_device, seed=4)
     counts = torch.full((B,), K, dtype=torch.int32, device=triton_device)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["DecodeInputs", "make_decode_inputs", "random_orthogonal"]
+__all__ = ["DecodeInputs", "make_decode_inputs", "random_orthogonal", "score_rows"]
 
 
 @dataclass
@@ -94,3 +94,37 @@ def _make_on_device(B, HQ, HKV, S, D, *, dtype, device, seed, ragged, left_pad, 
     v = torch.randn(B, HKV, S, D, generator=g, device=device, dtype=torch.float32).to(dtype)
     lengths, starts = _positions(B, S, g, device, ragged, left_pad)
     return DecodeInputs(q=q, k_cache=k, v_cache=v, lengths=lengths, starts=starts)
+
+
+def score_rows(B: int, H: int, S: int, kind: str = "randn", ragged: bool = True, seed: int = 0):
+    """Score rows [B, H, S] for the select tests, -inf outside each sequence's valid tokens (ragged: batches > 0
+    shorter and left-padded), and the valid token counts [B].  Kinds: "randn"; "halves" (few distinct values:
+    heavy ties, negatives, zeros and -0.0); "equal"; "narrow" (one value plus tiny noise: every score shares
+    the top bits of its key); "signed-zeros"; "nan" (NaN, -NaN and +inf among the scores)."""
+    from loki._checks import valid_token_mask
+
+    g = torch.Generator().manual_seed(1000 * S + seed)
+    s = torch.randn(B, H, S, generator=g)
+    if kind == "halves":
+        s = torch.round(s * 2) / 2
+        s[..., ::7] = -0.0
+    elif kind == "equal":
+        s = torch.full((B, H, S), 0.75)
+    elif kind == "narrow":
+        s = 20.0 + 1e-4 * s
+    elif kind == "signed-zeros":
+        s = torch.where(torch.rand(B, H, S, generator=g) < 0.5, 0.0, -0.0)
+        s[..., ::5] = torch.randn(B, H, S, generator=g)[..., ::5]
+    elif kind == "nan":
+        s[..., ::11] = float("nan")
+        s[..., 5::13] = -float("nan")
+        s[..., 3::17] = float("inf")
+    elif kind != "randn":
+        raise ValueError(f"unknown kind {kind!r}")
+    lengths = torch.full((B,), S, dtype=torch.int32)
+    starts = torch.zeros(B, dtype=torch.int32)
+    if ragged and B > 1:
+        lengths[1:] = torch.randint(1, S + 1, (B - 1,), generator=g, dtype=torch.int32)
+        starts = (torch.rand(B, generator=g) * (lengths - 1)).floor().to(torch.int32)
+    s = s.masked_fill(~valid_token_mask(lengths, starts, S)[:, None, :], float("-inf"))
+    return s, (lengths - starts).long()

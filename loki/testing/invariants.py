@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["check_selection"]
+__all__ = ["POISON_INT", "assert_same_sets", "check_selection"]
+
+#: ``launch.new_output``'s poisoned int (``LOKI_POISON_OUTPUTS=1``): a slot still holding it was never written.
+POISON_INT = 2**30 + 7
 
 
 def check_selection(idx: torch.Tensor, scores: torch.Tensor, counts: torch.Tensor, *, slack: float = 0.0) -> int:
@@ -31,3 +34,15 @@ def check_selection(idx: torch.Tensor, scores: torch.Tensor, counts: torch.Tenso
             assert bool((vals >= kth[h] - slack).all()), f"row ({b},{h}): a selected score is below the k-th largest"
             checked += 1
     return checked
+
+
+def assert_same_sets(idx: torch.Tensor, ref: torch.Tensor, counts: torch.Tensor) -> None:
+    """idx selects exactly the reference's set in every row (any order), -1 after counts[b], no poisoned slot."""
+    idx, ref = idx.cpu().long(), ref.cpu().long()
+    assert not (idx == POISON_INT).any(), "an output slot was never written"
+    for b in range(idx.shape[0]):
+        c = int(counts[b])
+        assert bool((idx[b, :, c:] == -1).all()), f"batch {b}: padding after counts[b]={c} is not -1"
+        got, want = idx[b, :, :c].sort(-1).values, ref[b, :, :c].sort(-1).values
+        bad = (got != want).any(-1).nonzero().flatten().tolist()
+        assert not bad, f"batch {b}: rows {bad[:8]} select another set than the reference"
