@@ -26,7 +26,10 @@
 #   COMMIT...          commits to record (hash or prefix, `main`); default: the carried list (carry/commits)
 #   --budget S         seconds this command may take, publishing included (default 540)
 #   --out DIR          results tarball, pages tarball, log (default $OUT, else <state>/out)
-#   --bench LIST       groups to record: e2e,accuracy (default both)
+#   --bench LIST       groups to record: e2e,accuracy,select (default e2e,accuracy; select: bench_kernels.SplitSelect)
+#   --e2e-settings L   record bench_e2e for these setting ids only (comma-separated, LOKI_ASV_E2E_SETTINGS; ASV
+#                      keeps the values already recorded for the others); the run is due unless the commit's file
+#                      holds results of every one of them
 #   --python PATH      interpreter with torch (default $ASV_PYTHON or /opt/torch/.venv/bin/python3: the path is part
 #                      of every results file's name; keep the one of the recorded history)
 #   --machine NAME     ASV machine (default h100)
@@ -55,11 +58,13 @@ REDO=0
 PUBLISH=auto
 DRY=0
 COMMITS=()
+E2E_SETTINGS=
 while [ $# -gt 0 ]; do
   case "$1" in
     --budget) BUDGET=$2; shift 2 ;;
     --out) OUTDIR=$2; shift 2 ;;
     --bench) BENCH=$2; shift 2 ;;
+    --e2e-settings) E2E_SETTINGS=$2; shift 2 ;;
     --python) PY=$2; shift 2 ;;
     --machine) MACHINE=$2; shift 2 ;;
     --expect-gpu) EXPECT_GPU=$2; shift 2 ;;
@@ -80,11 +85,12 @@ RESERVE=40            # seconds kept for the pages, the tarballs and the summary
 # first estimates, before any run was measured (LOKI_ASV_EST_E2E / LOKI_ASV_EST_ACCURACY override them)
 DEFAULT_EST_e2e=${LOKI_ASV_EST_E2E:-240}  # bench_e2e: two settings x (two compiled paths of ~30 s, two eager ones)
 DEFAULT_EST_accuracy=${LOKI_ASV_EST_ACCURACY:-150}  # bench_accuracy: model conversion, 3 bases, 8 methods, compiles
+DEFAULT_EST_select=${LOKI_ASV_EST_SELECT:-60}  # bench_kernels.SplitSelect: two shapes, compiled once
 VIRTUAL=0  # --dry-run: the estimated seconds of the runs it lists, so that it shows which would be skipped
-declare -A MODULE=([e2e]=bench_e2e [accuracy]=bench_accuracy)
+declare -A MODULE=([e2e]=bench_e2e [accuracy]=bench_accuracy [select]=bench_kernels.SplitSelect)
 IFS=, read -r -a GROUPS_WANTED <<< "$BENCH"
 for g in "${GROUPS_WANTED[@]}"; do
-  [ -n "${MODULE[$g]:-}" ] || { echo "gpu_asv_run: --bench takes e2e and/or accuracy, got $g" >&2; exit 2; }
+  [ -n "${MODULE[$g]:-}" ] || { echo "gpu_asv_run: --bench takes e2e, accuracy and/or select, got $g" >&2; exit 2; }
 done
 
 say() { echo "gpu_asv_run [$(( $(date +%s) - START ))s] $*"; }
@@ -245,11 +251,29 @@ done
 MODEL=0
 if LOKI_STAGE_SITE=$SITE bash scripts/gpu_stage.sh check >/dev/null 2>&1; then MODEL=1; fi
 
-# done GROUP HASH: the commit's results file has entries of the group's module
+# done GROUP HASH: the commit's results file has entries of the group's module (with --e2e-settings, for e2e: a
+# value of its speed-up for every one of the settings)
 done_group() {
   local f
   for f in "$RES/${2:0:8}"-*.json; do
-    [ -f "$f" ] && grep -q "\"${MODULE[$1]}\." "$f" && return 0
+    [ -f "$f" ] || continue
+    if [ "$1" = e2e ] && [ -n "$E2E_SETTINGS" ]; then
+      "$PY" - "$f" "$E2E_SETTINGS" <<'PYEOF' && return 0
+import json, math, sys
+res = json.load(open(sys.argv[1])).get("results", {})
+want = sys.argv[2].split(",")
+got = set()
+for name, entry in res.items():
+    if not name.startswith("bench_e2e.") or not isinstance(entry, list) or len(entry) < 2 or not entry[1]:
+        continue
+    for combo, value in zip(__import__("itertools").product(*entry[1]), entry[0] or []):
+        if isinstance(value, (int, float)) and math.isfinite(value):
+            got.update(p.strip("'") for p in combo)
+sys.exit(0 if all(w in got for w in want) else 1)
+PYEOF
+      continue
+    fi
+    grep -q "\"${MODULE[$1]}\." "$f" && return 0
   done
   return 1
 }
@@ -331,12 +355,16 @@ for h in "${HASHES[@]}"; do
     [[ " ${pick[*]} " == *" $g "* ]] || { say "$short $g: skipped, $(estimate "$g") s estimated, $(( $(left) - RESERVE )) s left"; skipped+=("$short:$g"); }
   done
   [ "${#pick[@]}" -gt 0 ] || continue
-  mods=$(IFS='|'; echo "${pick[*]}")
-  [ "${#pick[@]}" -gt 1 ] && regex="^bench_($mods)" || regex="^${MODULE[${pick[0]}]}"
+  regex=$(for g in "${pick[@]}"; do
+             if [ "$g" = e2e ] && [ -n "$E2E_SETTINGS" ]; then echo "^bench_e2e.*(${E2E_SETTINGS//,/|})"
+             else echo "^${MODULE[$g]}"; fi
+           done | paste -sd'|')
+  [ "${#pick[@]}" -gt 1 ] && regex="($regex)"
   limit=$(( $(left) - 20 ))
   cmd=(bash ci/run_asv_history.sh --force --python "$PY" --machine "$MACHINE" --bench "$regex" -n 1 "$h"
        -- --quick --show-stderr)
   envs=(LOKI_CACHE="$STATE/loki-cache/$short" ASV_PYTHONPATH="$SITE" PYTHONPATH="$SITE"
+        LOKI_ASV_E2E_SETTINGS="$E2E_SETTINGS"
         TRITON_CACHE_DIR="$STATE/triton-cache" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1)
   say "== $short ${pick[*]}: estimated $(estimate "${pick[@]}") s, stopped after $limit s"
   if [ "$DRY" = 1 ]; then

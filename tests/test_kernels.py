@@ -30,7 +30,7 @@ from loki.kernels import (
     sparse_attention,
     sparse_attention_reference,
 )
-from loki.testing.inputs import make_decode_inputs
+from loki.testing.inputs import make_decode_inputs, ragged_positions
 from loki.testing.invariants import check_selection
 from loki.testing.tolerances import ATOL, assert_close_to_reference
 
@@ -127,11 +127,7 @@ def _select_case(B, H, S, kspec, ragged):
     if kspec == 0.25:
         scores = torch.round(scores * 2) / 2  # many exact ties, negative values, zeros and -0.0
         scores[:, :, ::7] = -0.0
-    lengths = torch.full((B,), S, dtype=torch.int32)
-    starts = torch.zeros(B, dtype=torch.int32)
-    if ragged and B > 1:
-        lengths[1:] = torch.randint(1, S + 1, (B - 1,), generator=g, dtype=torch.int32)
-        starts = (torch.rand(B, generator=g) * (lengths - 1)).floor().to(torch.int32)
+    lengths, starts = ragged_positions(B, S, g, "cpu", ragged, ragged)
     scores = scores.masked_fill(~valid_token_mask(lengths, starts, S)[:, None, :], float("-inf"))
     k = {"1": 1, "S": S}.get(kspec, kspec)
     counts = R.budget(k, lengths, starts, B, S)

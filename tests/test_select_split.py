@@ -31,21 +31,17 @@ def _poison(monkeypatch):
     monkeypatch.setenv("LOKI_POISON_OUTPUTS", "1")
 
 
-_same_sets = assert_same_sets
-_scores = score_rows
-
-
 def _counts(k, valid):
     return torch.clamp(torch.full_like(valid, k), max=valid).clamp(min=1)
 
 
 def _run(device, B, H, S, k, kind="randn", ragged=True, **opts):
-    scores, valid = _scores(B, H, S, kind, ragged)
+    scores, valid = score_rows(B, H, S, kind, ragged)
     counts = _counts(k, valid)
     K = min(k, S)
     idx = select_topk_split(scores.to(device), counts.to(device), k_max=K, **opts)
     assert idx.dtype == torch.int32 and idx.shape == (B, H, K)
-    _same_sets(idx, R.select_topk(scores, counts), counts)
+    assert_same_sets(idx, R.select_topk(scores, counts), counts)
     return scores, counts, idx
 
 
@@ -91,7 +87,7 @@ def test_split_select_ties_straddling_the_budget(triton_device):
     counts = torch.tensor([k, 640])
     for opts in (dict(chunk=512), dict(chunk=1024, cand_block=128), dict(chunk=2048, bits=8)):
         idx = select_topk_split(s.to(triton_device), counts.to(triton_device), k_max=k, **opts)
-        _same_sets(idx, R.select_topk(s, counts), counts)
+        assert_same_sets(idx, R.select_topk(s, counts), counts)
 
 
 @interp
@@ -107,14 +103,14 @@ def test_split_select_matches_the_one_program_per_row_select(triton_device):
     """Where both apply (rows up to TRITON_SELECT_MAX_S): the same sets as method="triton"'s register select,
     and select_topk(method="split") is this select."""
     for kind in ("randn", "halves"):
-        scores, valid = _scores(3, 4, 4099, kind, True)
+        scores, valid = score_rows(3, 4, 4099, kind, True)
         counts = _counts(1500, valid)
         sc, cn = scores.to(triton_device), counts.to(triton_device)
         assert not use_split_select(4099, 12)  # so "triton" below is the register select
         reg = select_topk(sc, cn, k_max=1500, method="triton")
         spl = select_topk(sc, cn, k_max=1500, method="split", chunk=1024)
         assert reg.dtype == spl.dtype == torch.int32
-        _same_sets(spl, reg.long(), counts)
+        assert_same_sets(spl, reg.long(), counts)
 
 
 @interp
@@ -127,25 +123,24 @@ def test_triton_method_follows_the_rule_unless_given_register_options(triton_dev
     real = select_mod.select_topk_split
     monkeypatch.setattr(select_mod, "select_topk_split", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     monkeypatch.setitem(split_mod.SPLIT_RULE, "min_s", 64)
-    monkeypatch.setitem(select_mod.COOP_DEFAULTS, "enabled", False)  # test_select_coop.py: the coop select
-    scores, valid = _scores(2, 2, 300, "halves", True)
+    scores, valid = score_rows(2, 2, 300, "halves", True)
     counts = _counts(50, valid)
     sc, cn = scores.to(triton_device), counts.to(triton_device)
     for opts, split in (({}, True), (dict(radix_bits=2), False), (dict(early_exit=False), False),
                         (dict(chunk=64), False), (dict(num_warps=4), False)):
         calls.clear()
-        _same_sets(select_topk(sc, cn, k_max=50, method="triton", **opts), R.select_topk(scores, counts), counts)
+        assert_same_sets(select_topk(sc, cn, k_max=50, method="triton", **opts), R.select_topk(scores, counts), counts)
         assert bool(calls) == split, opts
 
 
 @interp
 def test_triton_method_takes_the_split_select_for_long_rows(triton_device):
     """Rows longer than TRITON_SELECT_MAX_S: method="triton" no longer falls back to torch.topk (int32 output)."""
-    scores, valid = _scores(1, 2, 40000, "randn", False)
+    scores, valid = score_rows(1, 2, 40000, "randn", False)
     counts = _counts(2048, valid)
     idx = select_topk(scores.to(triton_device), counts.to(triton_device), k_max=2048, method="triton")
     assert idx.dtype == torch.int32
-    _same_sets(idx, R.select_topk(scores, counts), counts)
+    assert_same_sets(idx, R.select_topk(scores, counts), counts)
 
 
 @interp
@@ -157,23 +152,23 @@ def test_split_select_into_out_and_clamped_counts(triton_device):
     out = buf[: B * H * K].view(B, H, K)
     got = select_topk_split(scores, torch.tensor([100, 7]).to(triton_device), k_max=K, out=out, chunk=64)
     assert got is out and bool((buf[B * H * K:] == 7777).all())
-    _same_sets(out, R.select_topk(scores.cpu(), torch.tensor([K, 7])), torch.tensor([K, 7]))
+    assert_same_sets(out, R.select_topk(scores.cpu(), torch.tensor([K, 7])), torch.tensor([K, 7]))
 
 
 @interp
 def test_split_select_converts_other_dtypes_and_strides(triton_device):
     """fp16/bf16 scores are selected as their fp32 values; a row stride other than 1 is made contiguous."""
-    scores, valid = _scores(2, 3, 517, "halves", True)
+    scores, valid = score_rows(2, 3, 517, "halves", True)
     counts = _counts(100, valid)
     for s in (scores.half(), scores.bfloat16(), scores.transpose(1, 2).contiguous().transpose(1, 2),
               scores.repeat_interleave(2, dim=-1)[..., ::2]):
         idx = select_topk_split(s.to(triton_device), counts.to(triton_device), k_max=100, chunk=128)
-        _same_sets(idx, R.select_topk(s.float(), counts), counts)
+        assert_same_sets(idx, R.select_topk(s.float(), counts), counts)
 
 
 @interp
 def test_split_select_is_deterministic(triton_device):
-    scores, valid = _scores(2, 2, 1025, "halves", True)
+    scores, valid = score_rows(2, 2, 1025, "halves", True)
     counts = _counts(333, valid).to(triton_device)
     a = select_topk_split(scores.to(triton_device), counts, k_max=333, chunk=128, cand_block=64)
     b = select_topk_split(scores.to(triton_device), counts, k_max=333, chunk=128, cand_block=64)
@@ -187,7 +182,7 @@ def test_split_select_recorded_launches_replay(triton_device, poison, monkeypatc
     fresh (poisoned or not) buffers, workspace included: no memset, no buffer outside the plan."""
     monkeypatch.setenv("LOKI_POISON_OUTPUTS", poison)
     B, H, S, K = 2, 3, 1025, 300
-    scores, valid = _scores(B, H, S, "halves", True, seed=1)
+    scores, valid = score_rows(B, H, S, "halves", True, seed=1)
     counts = _counts(K, valid).to(triton_device)
     sc = scores.to(triton_device)  # one tensor: a plan finds its inputs by identity
     with recording() as rec:
@@ -196,23 +191,21 @@ def test_split_select_recorded_launches_replay(triton_device, poison, monkeypatc
     assert plan.ok and len(plan.launches) == 3 and len(plan.buffers) == 2
     ret = [id(b) for b in rec.buffers].index(id(idx))
     for seed in (2, 3):
-        s2, v2 = _scores(B, H, S, "randn" if seed == 2 else "narrow", True, seed=seed)
+        s2, v2 = score_rows(B, H, S, "randn" if seed == 2 else "narrow", True, seed=seed)
         c2 = torch.minimum(_counts(K, v2), torch.tensor([K, 17]))
         got = plan((s2.to(triton_device), c2.to(triton_device)))[ret]
-        _same_sets(got, R.select_topk(s2, c2), c2)
+        assert_same_sets(got, R.select_topk(s2, c2), c2)
 
 
 @interp
 def test_decode_step_records_and_replays_the_split_select(triton_device, monkeypatch):
     """With the rule forced to the split select, the decode step's recorded plan holds its launches and every
     replay equals the reference attention of its own inputs."""
-    import loki.kernels.select as select_mod
     from loki.kernels.decode import StepReplay, loki_decode_step
     from loki.reference.methods import loki_attention
     from loki.testing.inputs import make_decode_inputs
 
     monkeypatch.setitem(split_mod.SPLIT_RULE, "min_s", 1)
-    monkeypatch.setitem(select_mod.COOP_DEFAULTS, "enabled", False)  # test_select_coop.py: the coop select
     B, HQ, HKV, S, D, d, K = 1, 4, 2, 300, 32, 8, 75
     x = make_decode_inputs(B, HQ, HKV, S, D, dtype=torch.float32, device=triton_device, seed=4)
     counts = torch.full((B,), K, dtype=torch.int32, device=triton_device)
@@ -290,13 +283,13 @@ GPU_SIZES = [
 @pytest.mark.parametrize("B,H,S,k", GPU_SIZES)
 @pytest.mark.parametrize("kind", ["randn", "halves", "narrow"])
 def test_gpu_split_select_at_production_sizes(B, H, S, k, kind):
-    scores, valid = _scores(B, H, S, kind, True)
+    scores, valid = score_rows(B, H, S, kind, True)
     counts = _counts(k, valid)
     dev = torch.device("cuda")
     idx = select_topk(scores.to(dev), counts.to(dev), k_max=k, method="triton")  # the rule picks the split
-    _same_sets(idx, R.select_topk(scores.to(dev), counts.to(dev)), counts)
+    assert_same_sets(idx, R.select_topk(scores.to(dev), counts.to(dev)), counts)
     for opts in (dict(chunk=1024), dict(chunk=8192, bits=8), dict(bits=4, levels=3), dict(cand_block=256)):
-        _same_sets(select_topk_split(scores.to(dev), counts.to(dev), k_max=k, **opts),
+        assert_same_sets(select_topk_split(scores.to(dev), counts.to(dev), k_max=k, **opts),
                    R.select_topk(scores.to(dev), counts.to(dev)), counts)
 
 
@@ -306,10 +299,10 @@ def test_gpu_split_select_equals_the_register_select():
 
     dev = torch.device("cuda")
     for B, H, S, k in ((1, 8, 32768, 2048), (2, 20, 16384, 4096), (1, 8, 8192, 8192)):
-        scores, valid = _scores(B, H, S, "halves", True)
+        scores, valid = score_rows(B, H, S, "halves", True)
         counts = _counts(k, valid).to(dev)
         reg = _select_triton(scores.to(dev), counts, k, None)
-        _same_sets(select_topk_split(scores.to(dev), counts, k_max=k), reg.long(), counts)
+        assert_same_sets(select_topk_split(scores.to(dev), counts, k_max=k), reg.long(), counts)
 
 
 @gpu
@@ -317,7 +310,7 @@ def test_gpu_split_select_in_a_cuda_graph():
     """Captured once, replayed on new scores and counts written into the captured inputs."""
     dev = torch.device("cuda")
     B, H, S, k = 1, 8, 131072, 2048
-    scores, valid = _scores(B, H, S, "randn", False)
+    scores, valid = score_rows(B, H, S, "randn", False)
     sc, cn = scores.to(dev), _counts(k, valid).to(dev)
     select_topk_split(sc, cn, k_max=k)  # compile outside the capture
     torch.cuda.synchronize()
@@ -325,9 +318,9 @@ def test_gpu_split_select_in_a_cuda_graph():
     with torch.cuda.graph(graph):
         idx = select_topk_split(sc, cn, k_max=k)
     for seed, kind in ((1, "randn"), (2, "halves"), (3, "narrow")):
-        s2, _ = _scores(B, H, S, kind, False, seed=seed)
+        s2, _ = score_rows(B, H, S, kind, False, seed=seed)
         sc.copy_(s2.to(dev))
         cn.fill_(k - seed)
         graph.replay()
         torch.cuda.synchronize()
-        _same_sets(idx, R.select_topk(sc, cn), cn.cpu())
+        assert_same_sets(idx, R.select_topk(sc, cn), cn.cpu())

@@ -3,10 +3,9 @@
     PYTHONPATH=. python3 -m benchmarks.tuning.kernel_profile [--reps 20] [--out kernels-profile.json]
 
 Cases (bf16 caches, d = 32 of D = 128, Llama-3-8B attention dims GQA 32/8, one selection per KV group):
-the split and row-barrier selects alone on random fp32 scores (8 x 131072 and 64 x 32768, top-2048, the latter
-with a few launch options), and ``loki_decode_step`` at B=16 S=8192 k=2048 (k_f 0.25) with the raw-sum and
-softmax-max aggregates and at B=1 S=131072 and B=8 S=32768 (k=2048), the raw sums also with the split select.
-``PROFILE_ONLY=<text>`` profiles only the cases whose name contains it.
+the split select alone on random fp32 scores (8 x 131072 and 64 x 32768, top-2048), and ``loki_decode_step``
+at B=16 S=8192 k=2048 (k_f 0.25) with the raw-sum and softmax-max aggregates and at B=1 S=131072 and B=8
+S=32768 (k=2048).  ``PROFILE_ONLY=<text>`` profiles only the cases whose name contains it.
 Each case runs ``--reps`` times under the profiler after a warm-up; per kernel name: mean device us per call
 of the case and launches per call; and the time of one CUDA-graph replay of the case (L2 flushed), which adds the
 gaps between the kernels.  Prints one block per case and writes JSON.
@@ -47,18 +46,14 @@ def profile(fn, reps: int) -> dict:
 
 
 def cases(dev):
-    import loki.kernels.select_coop as coop
     from loki.bench.harness import make_bench_inputs
-    from loki.kernels import make_key_prefix, select_topk_coop, select_topk_split
+    from loki.kernels import make_key_prefix, select_topk_split
     from loki.kernels.decode import StepReplay, loki_decode_step
 
     for B, H, S, k in ((1, 8, 131072, 2048), (8, 8, 32768, 2048)):
         scores = torch.randn(B, H, S, device=dev)
         counts = torch.full((B,), k, dtype=torch.int32, device=dev)
         yield f"split select {B}x{H}x{S} k={k}", (lambda s=scores, c=counts, k=k: select_topk_split(s, c, k_max=k))
-        for opts in ({}, dict(bits=4), dict(phased=True)):
-            yield (f"coop select {opts} {B}x{H}x{S} k={k}",
-                   lambda s=scores, c=counts, k=k, o=opts: select_topk_coop(s, c, k_max=k, **o))
     for B, S, k, agg in ((16, 8192, 2048, "sum"), (16, 8192, 2048, "softmax-max"), (1, 131072, 2048, "sum"),
                          (1, 131072, 2048, "softmax-max"), (8, 32768, 2048, "sum"), (8, 32768, 2048, "softmax-max")):
         x = make_bench_inputs(B, 32, 8, S, 128, device=dev, dtype=torch.bfloat16)
@@ -70,18 +65,6 @@ def cases(dev):
             return loki_decode_step(x.q, x.k_cache, x.v_cache, x.lengths, x.starts, counts, d=32, k_max=k,
                                     gqa_select="kv", aggregate=agg, uniform=True, k_prefix=kp, replay=replay)
         yield f"decode step kv:{agg} B={B} S={S} k={k}", step
-        if agg == "sum" and S > 8192:  # the same step with the multi-launch split select
-            replay_split = StepReplay()
-
-            def split_step(x=x, kp=kp, counts=counts, k=k, replay=replay_split):
-                coop.COOP_DEFAULTS["enabled"] = False
-                try:
-                    return loki_decode_step(x.q, x.k_cache, x.v_cache, x.lengths, x.starts, counts, d=32, k_max=k,
-                                            gqa_select="kv", aggregate="sum", uniform=True, k_prefix=kp,
-                                            replay=replay)
-                finally:
-                    coop.COOP_DEFAULTS["enabled"] = True
-            yield f"decode step kv:sum (split select) B={B} S={S} k={k}", split_step
         if agg == "softmax-max" and S <= 8192:
             from loki.kernels.score_select_softmax import score_select_softmax
 

@@ -3,7 +3,6 @@
 - ``approx_scores``: q_hat[:d] . K_hat[:, :d]^T over the whole cache (Algorithm 1, lines 3-4);
 - ``select_topk``: top-k per row, ``torch.topk`` or an exact Triton threshold select (line 5);
   ``select_topk_split``: the exact select with every row split over many programs (few or long rows);
-  ``select_topk_coop``: the same in one launch, the programs of a row meeting at barriers (rows that fit at once);
 - ``score_select``: the scores and the Triton select of each row in one kernel (lines 3-5 fused);
   ``score_select_softmax``: the same for a shared selection with a softmax aggregate;
 - ``group_softmax_scores``: a GQA group's "softmax-max" / "softmax-sum" score from per-query-head scores;
@@ -40,7 +39,6 @@ from .rotate import rotate_query_op
 from .score_select import score_select
 from .score_select_softmax import score_select_softmax
 from .select import SELECT_METHODS, select_topk, select_topk_reference
-from .select_coop import select_topk_coop
 from .select_split import select_topk_split
 from .sparq import sparq_attention, sparq_attention_reference, sparq_prepare
 from .sparse_attention import sparse_attention, sparse_attention_reference
@@ -62,7 +60,6 @@ __all__ = [
     "plan_decode",
     "rotate_query_op",
     "select_topk",
-    "select_topk_coop",
     "select_topk_reference",
     "select_topk_split",
     "score_select",

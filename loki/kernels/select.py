@@ -13,9 +13,8 @@ every key above the threshold, plus as many keys equal to it as are needed, is w
 position from one packed prefix sum (above-threshold count in the low 16 bits, tie count in the high 16).
 Output order is unspecified (like ``torch.topk(sorted=False)``), in practice ascending token position.
 With few rows (fewer than the multiprocessors) of 8K keys or more, and for rows longer than
-``TRITON_SELECT_MAX_S``, "triton" splits every row over many programs instead: the row-barrier select of
-``select_coop.py`` (one launch, all programs resident; also ``method="coop"``) where the rows fit the GPU at once,
-else the multi-launch split select of ``select_split.py`` (also ``method="split"``).
+``TRITON_SELECT_MAX_S``, "triton" runs the split select of ``select_split.py`` instead (every row over many
+programs; also ``method="split"``).
 
 Ties: the lowest token position first, as everywhere in Loki (``loki.reference.selection.topk_indices``):
 every key strictly above the threshold is taken, then the first ``k - #above`` keys equal to it in position
@@ -35,12 +34,11 @@ from loki.reference.selection import topk_indices
 from ._common import NUM_SMS_DEFAULT, check_triton_device, interpreting, num_sms
 from ._keys import _ordered_key
 from .launch import launch, new_output, pdl
-from .select_coop import COOP_DEFAULTS, select_topk_coop, use_coop_select
 from .select_split import select_topk_split, use_split_select
 
 __all__ = ["SELECT_METHODS", "TRITON_SELECT_MAX_S", "select_topk", "select_topk_reference", "select_launch_config"]
 
-SELECT_METHODS = ("auto", "torch", "triton", "split", "coop")
+SELECT_METHODS = ("auto", "torch", "triton", "split")
 #: Longest row the register-resident Triton select handles; longer rows take the split select (``select_split.py``).
 TRITON_SELECT_MAX_S = 32768
 #: Compaction chunk (elements); rows up to this length are compacted straight from the registers.
@@ -223,14 +221,11 @@ def select_topk(
     device, 1 <= counts[b] <= the number of finite scores of each row of batch b; ``k_max`` an int bound
     K >= max(counts) (pass it to avoid a host sync; default ``int(counts.max())``; both methods clamp a larger
     count to K on the device, so the Triton select never writes past a row's K slots).
-    Returns idx: [B, H, K], int64 for ``method="torch"``, int32 for ``"triton"``, ``"split"`` and ``"coop"``;
-    entries at positions >= counts[b] are -1.  ``method="auto"`` is "triton" on CUDA tensors and "torch" otherwise.
-    ``"split"`` splits every row over many programs (``select_split.select_topk_split``) and ``"coop"`` over
-    programs that meet at row barriers in one launch (``select_coop.select_topk_coop``); ``"triton"`` splits rows
-    where ``select_split.use_split_select`` says (few rows, or rows longer than ``TRITON_SELECT_MAX_S``), with
-    the row-barrier select where the rows fit the GPU at once (``select_coop.use_coop_select``, unless
-    ``COOP_DEFAULTS["enabled"]`` is False), and the one-program-per-row select otherwise (always, for rows it
-    takes, when one of its options below is given).
+    Returns idx: [B, H, K], int64 for ``method="torch"``, int32 for ``"triton"`` and ``"split"``; entries at
+    positions >= counts[b] are -1.  ``method="auto"`` is "triton" on CUDA tensors and "torch" otherwise.
+    ``"split"`` splits every row over many programs (``select_split.select_topk_split``); ``"triton"`` uses it
+    where ``select_split.use_split_select`` says (few rows, or rows longer than ``TRITON_SELECT_MAX_S``) and the
+    one-program-per-row select otherwise (always, for rows it takes, when one of its options below is given).
     All methods break ties by the lowest token position (``loki.reference.selection.topk_indices``), so they
     select the same set.
     ``uniform=True`` promises all counts equal K (then ``torch.topk(sorted=False)`` is enough; otherwise
@@ -244,7 +239,7 @@ def select_topk(
     if scores.dim() != 3:
         raise ValueError(f"scores must have shape [B, H, S], got {list(scores.shape)}")
     B, H, S = scores.shape
-    triton_method = method in ("triton", "split", "coop")
+    triton_method = method in ("triton", "split")
     check_counts(counts, B, scores.device if triton_method else None)
     if B == 0:  # an empty batch: nothing to select (the torch reference gives [0, H, 0] as well)
         K = 0 if k_max is None else int(k_max)
@@ -254,14 +249,9 @@ def select_topk(
         raise ValueError(f"k_max={K} must lie in [1, S={S}]")
     if method == "split":
         return select_topk_split(scores, counts, k_max=K, out=out, chunk=chunk, num_warps=num_warps)
-    if method == "coop":
-        return select_topk_coop(scores, counts, k_max=K, out=out)
     register_options = (num_warps, radix_bits, chunk, early_exit) != (None, None, None, None)
-    sms = num_sms(scores.device)
     if method == "triton" and (S > TRITON_SELECT_MAX_S or (
-            not register_options and use_split_select(S, B * H, sms, TRITON_SELECT_MAX_S))):
-        if COOP_DEFAULTS["enabled"] and use_coop_select(S, B * H, sms):
-            return select_topk_coop(scores, counts, k_max=K, out=out)
+            not register_options and use_split_select(S, B * H, num_sms(scores.device), TRITON_SELECT_MAX_S))):
         return select_topk_split(scores, counts, k_max=K, out=out)
     if method == "triton":
         return _select_triton(scores, counts, K, out, num_warps=num_warps, radix_bits=radix_bits, chunk=chunk,

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["DecodeInputs", "make_decode_inputs", "random_orthogonal", "score_rows"]
+__all__ = ["DecodeInputs", "make_decode_inputs", "ragged_positions", "random_orthogonal", "score_rows"]
 
 
 @dataclass
@@ -66,11 +66,13 @@ def make_decode_inputs(
     k = k + mean[None, :, None, :]
     q = torch.randn(B, HQ, D, generator=g, dtype=torch.float64)
     v = torch.randn(B, HKV, S, D, generator=g, dtype=torch.float64)
-    lengths, starts = _positions(B, S, g, "cpu", ragged, left_pad)
+    lengths, starts = ragged_positions(B, S, g, "cpu", ragged, left_pad)
     return DecodeInputs(q=q.to(dtype), k_cache=k.to(dtype), v_cache=v.to(dtype), lengths=lengths, starts=starts)
 
 
-def _positions(B, S, g, device, ragged, left_pad):
+def ragged_positions(B: int, S: int, g: torch.Generator, device="cpu", ragged: bool = True, left_pad: bool = True):
+    """lengths, starts [B] int32: batch 0 full, the others (``ragged``) of random lengths and (``left_pad``) random
+    starts below them."""
     lengths = torch.full((B,), S, dtype=torch.int32, device=device)
     starts = torch.zeros(B, dtype=torch.int32, device=device)
     if ragged and B > 1:
@@ -92,7 +94,7 @@ def _make_on_device(B, HQ, HKV, S, D, *, dtype, device, seed, ragged, left_pad, 
         k[:, h] = (kh @ frame[h].T * scale + 0.5 * torch.randn(D, generator=g, device=device)).to(dtype)
     q = torch.randn(B, HQ, D, generator=g, device=device).to(dtype)
     v = torch.randn(B, HKV, S, D, generator=g, device=device, dtype=torch.float32).to(dtype)
-    lengths, starts = _positions(B, S, g, device, ragged, left_pad)
+    lengths, starts = ragged_positions(B, S, g, device, ragged, left_pad)
     return DecodeInputs(q=q, k_cache=k, v_cache=v, lengths=lengths, starts=starts)
 
 
@@ -121,10 +123,6 @@ def score_rows(B: int, H: int, S: int, kind: str = "randn", ragged: bool = True,
         s[..., 3::17] = float("inf")
     elif kind != "randn":
         raise ValueError(f"unknown kind {kind!r}")
-    lengths = torch.full((B,), S, dtype=torch.int32)
-    starts = torch.zeros(B, dtype=torch.int32)
-    if ragged and B > 1:
-        lengths[1:] = torch.randint(1, S + 1, (B - 1,), generator=g, dtype=torch.int32)
-        starts = (torch.rand(B, generator=g) * (lengths - 1)).floor().to(torch.int32)
+    lengths, starts = ragged_positions(B, S, g, "cpu", ragged, ragged)
     s = s.masked_fill(~valid_token_mask(lengths, starts, S)[:, None, :], float("-inf"))
     return s, (lengths - starts).long()
