@@ -356,7 +356,7 @@ for h in "${HASHES[@]}"; do
   done
   [ "${#pick[@]}" -gt 0 ] || continue
   regex=$(for g in "${pick[@]}"; do
-             if [ "$g" = e2e ] && [ -n "$E2E_SETTINGS" ]; then echo "^bench_e2e.*(${E2E_SETTINGS//,/|})"
+             if [ "$g" = e2e ] && [ -n "$E2E_SETTINGS" ]; then echo "^bench_e2e.*\\('(${E2E_SETTINGS//,/|})'\\)\$"
              else echo "^${MODULE[$g]}"; fi
            done | paste -sd'|')
   [ "${#pick[@]}" -gt 1 ] && regex="($regex)"
