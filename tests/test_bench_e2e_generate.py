@@ -62,6 +62,26 @@ def test_generate_per_token_is_the_difference_of_the_two_lengths_over_n(model, m
     assert r["generate_prompt_tokens"] == 24 - 5 - 1 and r["ms_median"] > 0  # the forward was timed as before
 
 
+def test_generate_reports_each_repetition_and_their_spread(model, monkeypatch):
+    """Host-side jitter in one timed call moves that repetition's (t(N+1) - t(1)) / N: every repetition's value
+    and their range are reported beside the median-based per-token time."""
+    now = {"t": 0.0, "calls": 0}
+    real = model.generate
+
+    def fake_generate(*args, **kw):
+        now["calls"] += 1
+        now["t"] += 0.5 + 0.01 * kw["max_new_tokens"] + (0.04 if now["calls"] == 6 else 0.0)  # rep 2's N+1 call
+        return real(*args, **kw)
+
+    monkeypatch.setattr(e2e_generate, "_now", lambda: now["t"])
+    monkeypatch.setattr(model, "generate", fake_generate)
+    r = e2e.run_path(model, "sdpa_eager", B=1, S=24, steps=2, device="cpu", dtype=torch.float32, generate=True,
+                     generate_tokens=5, generate_reps=2)
+    assert r["generate_ms_per_token_reps"] == pytest.approx([10.0, 18.0])
+    assert r["generate_ms_per_token_spread"] == pytest.approx(8.0)
+    assert r["generate_ms_per_token"] == pytest.approx((580.0 - 510.0) / 5)  # medians of two: the means
+
+
 def test_generate_prefill_prompt_and_errors(model):
     """prompt="prefill": generate prefills the whole prompt from an empty cache; a generate that cannot run is
     reported beside the forward's numbers, which stay."""

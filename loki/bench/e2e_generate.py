@@ -42,6 +42,8 @@ def time_generate(model, cache, *, B: int, S: int, new_tokens: int, key: str, de
     ``prompt="cache"`` the cache must hold at least ``S - new_tokens - 2`` valid tokens.  Returns
     ``generate_ms_per_token`` = (median t(N + 1) - median t(1)) / N in ms, the medians
     (``generate_t1_ms``, ``generate_tn_ms``), every timed call (``generate_times_ms``: {"1": [...], "N+1": [...]}),
+    each repetition's own (t(N + 1) - t(1)) / N (``generate_ms_per_token_reps``) and their range
+    (``generate_ms_per_token_spread``: how far the host-side jitter of ``generate`` moves the per-token time),
     ``generate_tokens_per_s`` = B / per-token time, the first (untimed) calls' wall time
     (``generate_warmup_s``), whether the timed N + 1 call produced the warm-up's tokens
     (``generate_same_tokens``; compiled bf16 steps may differ after a near tie) and the settings."""
@@ -96,8 +98,10 @@ def time_generate(model, cache, *, B: int, S: int, new_tokens: int, key: str, de
                                f"{[B, n0 + n]}")
     t1, tn = statistics.median(times["1"]), statistics.median(times["N+1"])
     per_token = (tn - t1) / N
+    paired = [(b - a) / N for a, b in zip(times["1"], times["N+1"])]
     return {"generate_ms_per_token": per_token, "generate_t1_ms": t1, "generate_tn_ms": tn,
-            "generate_times_ms": times, "generate_new_tokens": N, "generate_reps": reps,
+            "generate_times_ms": times, "generate_ms_per_token_reps": paired,
+            "generate_ms_per_token_spread": max(paired) - min(paired), "generate_new_tokens": N, "generate_reps": reps,
             "generate_prompt": prompt, "generate_prompt_tokens": n0,
             "generate_tokens_per_s": B / (per_token * 1e-3) if per_token > 0 else None,
             "generate_warmup_s": warmup_s, "generate_same_tokens": bool(torch.equal(last, warm["N+1"]))}

@@ -181,6 +181,13 @@ def _cell(r: dict | None, key: str, fmt: str) -> str:
     return "skip" if "skipped" in r else ("err" if "error" in r else "-")
 
 
+def _gen_cell(r: dict | None) -> str:
+    """generate ms per token, with ± half the range of the repetitions' own values where they were recorded."""
+    cell = _cell(r, "generate_ms_per_token", ".2f")
+    spread = (r or {}).get("generate_ms_per_token_spread")
+    return cell if spread is None else f"{cell} ± {spread / 2:.2f}"
+
+
 def _f(v, fmt=".2f") -> str:
     return "-" if v is None else format(v, fmt)
 
@@ -202,7 +209,8 @@ def _ceiling_table(doc: dict) -> list[str]:
              "their floors; / ceiling = speed-up / ceiling (the headline); gain / ceiling gain = (speed-up - 1) / "
              "(ceiling - 1)."
              + (" gen ms/token = whole greedy generate calls, (t(N+1 new tokens) - t(1)) / N (median of the timed "
-                "calls, each length warmed once); gen speed-up = the faster Loki path over the faster dense path "
+                "calls, each length warmed once; ± half the range of the repetitions' own values, the host-side "
+                "jitter of generate); gen speed-up = the faster Loki path over the faster dense path "
                 "at that level." if gen else "")
              + (" peak GiB = torch.cuda.max_memory_allocated over the path's decode steps, weights included "
                 "(generate's own peak in the JSON)." if mem else ""),
@@ -211,7 +219,7 @@ def _ceiling_table(doc: dict) -> list[str]:
         cells = [r["id"], str(r.get("k_f")), _f(r.get("ceiling_speedup")), _f(r.get("speedup")),
                  _f(r.get("fraction_of_ceiling")), _f(r.get("fraction_of_ceiling_gain"))]
         if gen:
-            cells += [_cell(r["paths"].get(p), "generate_ms_per_token", ".2f") for p in paths]
+            cells += [_gen_cell(r["paths"].get(p)) for p in paths]
             cells += [_f(r.get("generate_speedup")), _f(r.get("generate_fraction_of_ceiling"))]
         if mem:
             cells.append(" / ".join(_f((r["paths"].get(p) or {}).get("peak_memory_gib"), ".1f") for p in paths))
