@@ -268,6 +268,11 @@ def test_script_retrieval_runs_on_the_cpu(tmp_path, capsys):
     sec = json.loads(out.read_text())
     assert sec["gate"]["passed"] and {r["name"] for r in sec["rows"]} == {"loki-score[query]", "loki-score[kv]"}
     assert "gate (interval contains 0 or |diff| <= 0.02): PASS" in capsys.readouterr().out
+    assert mod.main(["--retrieval", "--tiny", "--gqa-select", "kv", "--out", str(out)]) == 0
+    assert {r["name"] for r in json.loads(out.read_text())["rows"]} == {"loki-score[kv]"}
+    with pytest.raises(SystemExit):
+        mod.main(["--retrieval", "--tiny", "--gqa-select", "kv,heads", "--out", str(out)])
+    assert "--gqa-select: expected query, kv or query,kv" in capsys.readouterr().err
 
 
 @pytest.mark.gpu
