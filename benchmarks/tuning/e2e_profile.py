@@ -1,34 +1,67 @@
-"""Where a compiled decode step's time goes: the kernels of ``loki bench --e2e``'s compiled paths (static-cache
-SDPA and static-cache Loki, CUDA graphs), from torch.profiler over a few steps, grouped by kernel name.
+"""Where an end-to-end decode step's time goes, for ``loki bench --e2e``'s paths, from torch.profiler.
 
     PYTHONPATH=. python3 -m benchmarks.tuning.e2e_profile --model llama2-7b --batch 8 --seq-len 4096
+    PYTHONPATH=. python3 -m benchmarks.tuning.e2e_profile --model llama3-8b --layers 8 --batch 8 \\
+        --seq-len 32768 --k 2048 --generate 16
+
+Default: the compiled forward of the decode step (static caches, CUDA graphs) over a few steps, its kernels
+grouped by name.  ``--generate N``: whole greedy ``model.generate`` calls as the end-to-end benchmark times them
+(:mod:`loki.bench.e2e_generate`: the cache holding the prompt, generate compiling its own decode step), one call of
+N + 1 new tokens and one of 1 profiled with CPU and CUDA activities; per generated token, the differences of the
+two: wall time, the device's busy time (the union of the kernels' intervals), the host-only time (wall - busy: the
+GPU idle, waiting for the host), kernel launches, the kernels by name, and the CPU operators by self time.  Between
+a dense and a Loki path this says what the integration adds to a ``generate`` step beyond the forward.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
+import time
 
 import torch
 
 
-def profile_path(model, path, B, S, steps=8, prof_steps=4, k=0.25, aggregate="sum", sdpa_backend="default"):
-    from loki._hf import cache_keyword
+def _prepare(model, path, B, S, n_fill, k, aggregate, device):
+    """Loki enabled for a Loki path, and the path's cache holding ``n_fill`` random tokens."""
     from loki.basis import PCABasis
     from loki.bench import e2e
-    from loki.integrations.transformers import disable_loki, enable_loki
-
-    from .kernel_profile import kernel_rows
+    from loki.integrations.transformers import enable_loki
 
     cfg = model.config
     if path.startswith("loki"):
         L, _, HKV, D = e2e._dims(cfg)
         enable_loki(model, PCABasis.random(L, HKV, D, seed=0), k=k, d=0.25,
-                    gqa_select="kv" if HKV != cfg.num_attention_heads else "query", aggregate=aggregate)
-    cache = e2e._make_cache(model, path, B, S)
+                    gqa_select="kv" if HKV != cfg.num_attention_heads else "query", aggregate=aggregate,
+                    backend="auto" if torch.device(device).type == "cuda" else "torch")
+    cache = e2e.make_cache(model, path, B, S)
+    e2e.fill_cache(cache, cfg, B, n_fill, device=device, dtype=next(model.parameters()).dtype)
+    return cache
+
+
+def _release(model, path):
+    from loki.integrations.transformers import disable_loki
+
+    if path.startswith("loki"):
+        disable_loki(model)
+    if hasattr(model, "_compiled_call"):
+        del model._compiled_call  # generate's compiled forward
+    torch._dynamo.reset()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def profile_path(model, path, B, S, steps=8, prof_steps=4, k=0.25, aggregate="sum", sdpa_backend="default"):
+    """The compiled forward of ``path``'s decode step: kernels per step, grouped by name."""
+    from loki._hf import cache_keyword
+    from loki.bench import e2e
+
+    from .kernel_profile import kernel_rows
+
     n0 = S - steps - prof_steps
-    e2e.fill_cache(cache, cfg, B, n0, device="cuda", dtype=torch.bfloat16)
+    cache = _prepare(model, path, B, S, n0, k, aggregate, "cuda")
     fn = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
     key = cache_keyword(model)
     ids = torch.randint(0, 1000, (B, 1), device="cuda")
@@ -38,7 +71,7 @@ def profile_path(model, path, B, S, steps=8, prof_steps=4, k=0.25, aggregate="su
         fn(input_ids=ids, position_ids=torch.full((B, 1), n0 + i, device="cuda"),
            cache_position=torch.tensor([n0 + i], device="cuda"), use_cache=True, **{key: cache})
 
-    with torch.no_grad(), e2e._sdpa_context(sdpa_backend):
+    with torch.no_grad(), e2e.sdpa_context(sdpa_backend):
         for i in range(steps):
             step(i)
         torch.cuda.synchronize()
@@ -47,19 +80,105 @@ def profile_path(model, path, B, S, steps=8, prof_steps=4, k=0.25, aggregate="su
                 step(i)
             torch.cuda.synchronize()
     rows = kernel_rows(prof, prof_steps)
-    if path.startswith("loki"):
-        disable_loki(model)
     cache = fn = None  # the closure above holds them: released here
-    torch._dynamo.reset()
-    torch.cuda.empty_cache()
+    _release(model, path)
     return {"total_us": sum(t for _, t, _ in rows), "kernels": sum(c for _, _, c in rows),
             "top": [{"name": n[:90], "us": t, "count": c} for n, t, c in rows[:30]]}
 
 
-def main() -> int:
+def _busy_us(intervals) -> float:
+    """Length of the union of [start, end) intervals (us)."""
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if e <= end:
+            continue
+        total += e - max(s, end)
+        end = e
+    return total
+
+
+def _summary(prof, wall_ms: float) -> dict:
+    """Wall, device busy and kernel time, launches, kernels and CPU operators of one profiled call."""
+    kernels, intervals, cpu = collections.Counter(), [], collections.Counter()
+    launches = 0
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[ev.name] += ev.device_time_total
+            intervals.append((ev.time_range.start, ev.time_range.end))
+            launches += 1
+        else:
+            cpu[ev.name] += ev.self_cpu_time_total
+    return {"wall_us": wall_ms * 1e3, "busy_us": _busy_us(intervals), "kernel_us": sum(kernels.values()),
+            "launches": launches, "kernels": kernels, "cpu": cpu}
+
+
+def profile_generate(model, path, B, S, new_tokens=16, k=0.25, aggregate="sum", sdpa_backend="default",
+                     device="cuda", top=25) -> dict:
+    """Whole ``generate`` calls of ``path`` (see the module docstring): per generated token, the difference of a
+    profiled call of N + 1 new tokens and one of 1."""
+    from loki._hf import cache_keyword
     from loki.bench import e2e
 
-    ap = argparse.ArgumentParser(description=__doc__)
+    N = int(new_tokens)
+    n0 = S - N - 1
+    cache = _prepare(model, path, B, S, n0 - 1, k, aggregate, device)
+    key = cache_keyword(model)
+    g = torch.Generator(device="cpu").manual_seed(11)
+    ids = torch.randint(0, int(model.config.vocab_size), (B, n0), generator=g).to(device)
+    mask = torch.ones_like(ids)
+    cuda = torch.device(device).type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+
+    def call(n):
+        e2e.rewind(cache, n0 - 1)
+        kw = {key: cache, "attention_mask": mask, "max_new_tokens": n, "min_new_tokens": n, "do_sample": False,
+              "pad_token_id": 0}
+        if path.endswith("_eager") or not cuda:
+            kw["disable_compile"] = True
+        return model.generate(ids, **kw)
+
+    out = {}
+    with torch.no_grad(), e2e.sdpa_context(sdpa_backend):
+        for n in (1, N + 1, 1, N + 1):  # generate compiles and records its step on the first calls
+            call(n)
+        for name, n in (("1", 1), ("N+1", N + 1)):
+            sync()
+            with torch.profiler.profile(activities=acts) as prof:
+                t0 = time.perf_counter()
+                call(n)
+                sync()
+                wall = (time.perf_counter() - t0) * 1e3
+            out[name] = _summary(prof, wall)
+    cache = None
+    _release(model, path)
+    a, b = out["1"], out["N+1"]
+    per = {f: (b[f] - a[f]) / N for f in ("wall_us", "busy_us", "kernel_us", "launches")}
+    per["host_only_us"] = per["wall_us"] - per["busy_us"]
+
+    def diff(field):
+        d = {n: (b[field][n] - a[field].get(n, 0.0)) / N for n in b[field]}
+        return [{"name": n[:90], "us": round(v, 2)} for n, v in sorted(d.items(), key=lambda x: -x[1])[:top]]
+
+    return {"new_tokens": N, "per_token": per, "kernels": diff("kernels"), "cpu_ops": diff("cpu"),
+            "calls": {name: {f: v for f, v in r.items() if f not in ("kernels", "cpu")} for name, r in out.items()}}
+
+
+def _print_generate(spec, r):
+    p = r["per_token"]
+    print(f"\n## {spec} generate: per token {p['wall_us'] / 1e3:.3f} ms wall, {p['busy_us'] / 1e3:.3f} ms device "
+          f"busy, {p['host_only_us'] / 1e3:.3f} ms host-only, {p['kernel_us'] / 1e3:.3f} ms of kernels, "
+          f"{p['launches']:.0f} launches")
+    for t in r["kernels"][:12]:
+        print(f"{t['us']:9.1f} us  kernel  {t['name']}")
+    for t in r["cpu_ops"][:12]:
+        print(f"{t['us']:9.1f} us  cpu     {t['name']}")
+
+
+def main(argv=None) -> int:
+    from loki.bench import e2e
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="llama2-7b")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=4096)
@@ -68,7 +187,11 @@ def main() -> int:
     ap.add_argument("--k", default="0.25", help="Loki budget: a fraction (0.25) or a token count (2048)")
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the model's)")
     ap.add_argument("--sdpa-backend", default="native-gqa", help="dense SDPA variant (loki.bench.e2e)")
-    a = ap.parse_args()
+    ap.add_argument("--generate", type=int, default=None, metavar="N",
+                    help="profile whole generate calls of N + 1 and 1 new tokens instead of the forward")
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA device")
     dims = dict(e2e.E2E_MODELS[a.model])
     if a.layers:
         dims["num_hidden_layers"] = a.layers
@@ -77,15 +200,21 @@ def main() -> int:
     res = {}
     for spec in a.paths.split(","):
         path, _, agg = spec.partition(":")
-        r = profile_path(model, path, a.batch, a.seq_len, k=k, aggregate=agg or "sum", sdpa_backend=a.sdpa_backend)
-        res[spec] = r
+        if a.generate:
+            r = res[spec] = profile_generate(model, path, a.batch, a.seq_len, a.generate, k=k, aggregate=agg or "sum",
+                                             sdpa_backend=a.sdpa_backend)
+            _print_generate(spec, r)
+            continue
+        r = res[spec] = profile_path(model, path, a.batch, a.seq_len, k=k, aggregate=agg or "sum",
+                                     sdpa_backend=a.sdpa_backend)
         print(f"\n## {spec} {a.model} L={dims['num_hidden_layers']} B={a.batch} S={a.seq_len} k={k}: "
               f"{r['total_us'] / 1e3:.3f} ms of kernels per step, {r['kernels']:.0f} kernels")
         for t in r["top"]:
             print(f"{t['us']:9.1f} us {t['count']:5.0f}x  {t['name']}")
-    name = f"profile-{a.model}-B{a.batch}-S{a.seq_len}-k{a.k}.json"
+    kind = "generate-profile" if a.generate else "profile"
+    name = f"{kind}-{a.model}-B{a.batch}-S{a.seq_len}-k{a.k}.json"
     with open(os.path.join(os.environ.get("OUT", "."), name), "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), **res}, f, indent=1)
+        json.dump({"device": torch.cuda.get_device_name(), "layers": dims["num_hidden_layers"], **res}, f, indent=1)
     return 0
 
 

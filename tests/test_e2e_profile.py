@@ -1,0 +1,33 @@
+"""benchmarks/tuning/e2e_profile.py: the generate profile's arithmetic, and its code path on a tiny model on the CPU
+(the GPU command profiles the compiled paths with CUDA activities too)."""
+
+from __future__ import annotations
+
+import torch
+
+from benchmarks.tuning import e2e_profile
+from loki.bench import e2e
+from loki.integrations.transformers import is_loki_enabled
+
+TINY = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            intermediate_size=128, vocab_size=256)
+
+
+def test_busy_time_is_the_union_of_the_intervals():
+    assert e2e_profile._busy_us([]) == 0.0
+    assert e2e_profile._busy_us([(0, 10), (5, 12), (20, 25), (21, 22)]) == 12 + 5
+    assert e2e_profile._busy_us([(3, 4), (0, 10)]) == 10
+
+
+def test_generate_profile_per_token_on_the_cpu():
+    """Per generated token: the differences of the N + 1 and the 1 token calls, CPU operators included; Loki is
+    disabled again afterwards."""
+    model = e2e.build_model(e2e.llama_config(TINY), "cpu", torch.float32)
+    for path in ("sdpa_eager", "loki_eager"):
+        r = e2e_profile.profile_generate(model, path, B=1, S=40, new_tokens=4, k=0.5, device="cpu")
+        p = r["per_token"]
+        assert r["new_tokens"] == 4 and p["wall_us"] > 0 and p["busy_us"] == 0 and p["launches"] == 0
+        assert p["host_only_us"] == p["wall_us"]
+        assert r["cpu_ops"] and all({"name", "us"} <= set(op) for op in r["cpu_ops"])
+        assert r["calls"]["N+1"]["wall_us"] > 0 and "kernels" not in r["calls"]["1"]
+        assert not is_loki_enabled(model)
