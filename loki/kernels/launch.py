@@ -57,9 +57,13 @@ def note_allocation(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+#: The int a poisoned output is filled with (``LOKI_POISON_OUTPUTS=1``): a slot still holding it was never written.
+POISON_INT = 2**30 + 7
+
+
 def _poison(dtype: torch.dtype):
-    """The fill of a poisoned output (``LOKI_POISON_OUTPUTS=1``): NaN for floats, a huge sentinel for ints."""
-    return float("nan") if dtype.is_floating_point else 2**30 + 7
+    """The fill of a poisoned output (``LOKI_POISON_OUTPUTS=1``): NaN for floats, :data:`POISON_INT` for ints."""
+    return float("nan") if dtype.is_floating_point else POISON_INT
 
 
 def new_output(shape, dtype: torch.dtype, device) -> torch.Tensor:
