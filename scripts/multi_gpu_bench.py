@@ -55,6 +55,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt", type=int, default=64, help="equality prompt length (default: %(default)s)")
     p.add_argument("--new-tokens", type=int, default=16, help="equality greedy tokens (default: %(default)s)")
     p.add_argument("--skip-speed", action="store_true", help="equality only")
+    p.add_argument("--profile", action="store_true",
+                   help="with --compiled: also profile a few compiled decode steps on rank 0 (kernels per step by "
+                   "name, the collectives' share: where the TP step's time goes)")
     p.add_argument("--compiled", action="store_true",
                    help="also time the compiled static-cache paths (SDPA and Loki, CUDA graphs; GPU only)")
     p.add_argument("--commit", default=None, help="the commit to record (default: git rev-parse of the checkout)")
@@ -214,7 +217,21 @@ def decode_speed(model, B, S, steps) -> dict:
 
 
 @torch.no_grad()
-def decode_speed_static(model, B, S, steps) -> dict:
+def kernel_summary(prof, steps: int, top: int = 15) -> dict:
+    """Kernels of ``steps`` profiled decode steps: device us per step in all, in the collectives (NCCL kernels) and
+    in the top kernels by name."""
+    import collections
+
+    per = collections.Counter()
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            per[ev.name] += ev.device_time_total / steps
+    nccl = sum(v for n, v in per.items() if "nccl" in n.lower())
+    return {"kernel_us_per_step": sum(per.values()), "collective_us_per_step": nccl,
+            "top": [{"name": n[:90], "us": round(v, 2)} for n, v in per.most_common(top)]}
+
+
+def decode_speed_static(model, B, S, steps, profile: bool = False) -> dict:
     """Decode steps on a static cache (``loki_static_cache`` under Loki, else transformers' ``StaticCache``; each
     rank's layers allocate their local heads at the first write), the forward compiled with CUDA graphs
     (``mode="reduce-overhead"``); the steps run once untimed, the cache is rewound, then they are timed."""
@@ -250,13 +267,23 @@ def decode_speed_static(model, B, S, steps) -> dict:
     end.record()
     torch.cuda.synchronize()
     sec = start.elapsed_time(end) / 1e3
+    prof_res = None
+    if profile:  # every rank runs the steps (the collectives need them); rank 0's kernels are reported
+        rewind(cache, S)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            run()
+            torch.cuda.synchronize()
+        prof_res = kernel_summary(prof, steps)
     cache = fn = None  # the closure above holds them: released here
     torch._dynamo.reset()
     torch.cuda.empty_cache()
-    return dict(seconds=sec, ms_per_step=1e3 * sec / steps, tokens_per_s=B * steps / sec, first_pass_s=first)
+    out = dict(seconds=sec, ms_per_step=1e3 * sec / steps, tokens_per_s=B * steps / sec, first_pass_s=first)
+    if prof_res is not None:
+        out["profile"] = prof_res
+    return out
 
 
-def speed_compiled(path, device, B, S, steps) -> list[dict]:
+def speed_compiled(path, device, B, S, steps, profile: bool = False) -> list[dict]:
     """The compiled static-cache paths under TP: SDPA with grouped K/V passed as they are (transformers would
     copy them per query head under the static cache's mask; ``loki.bench.e2e._native_gqa``) and Loki."""
     from loki.basis import PCABasis
@@ -271,11 +298,11 @@ def speed_compiled(path, device, B, S, steps) -> list[dict]:
             if name.startswith("loki"):
                 enable_loki(model, PCABasis.random(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, seed=1),
                             **LOKI)
-                rows.append(dict(method=name, **decode_speed_static(model, B, S, steps)))
+                rows.append(dict(method=name, **decode_speed_static(model, B, S, steps, profile)))
                 disable_loki(model)
             else:
                 with _native_gqa():
-                    rows.append(dict(method=name, **decode_speed_static(model, B, S, steps)))
+                    rows.append(dict(method=name, **decode_speed_static(model, B, S, steps, profile)))
         except Exception as exc:  # noqa: BLE001 - reported in the table, the other rows still run
             rows.append(dict(method=name, error=f"{type(exc).__name__}: {str(exc)[:300]}"))
     del model
@@ -314,6 +341,15 @@ def markdown(result) -> str:
                 lines.append(f"| {r['method']} | failed: {r['error']} | | |")
                 continue
             lines.append(f"| {r['method']} | {r['ms_per_step']:.2f} | {r['tokens_per_s']:.1f} | {r['vs_sdpa']:.2f}x |")
+        profiled = [r for r in result["speed"] if "profile" in r]
+        if profiled:
+            lines += ["", "Profiled compiled steps (rank 0, device us per step):", "",
+                      "| method | kernels | collectives | top kernels |", "|---|---|---|---|"]
+            for r in profiled:
+                p = r["profile"]
+                top = "; ".join(f"{t['name'][:40]} {t['us']:.0f}" for t in p["top"][:5])
+                lines.append(f"| {r['method']} | {p['kernel_us_per_step']:.0f} | {p['collective_us_per_step']:.0f} | "
+                             f"{top} |")
     return "\n".join(lines) + "\n"
 
 
@@ -348,7 +384,7 @@ def main(argv=None) -> int:
     eq = equality(path, device, args.prompt, args.new_tokens)
     sp = [] if args.skip_speed else speed(path, device, args.batch, args.context, args.steps)
     if sp and args.compiled and device.type == "cuda":
-        sp += speed_compiled(path, device, args.batch, args.context, args.steps)
+        sp += speed_compiled(path, device, args.batch, args.context, args.steps, args.profile)
         for r in sp:
             if "tokens_per_s" in r:
                 r["vs_sdpa"] = r["tokens_per_s"] / sp[0]["tokens_per_s"]

@@ -265,3 +265,23 @@ def test_ppl_command_under_torchrun_equals_one_process(tmp_path):
     nums = [re.findall(pattern, out.stdout) for out in (one, two)]  # not the elapsed time printed after them
     assert nums[0] and nums[0] == nums[1], (one.stdout, two.stdout)
     assert two.stdout.count("\n") == one.stdout.count("\n"), two.stdout  # printed by rank 0 only
+
+
+def test_multi_gpu_script_profile_summary_and_table():
+    """--profile: device us per step from the profiler's CUDA events (collectives = NCCL kernels), shown in the
+    table below the speeds."""
+    from types import SimpleNamespace
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    events = [SimpleNamespace(device_type=cuda, name="ncclDevKernel_AllReduce_Sum_bf16", device_time_total=400.0),
+              SimpleNamespace(device_type=cuda, name="nvjet_gemm", device_time_total=1200.0),
+              SimpleNamespace(device_type=cuda, name="nvjet_gemm", device_time_total=800.0),
+              SimpleNamespace(device_type=cpu, name="aten::mm", device_time_total=0.0)]
+    s = _bench().kernel_summary(SimpleNamespace(events=lambda: events), steps=4)
+    assert s["kernel_us_per_step"] == 600.0 and s["collective_us_per_step"] == 100.0
+    assert s["top"][0] == {"name": "nvjet_gemm", "us": 500.0}
+    result = dict(device="cpu", world_size=2, commit="x", torch="t", transformers="t", model="tiny", equality=[],
+                  speed=[dict(method="loki+compile", ms_per_step=1.0, tokens_per_s=8.0, vs_sdpa=1.1, profile=s)],
+                  speed_setting=dict(batch=8, context=64, steps=4, **_bench().LOKI))
+    table = _bench().markdown(result)
+    assert "| loki+compile | 600 | 100 | nvjet_gemm 500; ncclDevKernel_AllReduce_Sum_bf16 100 |" in table
