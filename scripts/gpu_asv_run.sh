@@ -259,14 +259,14 @@ done_group() {
     [ -f "$f" ] || continue
     if [ "$1" = e2e ] && [ -n "$E2E_SETTINGS" ]; then
       "$PY" - "$f" "$E2E_SETTINGS" <<'PYEOF' && return 0
-import json, math, sys
+import itertools, json, math, sys
 res = json.load(open(sys.argv[1])).get("results", {})
 want = sys.argv[2].split(",")
 got = set()
 for name, entry in res.items():
     if not name.startswith("bench_e2e.") or not isinstance(entry, list) or len(entry) < 2 or not entry[1]:
         continue
-    for combo, value in zip(__import__("itertools").product(*entry[1]), entry[0] or []):
+    for combo, value in zip(itertools.product(*entry[1]), entry[0] or []):
         if isinstance(value, (int, float)) and math.isfinite(value):
             got.update(p.strip("'") for p in combo)
 sys.exit(0 if all(w in got for w in want) else 1)
