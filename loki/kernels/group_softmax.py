@@ -42,7 +42,8 @@ With many rows the decode step runs all of it, the scores and the select in one 
 
 Bytes beyond the per-query-head scores (which the approximate-scores kernel writes instead of the per-KV-head
 ones: G times the score bytes): one read of the [B, HQ, S] fp32 scores (two from given scores) and one write of
-the [B, HKV, S] result; 8 bytes per (row, part) of partials.  No host sync, no atomics; every output from ``launch.new_output``.
+the [B, HKV, S] result; 8 bytes per (row, part) of partials.  No host sync, no atomics; every output from
+``launch.new_output``.
 
 Shape letters: B batch, HQ query heads, HKV key/value heads (G = HQ // HKV), S cache length.
 """
