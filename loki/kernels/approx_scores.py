@@ -30,7 +30,7 @@ from loki.reference.selection import GQA_SELECT_MODES, check_kernel_aggregate
 from loki.reference.selection import approx_scores as approx_scores_reference
 
 from ._common import check_triton_device, interpreter_tile, interpreting, key_block
-from .group_softmax import SOFTMAX_AGGREGATES, _launch_group_aggregate
+from .group_softmax import SOFTMAX_AGGREGATES, _launch_group_softmax
 from .launch import launch, new_output, pdl
 
 __all__ = ["approx_scores", "approx_scores_reference", "make_key_prefix"]
@@ -38,19 +38,16 @@ __all__ = ["approx_scores", "approx_scores_reference", "make_key_prefix"]
 
 @triton.jit
 def _approx_scores_kernel(
-    q_ptr, k_ptr, out_ptr, agg_ptr, lengths_ptr, starts_ptr, pm_ptr, pl_ptr,
-    S, d, HKV, scale,
+    q_ptr, k_ptr, out_ptr, agg_ptr, lengths_ptr, starts_ptr,
+    S, d, HKV,
     stride_qb, stride_qh,
     stride_kb, stride_kh, stride_ks,
     stride_ob, stride_oh,
     stride_ab, stride_ah,
     G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-    WRITE_HEADS: tl.constexpr, WRITE_AGG: tl.constexpr, AGG_MAX: tl.constexpr, WRITE_LSE: tl.constexpr,
-    PDL: tl.constexpr,
+    WRITE_HEADS: tl.constexpr, WRITE_AGG: tl.constexpr, AGG_MAX: tl.constexpr, PDL: tl.constexpr,
 ):
-    """s[g, t] = sum_{j<d} q_hat[h*G+g, j] K_hat[h, t, j] for one (b, h) and one block of tokens t.  WRITE_LSE:
-    also each head's (max, sum of exp(x - max)) of x = scale * s over the block's valid tokens ((-inf, 0) for a
-    block without any) into the partials pm, pl [B*HQ, cdiv(S, BLOCK_S)] (``group_softmax.py``)."""
+    """s[g, t] = sum_{j<d} q_hat[h*G+g, j] K_hat[h, t, j] for one (b, h) and one block of tokens t."""
     pid_bh = tl.program_id(0).to(tl.int64)
     pid_s = tl.program_id(1).to(tl.int64)
     b = pid_bh // HKV
@@ -88,12 +85,6 @@ def _approx_scores_kernel(
             s = tl.where(valid, s, float("-inf"))
             if WRITE_HEADS:
                 tl.store(out_ptr + b * stride_ob + hq * stride_oh + offs_s, s, mask=in_range)
-            if WRITE_LSE:
-                x = s * scale
-                m = tl.max(x, axis=0)
-                part = (b * HKV * G + hq) * tl.num_programs(1) + pid_s
-                tl.store(pm_ptr + part, m)
-                tl.store(pl_ptr + part, tl.sum(tl.exp(x - tl.where(m == float("-inf"), 0.0, m)), axis=0))
             if WRITE_AGG:
                 if AGG_MAX:
                     agg = tl.maximum(agg, s)
@@ -106,16 +97,10 @@ def _approx_scores_kernel(
 
 def _launch_softmax_group_scores(q_hat, k_src, dd, lengths, starts, heads_out, agg_out, HKV, aggregate, scale,
                                  block_s=None):
-    """A softmax ``aggregate`` of a "kv" selection, unfused: the per-query-head scores into ``heads_out`` [B, HQ, S]
-    with each block's log-sum-exp partials, then the group's probability scores into ``agg_out`` [B, HKV, S]
-    (``group_softmax.py``; two launches)."""
-    B, HQ, _ = q_hat.shape
-    S = k_src.shape[2]
-    block_s = _score_block(k_src, dd, block_s)
-    part = new_output((2, B * HQ, triton.cdiv(S, block_s)), torch.float32, q_hat.device)
-    _launch_approx_scores(q_hat, k_src, dd, lengths, starts, heads_out, None, "sum", block_s, lse_out=part,
-                          scale=scale)
-    _launch_group_aggregate(heads_out, part, lengths, starts, agg_out, HKV, aggregate, scale)
+    """A softmax ``aggregate`` of a "kv" selection, unfused: the per-query-head scores into ``heads_out`` [B, HQ, S],
+    then the group's probability scores into ``agg_out`` [B, HKV, S] (``group_softmax.py``; two launches)."""
+    _launch_approx_scores(q_hat, k_src, dd, lengths, starts, heads_out, None, "sum", block_s)
+    _launch_group_softmax(heads_out, lengths, starts, agg_out, HKV, aggregate, scale)
 
 
 def make_key_prefix(k_hat: torch.Tensor, d: int) -> torch.Tensor:
@@ -134,46 +119,34 @@ def _check_key_prefix(k_prefix: torch.Tensor, k_hat: torch.Tensor, dd: int) -> t
     return k_prefix if k_prefix.stride(-1) == 1 else k_prefix.contiguous()
 
 
-def _score_block(k_hat, dd: int, block_s: int | None = None) -> int:
-    """Tokens per program of the scores kernel (``block_s`` if given)."""
-    if block_s is not None:
-        return block_s
-    contiguous_rows = k_hat.stride(2) == dd  # a prefix buffer of exactly d dims: one contiguous stream
-    return interpreter_tile(k_hat.shape[2], 2048) if interpreting() else key_block(triton.next_power_of_2(dd),
-                                                                                   contiguous_rows)
-
-
 def _launch_approx_scores(q_hat, k_hat, dd, lengths, starts, heads_out, agg_out, aggregate, block_s=None,
-                          num_warps=None, lse_out=None, scale=1.0):
-    """Launch the scores kernel; ``k_hat`` is the full [B, HKV, S, D] keys or a prefix buffer [.., dp].
-    ``lse_out``: [2, B*HQ, cdiv(S, block_s)] fp32 receiving each head's per-block log-sum-exp partials of
-    ``scale * s`` (with ``heads_out``)."""
+                          num_warps=None):
+    """Launch the scores kernel; ``k_hat`` is the full [B, HKV, S, D] keys or a prefix buffer [.., dp]."""
     if aggregate not in ("sum", "max"):  # the kernel sums unless told "max": never another aggregate silently
         raise ValueError(f"the approximate-scores kernel aggregates by 'sum' or 'max', got {aggregate!r}")
     B, HQ, _ = q_hat.shape
     _, HKV, S, D = k_hat.shape
     G = HQ // HKV
     BLOCK_D = triton.next_power_of_2(dd)
-    block_s = _score_block(k_hat, dd, block_s)
-    if lse_out is not None and (heads_out is None or lse_out.shape != (2, B * HQ, triton.cdiv(S, block_s))):
-        raise ValueError("lse_out needs heads_out and the shape [2, B*HQ, cdiv(S, block_s)]")
+    contiguous_rows = k_hat.stride(2) == dd  # a prefix buffer of exactly d dims: one contiguous stream
+    if block_s is None:
+        block_s = interpreter_tile(S, 2048) if interpreting() else key_block(BLOCK_D, contiguous_rows)
     if num_warps is None:
         num_warps = 4
     dummy = heads_out if heads_out is not None else agg_out
     ho = heads_out if heads_out is not None else dummy
     ao = agg_out if agg_out is not None else dummy
-    pm, pl = (dummy, dummy) if lse_out is None else (lse_out[0], lse_out[1])
     grid = (B * HKV, triton.cdiv(S, block_s))
     use_pdl = pdl(q_hat.device)
     launch(_approx_scores_kernel, grid, [
-        q_hat, k_hat, ho, ao, lengths, starts, pm, pl,
-        S, dd, HKV, float(scale),
+        q_hat, k_hat, ho, ao, lengths, starts,
+        S, dd, HKV,
         q_hat.stride(0), q_hat.stride(1),
         k_hat.stride(0), k_hat.stride(1), k_hat.stride(2),
         ho.stride(0), ho.stride(1),
         ao.stride(0), ao.stride(1),
         G, block_s, BLOCK_D,
-        heads_out is not None, agg_out is not None, aggregate == "max", lse_out is not None, use_pdl,
+        heads_out is not None, agg_out is not None, aggregate == "max", use_pdl,
     ], dict(num_warps=num_warps, pdl=use_pdl))
 
 

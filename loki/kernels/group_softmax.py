@@ -25,25 +25,21 @@ values (the ``log`` of these).
 
 Two launches:
 
-1. The heads' log-sum-exp partials, (max, sum of exp(x - max)) of x = scale * s over disjoint parts of each row,
-   in [2, B*HQ, NC].  On the decode step the approximate-scores kernel writes them beside the per-query-head
-   scores, one pair per head and block of BLOCK_S tokens (``approx_scores.py``, WRITE_LSE: no further read of the
-   scores; at B=1, 32 query heads, S=131072 on an H100 the separate pass below took 9.3 us per layer).  From
-   given scores (``group_softmax_scores``) ``_lse_partial_kernel``, grid (B*HQ, NC), cuts every row into NC
-   chunks of CHUNK tokens (NC chosen so that few long rows still give a few programs per multiprocessor) and
-   reduces each with a running pair per lane (two exps per token, one reduction across the block at the end).
-2. ``_group_aggregate_kernel``, grid (B*HKV, programs per row): each program combines the NC partials of its G
-   heads into their (max, log sum) once, a tile of them at a time, then for each of its TILES blocks of BLOCK_T
-   tokens reads the G heads' scores once and writes the group's probability score (about ``programs_per_sm``
-   programs per multiprocessor in all, so the partials are not re-read for every block).
+1. ``_lse_partial_kernel``, grid (B*HQ, NC): every row is cut into NC chunks of CHUNK tokens (NC chosen so that
+   few long rows still give a few programs per multiprocessor: B=1, 32 query heads, S=131072 gives 16 chunks of
+   8192 tokens); each program reduces the valid tokens of its chunk to a (max, sum of exp) pair (a running pair
+   per lane, two exps per token, one reduction across the block at the end: a reduction per tile took 10.9 us at
+   B=1 S=131072 with 32 heads on an H100) and writes it to the partials [2, B*HQ, NC].
+2. ``_group_aggregate_kernel``, grid (B*HKV, S/BLOCK_T): each program combines the NC partials of its G heads
+   into their (max, log sum), reads the G heads' scores of its BLOCK_T tokens once and writes the group's
+   probability score.
 
 With many rows the decode step runs all of it, the scores and the select in one kernel instead
 (``score_select_softmax.py``, the same values).
 
 Bytes beyond the per-query-head scores (which the approximate-scores kernel writes instead of the per-KV-head
-ones: G times the score bytes): one read of the [B, HQ, S] fp32 scores (two from given scores) and one write of
-the [B, HKV, S] result; 8 bytes per (row, part) of partials.  No host sync, no atomics; every output from
-``launch.new_output``.
+ones: G times the score bytes): two reads of the [B, HQ, S] fp32 scores and one write of the [B, HKV, S] result;
+8 bytes per (row, chunk) of partials.  No host sync, no atomics; every output from ``launch.new_output``.
 
 Shape letters: B batch, HQ query heads, HKV key/value heads (G = HQ // HKV), S cache length.
 """
@@ -129,14 +125,14 @@ def _group_probability(x, mx, log_sum, scale, SUM: tl.constexpr):
 @triton.jit
 def _group_aggregate_kernel(
     s_ptr, m_ptr, l_ptr, agg_ptr, lengths_ptr, starts_ptr,
-    S, HKV, NC, TILES, scale,
+    S, HKV, NC, scale,
     stride_sb, stride_sh,
     stride_ab, stride_ah,
-    G: tl.constexpr, GP: tl.constexpr, NCB: tl.constexpr, BLOCK_T: tl.constexpr, SUM: tl.constexpr,
+    G: tl.constexpr, GP: tl.constexpr, NCP: tl.constexpr, BLOCK_T: tl.constexpr, SUM: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """agg[b, h, t] for TILES blocks of BLOCK_T tokens t: max (or sum) over the group's heads g of
-    exp((scale * s_g[t] - max_g) - log(sum_g)), from the NC partials of each head's row."""
+    """agg[b, h, t] for one block of tokens t: max (or sum) over the group's heads g of
+    exp((scale * s_g[t] - max_g) - log(sum_g)), from the partials of each head's row."""
     pid = tl.program_id(0).to(tl.int64)
     b = pid // HKV
     h = pid % HKV
@@ -145,32 +141,22 @@ def _group_aggregate_kernel(
         tl.extra.cuda.gdc_wait()
     start = tl.load(starts_ptr + b).to(tl.int64)
     length = tl.load(lengths_ptr + b).to(tl.int64)
+    offs_t = tl.program_id(1).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    valid = (offs_t >= start) & (offs_t < length)
     g = tl.arange(0, GP)
     gm = g < G
     hq = h * G + g  # [GP]
-    # each head's (max, sum of exp) over its row from the NC partials, NCB at a time: a running pair per lane
-    m2 = tl.full((GP, NCB), float("-inf"), tl.float32)
-    l2 = tl.zeros((GP, NCB), tl.float32)
-    pbase = (b * HKV * G + hq)[:, None] * NC
-    for c0 in range(0, NC, NCB):
-        cc = c0 + tl.arange(0, NCB)
-        pmask = gm[:, None] & (cc < NC)[None, :]
-        pm = tl.load(m_ptr + pbase + cc[None, :], mask=pmask, other=float("-inf"))
-        pl = tl.load(l_ptr + pbase + cc[None, :], mask=pmask, other=0.0)
-        m_new = tl.maximum(m2, pm)
-        ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        l2 = l2 * tl.exp(m2 - ref) + pl * tl.exp(pm - ref)
-        m2 = m_new
-    mx = tl.where(gm, tl.max(m2, axis=1), 0.0)  # each head's max over its row (finite: a row has valid tokens)
-    log_sum = tl.log(tl.where(gm, tl.sum(l2 * tl.exp(m2 - mx[:, None]), axis=1), 1.0))
-    t_lo = tl.program_id(1).to(tl.int64) * TILES * BLOCK_T
-    for t0 in range(t_lo, tl.minimum(t_lo + TILES * BLOCK_T, S), BLOCK_T):
-        offs_t = t0 + tl.arange(0, BLOCK_T)
-        valid = (offs_t >= start) & (offs_t < length)
-        x = tl.load(s_ptr + b * stride_sb + hq[:, None] * stride_sh + offs_t[None, :],
-                    mask=gm[:, None] & valid[None, :], other=float("-inf"))
-        agg = tl.where(valid, _group_probability(x, mx, log_sum, scale, SUM), float("-inf"))
-        tl.store(agg_ptr + b * stride_ab + h * stride_ah + offs_t, agg, mask=offs_t < S)
+    cc = tl.arange(0, NCP)
+    pmask = gm[:, None] & (cc < NC)[None, :]
+    pidx = (b * HKV * G + hq)[:, None] * NC + cc[None, :]
+    pm = tl.load(m_ptr + pidx, mask=pmask, other=float("-inf"))
+    pl = tl.load(l_ptr + pidx, mask=pmask, other=0.0)
+    mx = tl.where(gm, tl.max(pm, axis=1), 0.0)  # each head's max over its row (finite: a row has valid tokens)
+    log_sum = tl.log(tl.where(gm, tl.sum(pl * tl.exp(pm - mx[:, None]), axis=1), 1.0))
+    x = tl.load(s_ptr + b * stride_sb + hq[:, None] * stride_sh + offs_t[None, :],
+                mask=gm[:, None] & valid[None, :], other=float("-inf"))
+    agg = tl.where(valid, _group_probability(x, mx, log_sum, scale, SUM), float("-inf"))
+    tl.store(agg_ptr + b * stride_ab + h * stride_ah + offs_t, agg, mask=offs_t < S)
 
 
 def lse_chunking(rows: int, S: int, device, *, block: int | None = None,
@@ -192,13 +178,13 @@ def lse_chunking(rows: int, S: int, device, *, block: int | None = None,
 
 
 def _launch_group_softmax(heads, lengths, starts, agg, HKV: int, aggregate: str, scale: float, *,
-                          block: int | None = None, num_chunks: int | None = None, block_t: int | None = None,
-                          partial_block: int | None = None, tiles_per_program: int | None = None):
+                          block: int | None = None, num_chunks: int | None = None, block_t: int | None = None):
     """Write the group scores ``agg`` [B, HKV, S] (last dim contiguous) of ``aggregate`` from ``heads``
     [B, HQ, S] fp32 (last dim contiguous): two launches, the partials from ``new_output``."""
     if aggregate not in SOFTMAX_AGGREGATES:
         raise ValueError(f"aggregate must be one of {SOFTMAX_AGGREGATES}, got {aggregate!r}")
     B, HQ, S = heads.shape
+    G = HQ // HKV
     dev = heads.device
     blk, chunk, nc = lse_chunking(B * HQ, S, dev, block=block, num_chunks=num_chunks)
     part = new_output((2, B * HQ, nc), torch.float32, dev)
@@ -209,41 +195,16 @@ def _launch_group_softmax(heads, lengths, starts, agg, HKV: int, aggregate: str,
         heads.stride(0), heads.stride(1),
         blk, use_pdl,
     ], dict(num_warps=4, pdl=use_pdl))
-    return _launch_group_aggregate(heads, part, lengths, starts, agg, HKV, aggregate, scale, block_t=block_t,
-                                   partial_block=partial_block, tiles_per_program=tiles_per_program)
-
-
-def _launch_group_aggregate(heads, part, lengths, starts, agg, HKV: int, aggregate: str, scale: float, *,
-                            block_t: int | None = None, partial_block: int | None = None,
-                            tiles_per_program: int | None = None):
-    """The aggregation launch: ``agg`` [B, HKV, S] from ``heads`` [B, HQ, S] and the heads' log-sum-exp
-    partials ``part`` [2, B*HQ, NC] (max, sum of exp of ``scale * heads`` over disjoint parts of each row: the
-    chunks of ``_lse_partial_kernel`` or the scores kernel's blocks).  Each program reduces its G heads'
-    partials once, then covers ``TILES`` tiles of BLOCK_T tokens (about ``programs_per_sm`` programs per
-    multiprocessor in all), so that many partials are not re-read for every tile.  ``block_t``,
-    ``partial_block`` (partials per step of their reduction) and ``tiles_per_program``: launch choices (tests)."""
-    if aggregate not in SOFTMAX_AGGREGATES:
-        raise ValueError(f"aggregate must be one of {SOFTMAX_AGGREGATES}, got {aggregate!r}")
-    B, HQ, S = heads.shape
-    G = HQ // HKV
     GP = triton.next_power_of_2(G)
-    nc = part.shape[2]
-    dflt = GROUP_SOFTMAX_DEFAULTS
     if block_t is None:
-        cap = interpreter_tile(S, 1024) if interpreting() else max(16, dflt["tile"] // GP)
+        cap = interpreter_tile(S, 1024) if interpreting() else max(16, GROUP_SOFTMAX_DEFAULTS["tile"] // GP)
         block_t = min(cap, max(16, triton.next_power_of_2(S)))
-    tiles = triton.cdiv(S, block_t)
-    if tiles_per_program is None:
-        per_row = max(1, triton.cdiv(dflt["programs_per_sm"] * num_sms(heads.device), max(B * HKV, 1)))
-        tiles_per_program = triton.cdiv(tiles, min(per_row, tiles))
-    ncb = partial_block or min(triton.next_power_of_2(nc), max(16, dflt["tile"] // 4 // GP))
-    use_pdl = pdl(heads.device)
-    launch(_group_aggregate_kernel, (B * HKV, triton.cdiv(tiles, tiles_per_program)), [
+    launch(_group_aggregate_kernel, (B * HKV, triton.cdiv(S, block_t)), [
         heads, part[0], part[1], agg, lengths, starts,
-        S, HKV, nc, tiles_per_program, float(scale),
+        S, HKV, nc, float(scale),
         heads.stride(0), heads.stride(1),
         agg.stride(0), agg.stride(1),
-        G, GP, ncb, block_t, aggregate == "softmax-sum", use_pdl,
+        G, GP, triton.next_power_of_2(nc), block_t, aggregate == "softmax-sum", use_pdl,
     ], dict(num_warps=4, pdl=use_pdl))
     return agg
 
@@ -251,16 +212,14 @@ def _launch_group_aggregate(heads, part, lengths, starts, agg, HKV: int, aggrega
 def group_softmax_scores(scores: torch.Tensor, HKV: int, aggregate: str, lengths: torch.Tensor,
                          starts: torch.Tensor, *, scale: float, out: torch.Tensor | None = None,
                          block: int | None = None, num_chunks: int | None = None,
-                         block_t: int | None = None, partial_block: int | None = None,
-                         tiles_per_program: int | None = None) -> torch.Tensor:
+                         block_t: int | None = None) -> torch.Tensor:
     """The group scores [B, HKV, S] fp32 of a softmax ``aggregate`` from per-query-head scores ``scores``
     [B, HQ, S] fp32 (-inf outside the valid tokens; last dim contiguous) as probabilities: ``exp`` of
     ``aggregate_group_scores(scores, HKV, aggregate, scale=scale)`` on the valid tokens (up to fp32 rounding; the
     module docstring says where the order of tokens can differ), -inf outside them.  lengths, starts: [B] int on
     the scores' device, ``0 <= starts[b] < lengths[b] <= S`` (trusted).  ``out``: an optional [B, HKV, S] fp32
-    result (last dim contiguous); ``block``, ``num_chunks``, ``block_t``, ``partial_block``,
-    ``tiles_per_program``: launch choices beside :func:`lse_chunking`'s and ``_launch_group_aggregate``'s
-    (tests)."""
+    result (last dim contiguous); ``block``, ``num_chunks``, ``block_t``: launch choices beside
+    :func:`lse_chunking`'s (tests)."""
     if scores.dim() != 3 or scores.dtype != torch.float32 or scores.stride(-1) != 1:
         raise ValueError(f"scores must be a [B, HQ, S] fp32 tensor, last dim contiguous; got {scores.dtype} "
                          f"{list(scores.shape)}")
@@ -274,5 +233,4 @@ def group_softmax_scores(scores: torch.Tensor, HKV: int, aggregate: str, lengths
     if B == 0 or S == 0:
         return out
     return _launch_group_softmax(scores, lengths, starts, out, HKV, aggregate, scale, block=block,
-                                 num_chunks=num_chunks, block_t=block_t, partial_block=partial_block,
-                                 tiles_per_program=tiles_per_program)
+                                 num_chunks=num_chunks, block_t=block_t)
