@@ -97,8 +97,10 @@ SELECT_CONFIGS = list(SELECT_SHAPES)
 #: limits ci/gate.py applies to them): "tests", the budgets of the CPU accuracy tests (4 x 512 WikiText-2 tokens,
 #: bases fitted on 4,096 calibration tokens covering the 512 positions used), so the CPU run stays at minutes.
 ACCURACY_PROFILE = "tests"
-#: Method names of the ``tests`` profile (``loki.evaluation.suite``, GQA "query"; "d=D" rows are the exactness
-#: settings).  A name a commit's suite does not produce is skipped.
+#: Method names of the ``tests`` profile (``loki.evaluation.suite``; "d=D" rows are the exactness settings): per
+#: query head, then (appended, so the earlier cases keep their place) the embedded GQA model's default mode, one
+#: selection per KV group with "softmax-max" (``loki-score[kv]`` is the default configuration).  A name a commit's
+#: suite does not produce is skipped.
 ACCURACY_METHODS = [
     "full",
     "exact_topk[query]",
@@ -108,6 +110,10 @@ ACCURACY_METHODS = [
     "h2o",
     "loki-post(d=D,k=all)",
     "loki-post(d=D)[query]",
+    "exact_topk[kv]",
+    "loki-pre[kv]",
+    "loki-post[kv]",
+    "loki-score[kv]",
 ]
 #: Bases of the top-k agreement (PCA of pre- / post-rotary keys, the score-aware pair).
 ACCURACY_BASES = ["pre", "post", "score"]

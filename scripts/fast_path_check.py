@@ -2,10 +2,12 @@
 
 On the embedded SmolLM2-135M-Instruct (fp32 on CUDA) with the default score-aware basis, the long profile's primary
 windows (WikiText-2 test, evaluation half, 2 x 8192 tokens) are decoded token by token through the compiled static
-cache and the Triton kernels (``loki.evaluation.fast_path``), in fp32 and bf16, one selection per KV group with the
-raw sum at k_f = d_f = 0.25 (the configuration the end-to-end benchmark times), beside the evaluation engine's
-perplexity of the same setting; the gate of ``loki check`` (fp32 within ``fast_path_rel_tol`` = 0.3% of the
-engine) decides the exit status.
+cache and the Triton kernels (``loki.evaluation.fast_path``), in fp32 and bf16, in the model's default configuration
+at k_f = d_f = 0.25: on this GQA model one selection per KV group with each head's scores softmax-normalised before
+the group's maximum (``--aggregate``, default the model's default "softmax-max"; ``--aggregate sum``: raw sums, the
+configuration timed before), the configuration the end-to-end benchmark times and the accuracy suite gates, beside
+the evaluation engine's perplexity of the same setting; the gate of ``loki check`` (fp32 within
+``fast_path_rel_tol`` = 0.3% of the engine) decides the exit status.
 
     PYTHONPATH=$PWD python scripts/fast_path_check.py --out fast-path.json        # GPU, a few minutes
     python scripts/fast_path_check.py --tiny --out /tmp/fast-path.json            # CPU smoke run (uncompiled)
@@ -13,7 +15,8 @@ engine) decides the exit status.
 ``--retrieval`` checks the retrieval suite instead (``loki check --long``'s retrieval-through-generate section,
 ``loki.evaluation.retrieval_generate``): the long profile's retrieval samples (4 tasks at 1024-8192 tokens, 32 per
 task and length; ``--contexts``, ``--samples``) answered by the engine and by ``generate`` over the compiled Loki
-static cache, for the default basis' Loki in both GQA modes at the suite's retrieval budget (k_f 0.125, d_f 0.25);
+static cache, for the default basis' Loki in both GQA modes (the shared one with ``--aggregate``) at the suite's
+retrieval budget (k_f 0.125, d_f 0.25);
 the gate: for each setting, the paired 95% interval of the accuracy difference over every task and length contains
 0 or the difference is within ``retrieval_generate_tol`` (2 points).
 
@@ -31,17 +34,21 @@ import sys
 import time
 from pathlib import Path
 
+from loki.reference.selection import KERNEL_AGGREGATES
+
 
 def _log(msg: str) -> None:
     print(f"[fast path] {msg}", file=sys.stderr, flush=True)
 
 
-def _tiny_section(windows_spec):
-    """The same comparison on a tiny random model on the CPU, uncompiled (the section itself needs CUDA)."""
+def _tiny_section(windows_spec, aggregate: str = "auto"):
+    """The same comparison on a tiny random model on the CPU, uncompiled (the section itself needs CUDA), in the
+    model's default GQA mode (one selection per KV group) with ``aggregate`` ("auto": the default)."""
     import torch
 
     from loki.evaluation.fast_path import fast_path_perplexity
     from loki.evaluation.perplexity import MethodSpec, perplexity
+    from loki.integrations.transformers.enable import default_gqa_mode
     from loki.testing.decode import random_score_basis
     from loki.testing.models import tiny_model
 
@@ -49,15 +56,17 @@ def _tiny_section(windows_spec):
     basis = random_score_basis(2, 2, 16, seed=1)
     T, N = windows_spec
     windows = torch.randint(1, 256, (N, T), generator=torch.Generator().manual_seed(0))
-    spec = MethodSpec("loki-score[kv]", "loki", k=0.25, d=0.25, basis="b", gqa_select="kv")
+    g, agg = default_gqa_mode(model.config, "loki", "auto", aggregate)
+    spec = MethodSpec(f"loki-score[{g}]", "loki", k=0.25, d=0.25, basis="b", gqa_select=g, aggregate=agg)
     engine = perplexity(model, windows, spec, {"b": basis})
     rows = []
     for dt in ("float32", "bfloat16"):
-        r = fast_path_perplexity(model, windows, basis, k=0.25, d=0.25, dtype=dt, compile=False, backend="torch")
+        r = fast_path_perplexity(model, windows, basis, k=0.25, d=0.25, gqa_select=g, aggregate=agg, dtype=dt,
+                                 compile=False, backend="torch")
         rows.append({"dtype": r["dtype"], "ppl": r["ppl"], "rel_diff": r["ppl"] / engine.ppl - 1,
                      "seconds": r["seconds"], "compiled": False})
-    return {"setting": {"name": spec.name, "k": 0.25, "d": 0.25, "seq_len": T, "windows": N, "gqa_select": "kv",
-                        "aggregate": "sum"}, "engine": {"ppl": engine.ppl, "dtype": "float32"}, "rows": rows}
+    return {"setting": {"name": spec.name, "k": 0.25, "d": 0.25, "seq_len": T, "windows": N, "gqa_select": g,
+                        "aggregate": agg}, "engine": {"ppl": engine.ppl, "dtype": "float32"}, "rows": rows}
 
 
 def _retrieval(args, tol: float) -> tuple[dict, bool]:
@@ -68,9 +77,8 @@ def _retrieval(args, tol: float) -> tuple[dict, bool]:
     from loki.evaluation.perplexity import MethodSpec
     from loki.evaluation.retrieval import evaluate_retrieval
     from loki.evaluation.retrieval_generate import retrieval_generate_section
+    from loki.integrations.transformers.enable import default_gqa_mode
 
-    specs = [MethodSpec(f"loki-score[{g}]", "loki", k=0.125, d=0.25, basis="score", gqa_select=g)
-             for g in args.gqa_select]
     if args.tiny:
         from loki.testing.decode import random_score_basis
         from loki.testing.models import ByteTokenizer, tiny_model
@@ -87,6 +95,9 @@ def _retrieval(args, tol: float) -> tuple[dict, bool]:
         bases = get_bases(model, tok, ("score",), DEFAULT_RECIPE, progress=True, log=_log)
         kw = {"context_lens": args.contexts, "samples": args.samples, "batch_size": min(32, args.samples)}
         compile, backend = True, "auto"
+    agg = {g: default_gqa_mode(model.config, "loki", g, args.aggregate)[1] for g in args.gqa_select}
+    specs = [MethodSpec(f"loki-score[{g}]", "loki", k=0.125, d=0.25, basis="score", gqa_select=g, aggregate=agg[g])
+             for g in args.gqa_select]
     _log(f"engine: {', '.join(s.name for s in specs)} on {kw['samples']} samples per task and length at "
          f"{', '.join(str(L) for L in kw['context_lens'])} tokens")
     t0 = time.perf_counter()
@@ -145,6 +156,10 @@ def main(argv=None) -> int:
                    help="--retrieval: context lengths (default: 1024,2048,4096,8192, the long profile's)")
     p.add_argument("--samples", type=int, default=32,
                    help="--retrieval: samples per task and length (default: %(default)s, the long profile's)")
+    p.add_argument("--aggregate", choices=("auto", *KERNEL_AGGREGATES), default="auto",
+                   help="how the shared selection (one per KV group) combines the group's scores (default: auto, "
+                   "the model's default: softmax-max on a GQA model such as the embedded one; sum: raw sums); "
+                   "with --retrieval, of the kv setting")
     p.add_argument("--gqa-select", type=_gqa_modes, default=("query", "kv"), metavar="MODES",
                    help="--retrieval: the settings, query and/or kv, comma-separated (default: query,kv); the full "
                    "section takes about 11 minutes on an H100, one setting about 6")
@@ -170,7 +185,7 @@ def main(argv=None) -> int:
         return 0 if ok else 1
     tol = float(load_thresholds().get("fast_path_rel_tol", 0.003))
     if args.tiny:
-        sec = _tiny_section((64, 2))
+        sec = _tiny_section((64, 2), args.aggregate)
     else:
         from loki.evaluation.bases import DEFAULT_RECIPE, get_bases
         from loki.evaluation.data import load_corpus, token_windows
@@ -180,8 +195,8 @@ def main(argv=None) -> int:
         model, tok = load_default_model(device="cuda", dtype="float32", progress=_log)
         basis = get_bases(model, tok, ("score",), DEFAULT_RECIPE, progress=True, log=_log)["score"]
         windows = token_windows(tok, load_corpus("wikitext", part="eval"), T, N)
-        sec = fast_path_section(model, windows, basis, basis_name="score", k=0.25, d=0.25, gqa_select="kv",
-                                aggregate="sum", progress=True, log=_log)
+        sec = fast_path_section(model, windows, basis, basis_name="score", k=0.25, d=0.25, gqa_select="auto",
+                                aggregate=args.aggregate, progress=True, log=_log)
         if "skipped" in sec:
             _log(f"skipped: {sec['skipped']}")
             return 1
@@ -192,7 +207,9 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(sec, indent=2, default=str))
-    print(f"setting {sec['setting']['name']} k=0.25 d=0.25, {N if not args.tiny else 2} windows; engine "
+    s = sec["setting"]
+    agg = f" (aggregate {s['aggregate']})" if s["gqa_select"] == "kv" else ""
+    print(f"setting {s['name']}{agg} k=0.25 d=0.25, {N if not args.tiny else 2} windows; engine "
           f"(fp32) perplexity {sec['engine']['ppl']:.4f}")
     for r in sec["rows"]:
         print(f"{r['dtype']:9s} fast path {r['ppl']:.4f}  vs engine {100 * r['rel_diff']:+.3f}%  {r['seconds']:.0f} s")

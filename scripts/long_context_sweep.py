@@ -27,7 +27,8 @@ def main() -> int:
     p.add_argument("--k", default="0.25,0.125", help="k_f values")
     p.add_argument("--recipes", default="all", help="comma-separated recipe names (default: all)")
     p.add_argument("--tokens", type=int, default=65536, help="calibration tokens per recipe")
-    p.add_argument("--kv", action="store_true", help="also the GQA kv selection for score bases")
+    p.add_argument("--kv", action="store_true", help="also the shared selection per KV group for score bases (the "
+                   "default configuration on this GQA model: aggregate softmax-max)")
     p.add_argument("--budget-s", type=float, default=480.0, help="stop starting new runs after this many seconds")
     p.add_argument("--out", default="sweep.json")
     args = p.parse_args()
@@ -37,6 +38,7 @@ def main() -> int:
     from loki.evaluation.intervals import paired_increase
     from loki.evaluation.models import load_default_model, resolve_device
     from loki.evaluation.perplexity import MethodSpec, perplexity
+    from loki.reference.selection import DEFAULT_KV_AGGREGATE
 
     t_start = time.perf_counter()
     device = resolve_device(args.device)
@@ -77,7 +79,8 @@ def main() -> int:
             for bname, basis in bases.items():
                 specs.append(MethodSpec(f"{bname}[{k}]", "loki", k=k, d=0.25, basis=bname))
                 if args.kv and basis.kind == "score":
-                    specs.append(MethodSpec(f"{bname}[{k},kv]", "loki", k=k, d=0.25, basis=bname, gqa_select="kv"))
+                    specs.append(MethodSpec(f"{bname}[{k},kv]", "loki", k=k, d=0.25, basis=bname, gqa_select="kv",
+                                            aggregate=DEFAULT_KV_AGGREGATE))
         for spec in specs:
             if time.perf_counter() - t_start > args.budget_s:
                 print(f"time budget reached: skipping {spec.name} at T={T}", flush=True)

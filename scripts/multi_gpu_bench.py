@@ -13,8 +13,9 @@ Launch on a machine with two GPUs (torch >= 2.11, transformers >= 5.17; nothing 
 3. Speed (TP = 2, bf16): B = ``--batch`` sequences, a KV cache of ``--context`` random tokens written directly
    into the cache (no prefill), then ``--steps`` decode steps timed with CUDA events, after the same steps run
    once untimed on another cache of the same length (every cache length timed was seen before).  SDPA
-   (``attn_implementation="sdpa"``) against Loki (``k=0.25, d=0.25, gqa_select="kv"``).  Both use transformers'
-   ``DynamicCache``, whose append copies the cache on every step.
+   (``attn_implementation="sdpa"``) against Loki (``k=0.25, d=0.25`` in the default configuration: one selection
+   per KV group with ``aggregate="softmax-max"``).  Both use transformers' ``DynamicCache``, whose append copies the
+   cache on every step.
 
 Writes ``multi_gpu.json`` and ``multi_gpu.md`` under ``--out`` (rank 0) and prints the table last.  ``--tiny``
 runs the same on a model of a few MB (the CPU and gloo: ``torchrun --nproc_per_node 2 ... --tiny --device cpu``;
@@ -39,7 +40,7 @@ LLAMA3_8B = dict(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32,
                  rope_theta=500000.0)
 TINY = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             intermediate_size=128, vocab_size=256, max_position_embeddings=2048)
-LOKI = dict(k=0.25, d=0.25, gqa_select="kv")
+LOKI = dict(k=0.25, d=0.25)  # enable_loki's default selection: on these GQA dims one per KV group, softmax-max
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -334,8 +335,12 @@ def markdown(result) -> str:
                      f"| {r['max_logit_diff']:.3g} |")
     if result["speed"]:
         s = result["speed_setting"]
+        sel = ""
+        if "gqa_select" in s:
+            sel = "; Loki " + ("one selection per KV group, " + s["aggregate"] if s["gqa_select"] == "kv"
+                               else "per query head")
         lines += ["", f"Decode, TP={result['world_size']}, bf16, B={s['batch']}, S={s['context']}, "
-                  f"{s['steps']} steps:", "", "| method | ms/step | tokens/s | vs SDPA |", "|---|---|---|---|"]
+                  f"{s['steps']} steps{sel}:", "", "| method | ms/step | tokens/s | vs SDPA |", "|---|---|---|---|"]
         for r in result["speed"]:
             if "error" in r:
                 lines.append(f"| {r['method']} | failed: {r['error']} | | |")
@@ -390,11 +395,15 @@ def main(argv=None) -> int:
                 r["vs_sdpa"] = r["tokens_per_s"] / sp[0]["tokens_per_s"]
     if rank != 0:
         return 0
+    from loki.integrations.transformers.enable import default_gqa_mode
+
+    gqa, agg = default_gqa_mode(config, "loki")  # the selection LOKI's defaults resolve to on this model
     result = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", world_size=size,
                   commit=args.commit or _commit(), torch=torch.__version__, transformers=transformers.__version__,
                   model="tiny" if args.tiny else f"Llama-3-8B dims, vocab {config.vocab_size}, random bf16",
                   equality=eq, speed=sp, seconds=time.perf_counter() - t0,
-                  speed_setting=dict(batch=args.batch, context=args.context, steps=args.steps, **LOKI))
+                  speed_setting=dict(batch=args.batch, context=args.context, steps=args.steps, **LOKI, gqa_select=gqa,
+                                     aggregate=agg))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "multi_gpu.json").write_text(json.dumps(result, indent=1) + "\n")

@@ -33,7 +33,7 @@ def test_help_explains_e2e(capsys):
     assert exc.value.code == 0
     out = capsys.readouterr().out
     for word in ("--e2e", "--steps", "--paths", "--sdpa-backend", "--time-budget", "loki_compiled", "llama2-7b",
-                 "tokens/s"):
+                 "tokens/s", "--aggregate", "softmax-max"):
         assert word in out
 
 
@@ -83,6 +83,26 @@ def test_selection():
                                   "--paths", "sdpa_compiled", "loki_compiled", "--steps", "8"))
     assert [s.id for s in one["grid"]] == ["llama3-8b-B16-S8192"]
     assert one["paths"] == ("sdpa_compiled", "loki_compiled") and one["steps"] == 8
+
+
+def test_default_selection_is_the_accuracy_suites(capsys):
+    """The benchmark times the default configuration (enable_loki's "auto"): kv + softmax-max on the GQA model,
+    per query head on Llama-2-7B's dims; --aggregate sum keeps the raw-sum timing; an aggregate with per-query-head
+    selection is a usage error."""
+    sel = e2e_report.select(_args("--e2e", "--quick"))
+    assert (sel["gqa_select"], sel["aggregate"]) == ("auto", "auto")
+    assert inspect.signature(e2e.run_grid).parameters["aggregate"].default == "auto"
+    gqa, mha = (e2e.llama_config(e2e.E2E_MODELS[m]) for m in ("llama3-8b", "llama2-7b"))
+    assert e2e.default_gqa_mode(gqa, "loki", sel["gqa_select"], sel["aggregate"]) == ("kv", "softmax-max")
+    assert e2e.default_gqa_mode(mha, "loki", sel["gqa_select"], sel["aggregate"]) == ("query", "sum")
+    assert e2e_report.select(_args("--e2e", "--quick", "--aggregate", "sum"))["aggregate"] == "sum"
+    assert cli.main(["bench", "--e2e", "--quick", "--gqa-select", "query", "--aggregate", "sum"]) == 2
+    assert "--aggregate" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--e2e", "--aggregate", "union"])  # not on the kernels
+    (res,) = e2e.run_grid([e2e.Setting("tiny", 1, 12)], device="cpu", dtype=torch.float32, models=TINY, steps=2,
+                          paths=("loki_eager",), aggregate="sum", log=lambda m: None)
+    assert res["aggregate"] == res["paths"]["loki_eager"]["aggregate"] == "sum"
 
 
 def test_kernel_mode_refuses_e2e_models(capsys, monkeypatch):
@@ -153,6 +173,10 @@ def test_measurement_loop_on_cpu(cpu_results):
     assert res["best_loki"] == "loki_eager" and res["speedup"] > 0
     assert res["floor_ms"]["loki"] < res["floor_ms"]["dense"] and set(res["x_floor"]) == set(res["paths"])
     assert any("loki_eager" in line for line in logs)
+    # the default configuration of a GQA model: one selection per KV group, softmax-max, as recorded and as run
+    assert (res["gqa_select"], res["aggregate"]) == ("kv", "softmax-max")
+    assert (loki["gqa_select"], loki["aggregate"]) == ("kv", "softmax-max")
+    assert any("gqa_select=kv, aggregate=softmax-max" in line for line in logs)
     # whole generate calls beside the forward: finite, positive, from the documented difference
     assert res["generate"] == {"new_tokens": 6, "reps": 3, "prompt": "cache"}
     for p, r in res["paths"].items():
@@ -225,6 +249,7 @@ def test_reports(cpu_results, tmp_path):
     json.dumps(doc)
     text = e2e_report.write_markdown(doc, str(tmp_path / "r.md"))
     assert "tiny-B2-S40" in text and "| llama2-7b-B8-S16384 | skip" in text and "loki+compile" in text
+    assert "Loki's selection: tiny one per KV group, aggregate softmax-max." in text
     rows = e2e_report.target_rows(doc["results"])
     assert rows[0]["pass"] is True and rows[1]["note"] == "not run" and rows[2]["pass"] is None
     assert rows[3]["target"].startswith("llama3-8b B=1 S=131072 k=2048") and rows[3]["note"] == "not run"

@@ -43,7 +43,8 @@ def test_the_suite_measures_counts_beside_fractions(tiny_run):
     assert at24 == {0.25, 6}  # counts of k_counts only at the count window; k_values everywhere
     for r in rows:
         assert r["bytes_fraction"] is not None and 0 < r["bytes_fraction"] <= 1.5
-    loki16 = next(r for r in rows if r["method"] == "loki" and r["k"] == 16 and r["seq_len"] == 48)
+    loki16 = next(r for r in rows if r["method"] == "loki" and r["k"] == 16 and r["seq_len"] == 48
+                  and r["gqa_select"] == "query")
     n = torch.arange(1, 48).double()
     want = float((torch.clamp(n, max=16) / n).mean())
     assert loki16["selected_fraction"] >= want - 1e-9  # per query head: at least k distinct tokens per KV head
@@ -118,7 +119,7 @@ def test_loki_ppl_takes_an_aggregate_and_prints_the_bytes(monkeypatch, tmp_path,
 
     parser = argparse.ArgumentParser()
     ppl.add_arguments(parser)
-    assert next(a for a in parser._actions if a.dest == "aggregate").choices == GQA_AGGREGATES
+    assert next(a for a in parser._actions if a.dest == "aggregate").choices == ("auto", *GQA_AGGREGATES)
     model = tiny_model("llama", vocab_size=128)
     monkeypatch.setattr(ppl, "load_model_from_args", lambda args: (model, ByteTokenizer(128)))
     text = tmp_path / "text.txt"
@@ -127,3 +128,12 @@ def test_loki_ppl_takes_an_aggregate_and_prints_the_bytes(monkeypatch, tmp_path,
                  "--gqa-select", "kv", "--aggregate", "union", "--k", "4"]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if "perplexity" in x)
     assert "gqa=kv:union" in line and "bytes of dense per decode step 0." in line
+    # the defaults: "auto" resolved as enable_loki resolves it (tiny_model: 4 query / 2 KV heads), and printed so
+    basis = tmp_path / "basis.safetensors"
+    PCABasis.random(2, 2, 16, seed=0).save(basis)
+    assert main(["ppl", "--text-file", str(text), "--windows", "16x2", "--device", "cpu", "--basis", str(basis),
+                 "--k", "4"]) == 0
+    assert "gqa=kv:softmax-max" in next(x for x in capsys.readouterr().out.splitlines() if "perplexity" in x)
+    assert main(["ppl", "--text-file", str(text), "--windows", "16x2", "--device", "cpu", "--method", "exact_topk",
+                 "--k", "4"]) == 0
+    assert "gqa=query " in next(x for x in capsys.readouterr().out.splitlines() if "perplexity" in x)

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -248,12 +249,15 @@ def test_eval_checks_tasks_basis_and_output_before_the_model(capsys, tmp_path, n
 
 def test_eval_force_replaces_the_output_atomically(capsys, tmp_path, monkeypatch, no_eval):
     eval_command = no_eval
-    monkeypatch.setattr(eval_command, "LokiLM", lambda **kw: kw)
+    resolved = {"gqa_select": "query", "aggregate": "sum"}  # what LokiLM's enable_loki resolved "auto" to
+    monkeypatch.setattr(eval_command, "LokiLM", lambda **kw: SimpleNamespace(kw=kw, loki_settings=resolved))
     monkeypatch.setattr(eval_command, "simple_evaluate", lambda **kw: {"results": {"loki_copa": {"acc,none": 0.5}}})
     done = tmp_path / "done.json"
     done.write_text("{}")
     assert main(["eval", "--method", "dense", "--tasks", "loki_copa", "--output", str(done), "--force"]) == 0
-    assert json.loads(done.read_text())["results"]["loki_copa"]["acc,none"] == 0.5
+    out = json.loads(done.read_text())
+    assert out["results"]["loki_copa"]["acc,none"] == 0.5
+    assert (out["settings"]["gqa_select"], out["settings"]["aggregate"]) == ("query", "sum")
 
 
 # ------------------------------------------------------------------------------------------------ loki ppl

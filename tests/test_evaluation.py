@@ -470,10 +470,21 @@ def test_suite_rows_and_comparisons_carry_roles():
 
     measured = {"A": res("full"), "B": res("exact_topk", shift=0.1), "C": res("loki", "score", shift=0.2),
                 "D": res("loki", "post", shift=0.3), "E": res("h2o", shift=0.4)}
-    opts = suite.profile_options("tests")
+    opts = replace(suite.profile_options("tests"), gqa_select="query")  # a model without GQA
     kinds = {(c["a"], c["b"]): c["kind"] for c in suite._comparisons(measured, 512, 0.25, "decode", opts)}
     assert kinds == {("B", "A"): "oracle_vs_baseline", ("C", "B"): "loki_vs_oracle", ("D", "B"): "loki_vs_oracle",
                      ("C", "E"): "loki_vs_h2o", ("D", "E"): "loki_vs_h2o", ("C", "D"): "default_vs_basis"}
+    # a GQA model: the shared rows are the default mode, compared with their own oracle and with H2O; the
+    # per-query-head rows with theirs and with each other, not with H2O
+    measured.update(F=res("exact_topk", gqa="kv", shift=0.15), G=res("loki", "score", gqa="kv", shift=0.25),
+                    H=res("loki", "post", gqa="kv", shift=0.35))
+    opts = replace(opts, gqa_select="kv")
+    kinds = {(c["a"], c["b"]): c["kind"] for c in suite._comparisons(measured, 512, 0.25, "decode", opts)}
+    assert kinds == {("B", "A"): "oracle_vs_baseline", ("C", "B"): "loki_vs_oracle", ("D", "B"): "loki_vs_oracle",
+                     ("G", "F"): "loki_vs_oracle", ("H", "F"): "loki_vs_oracle", ("G", "E"): "loki_vs_h2o",
+                     ("H", "E"): "loki_vs_h2o", ("C", "D"): "default_vs_basis", ("G", "H"): "default_vs_basis"}
+    with pytest.raises(ValueError, match="not resolved"):
+        suite.profile_options("tests").gqa_modes  # noqa: B018 - "auto" is resolved against a model first
     assert perplexity.method_role("exact_topk") == "oracle" and perplexity.method_role("sparq") == "competitor"
 
 
@@ -559,11 +570,14 @@ def test_cli_help_explains(capsys):
     out = capsys.readouterr().out
     assert "embedded SmolLM2" in out and "--update-thresholds" in out and "exits 1 when a gate" in out
     assert "--long" in out and "--device" in out and "--dtype" in out
+    # the default configuration it gates: one selection per KV group with softmax-max on a GQA model
+    assert "--gqa-select" in out and "softmax-max" in out and "per query head" in out
     for cmd in ("calibrate", "analyze", "ppl", "generate"):
         with pytest.raises(SystemExit) as e:
             main([cmd, "--help"])
         assert e.value.code == 0
-    assert "--protocol" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "--protocol" in out and "{auto,query,kv}" in out and "softmax-max" in out
 
 
 def test_cli_bad_arguments(capsys, tmp_path):

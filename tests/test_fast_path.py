@@ -40,9 +40,10 @@ def test_fast_path_on_the_triton_interpreter(tiny, triton_device):
     model, basis, windows = tiny
     if triton_device.type == "cuda":
         pytest.skip("the GPU case is test_gpu_compiled_fast_path")
-    spec = MethodSpec("l", "loki", k=0.3, d=5, basis="b", gqa_select="kv")
+    spec = MethodSpec("l", "loki", k=0.3, d=5, basis="b", gqa_select="kv", aggregate="softmax-max")
     engine = perplexity(model, windows[:1, :9], spec, {"b": basis})
     fast = fast_path_perplexity(model, windows[:1, :9], basis, k=0.3, d=5, compile=False, backend="triton")
+    assert (fast["gqa_select"], fast["aggregate"]) == ("kv", "softmax-max")  # the default on this GQA model
     assert fast["ppl"] == pytest.approx(engine.ppl, rel=1e-4)
 
 
@@ -129,6 +130,13 @@ def test_fast_path_check_script_runs_on_the_cpu(tmp_path, capsys):
     assert mod.main(["--tiny", "--out", str(out)]) == 0
     sec = json.loads(out.read_text())
     assert sec["gate"]["passed"] and {r["dtype"] for r in sec["rows"]} == {"float32", "bfloat16"}
-    assert "gate (fp32 within 0.3%): PASS" in capsys.readouterr().out
+    # the default configuration of the (GQA) model: one selection per KV group, softmax-max
+    assert (sec["setting"]["gqa_select"], sec["setting"]["aggregate"]) == ("kv", "softmax-max")
+    printed = capsys.readouterr().out
+    assert "gate (fp32 within 0.3%): PASS" in printed and "(aggregate softmax-max)" in printed
+    assert mod.main(["--tiny", "--aggregate", "sum", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["setting"]["aggregate"] == "sum"
+    with pytest.raises(SystemExit):
+        mod.main(["--tiny", "--aggregate", "union", "--out", str(out)])  # not on the kernels
     with pytest.raises(SystemExit):
         mod.main(["--out", str(out), "--windows", "8192"])

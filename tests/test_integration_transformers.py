@@ -174,10 +174,15 @@ def test_disable_restores_original_behaviour():
     assert all(not hasattr(m, "_loki_config") for m in model.modules())
 
 
-def test_decode_step_matches_reference_at_sparse_setting():
+@pytest.mark.parametrize("explicit", [{}, {"gqa_select": "auto", "aggregate": "auto"}, {"gqa_select": "query"}],
+                         ids=["defaults", "auto", "query"])
+def test_decode_step_matches_reference_at_sparse_setting(explicit):
+    """The defaults on a GQA model are one selection per KV group with softmax-normalised scores (kv, softmax-max),
+    as "auto" resolves them; an explicit "query" keeps per-query-head selection.  Each decode step equals the
+    reference in the resolved mode."""
     model = tiny_model("llama", num_heads=6, num_kv_heads=2)
     basis = _basis(model)
-    enable_loki(model, basis, k=0.25, d=0.25)
+    enable_loki(model, basis, k=0.25, d=0.25, **explicit)
     cache = loki_cache(model)
     model(_prompt(23), **{_cache_kwarg(model): cache})
     layer_idx = 1
@@ -192,15 +197,32 @@ def test_decode_step_matches_reference_at_sparse_setting():
         model._loki_config.current_cache = None
     assert weights is None and out.shape == (B, 1, q.shape[1], D)
     cfg = model._loki_config.config
-    assert (cfg.gqa_select, cfg.aggregate) == ("query", "sum")  # the default
+    mode = ("query", "sum") if explicit.get("gqa_select") == "query" else ("kv", "softmax-max")
+    assert (cfg.gqa_select, cfg.aggregate) == mode  # what enable_loki resolved and runs
     want = loki_attention(rotate_query(q[:, :, 0], basis.layer(layer_idx)), k_hat, v, d=0.25, k=0.25,
-                          scale=attn.scaling)
+                          gqa_select=mode[0], aggregate=mode[1], scale=attn.scaling)
     torch.testing.assert_close(out[:, 0], want, atol=1e-5, rtol=1e-5)
-    enable_loki(model, basis, k=0.25, d=0.25, gqa_select="auto", aggregate="auto")
-    assert (model._loki_config.config.gqa_select, model._loki_config.config.aggregate) == ("kv", "softmax-max")
-    mha = tiny_model("llama", num_heads=4, num_kv_heads=4)
-    enable_loki(mha, PCABasis.random(2, 4, 16, seed=1), k=0.25, d=0.25, gqa_select="auto", aggregate="auto")
-    assert (mha._loki_config.config.gqa_select, mha._loki_config.config.aggregate) == ("query", "sum")
+
+
+def test_default_selection_follows_the_model():
+    """enable_loki's defaults: kv + softmax-max on a GQA model, per query head (aggregate "sum") on a model with as
+    many KV heads as query heads, per query head for the other methods; explicit settings are kept."""
+    gqa, mha = tiny_model("llama", num_heads=4, num_kv_heads=2), tiny_model("llama", num_heads=4, num_kv_heads=4)
+    resolved = lambda m: (m._loki_config.config.gqa_select, m._loki_config.config.aggregate)  # noqa: E731
+    enable_loki(gqa, _basis(gqa), k=0.25, d=0.25)
+    assert resolved(gqa) == ("kv", "softmax-max")
+    enable_loki(mha, PCABasis.random(2, 4, 16, seed=1), k=0.25, d=0.25)
+    assert resolved(mha) == ("query", "sum")
+    enable_loki(gqa, None, k=0.25, method="exact_topk")
+    assert resolved(gqa) == ("query", "sum")
+    enable_loki(gqa, _basis(gqa), k=0.25, d=0.25, gqa_select="kv", aggregate="sum")
+    assert resolved(gqa) == ("kv", "sum")
+    enable_loki(gqa, _basis(gqa), k=0.25, d=0.25, gqa_select="query")
+    assert resolved(gqa) == ("query", "sum")
+    enable_loki(gqa, None, k=0.25, method="exact_topk", gqa_select="kv")
+    assert resolved(gqa) == ("kv", "sum")  # "auto" aggregate: softmax-max for method "loki" only
+    with pytest.raises(ValueError, match="gqa_select must be 'auto', 'query' or 'kv'"):
+        enable_loki(gqa, _basis(gqa), gqa_select="group")
 
 
 def test_teacher_forced_rows_match_decode_reference():

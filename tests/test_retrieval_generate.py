@@ -164,7 +164,8 @@ def test_triton_interpreter_agrees_with_the_engine(tiny, triton_device):
     spec = _specs()[1]
     ids = torch.randint(1, 256, (2, 24), generator=torch.Generator().manual_seed(2))
     engine = run_batch(model, TOK, ids, [spec], bases, question_tokens=3, max_new_tokens=3)[spec.name]
-    enable_loki(model, bases["score"], k=spec.k, d=spec.d, gqa_select="kv", backend="triton")
+    enable_loki(model, bases["score"], k=spec.k, d=spec.d, gqa_select=spec.gqa_select, aggregate=spec.aggregate,
+                backend="triton")
     try:
         cache = loki_static_cache(model, max_cache_len=27, batch_size=2)
         got = rg.generate_batch(model, TOK, ids, cache, question_tokens=3, max_new_tokens=3, stops={0})

@@ -33,9 +33,8 @@ def _prepare(model, path, B, S, n_fill, k, aggregate, device):
     cfg = model.config
     if path.startswith("loki"):
         L, _, HKV, D = e2e._dims(cfg)
-        enable_loki(model, PCABasis.random(L, HKV, D, seed=0), k=k, d=0.25,
-                    gqa_select="kv" if HKV != cfg.num_attention_heads else "query", aggregate=aggregate,
-                    backend="auto" if torch.device(device).type == "cuda" else "torch")
+        enable_loki(model, PCABasis.random(L, HKV, D, seed=0), k=k, d=0.25, aggregate=aggregate,
+                    backend="auto" if torch.device(device).type == "cuda" else "torch")  # gqa_select: the default
     cache = e2e.make_cache(model, path, B, S)
     e2e.fill_cache(cache, cfg, B, n_fill, device=device, dtype=next(model.parameters()).dtype)
     return cache
@@ -53,7 +52,7 @@ def _release(model, path):
         torch.cuda.empty_cache()
 
 
-def profile_path(model, path, B, S, steps=8, prof_steps=4, k=0.25, aggregate="sum", sdpa_backend="default"):
+def profile_path(model, path, B, S, steps=8, prof_steps=4, k=0.25, aggregate="auto", sdpa_backend="default"):
     """The compiled forward of ``path``'s decode step: kernels per step, grouped by name."""
     from loki._hf import cache_keyword
     from loki.bench import e2e
@@ -112,7 +111,7 @@ def _summary(prof, wall_ms: float) -> dict:
             "launches": launches, "kernels": kernels, "cpu": cpu}
 
 
-def profile_generate(model, path, B, S, new_tokens=16, k=0.25, aggregate="sum", sdpa_backend="default",
+def profile_generate(model, path, B, S, new_tokens=16, k=0.25, aggregate="auto", sdpa_backend="default",
                      device="cuda", top=25) -> dict:
     """Whole ``generate`` calls of ``path`` (see the module docstring): per generated token, the difference of a
     profiled call of N + 1 new tokens and one of 1."""
@@ -183,7 +182,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--paths", default="sdpa_compiled,loki_compiled",
-                    help="comma-separated paths; a Loki path may name its aggregate: loki_compiled:softmax-max")
+                    help="comma-separated paths; a Loki path may name its aggregate, e.g. loki_compiled:sum (default: "
+                    "enable_loki's, softmax-max for a shared selection)")
     ap.add_argument("--k", default="0.25", help="Loki budget: a fraction (0.25) or a token count (2048)")
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the model's)")
     ap.add_argument("--sdpa-backend", default="native-gqa", help="dense SDPA variant (loki.bench.e2e)")
@@ -201,11 +201,11 @@ def main(argv=None) -> int:
     for spec in a.paths.split(","):
         path, _, agg = spec.partition(":")
         if a.generate:
-            r = res[spec] = profile_generate(model, path, a.batch, a.seq_len, a.generate, k=k, aggregate=agg or "sum",
+            r = res[spec] = profile_generate(model, path, a.batch, a.seq_len, a.generate, k=k, aggregate=agg or "auto",
                                              sdpa_backend=a.sdpa_backend)
             _print_generate(spec, r)
             continue
-        r = res[spec] = profile_path(model, path, a.batch, a.seq_len, k=k, aggregate=agg or "sum",
+        r = res[spec] = profile_path(model, path, a.batch, a.seq_len, k=k, aggregate=agg or "auto",
                                      sdpa_backend=a.sdpa_backend)
         print(f"\n## {spec} {a.model} L={dims['num_hidden_layers']} B={a.batch} S={a.seq_len} k={k}: "
               f"{r['total_us'] / 1e3:.3f} ms of kernels per step, {r['kernels']:.0f} kernels")

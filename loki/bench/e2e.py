@@ -7,6 +7,12 @@ over a long KV cache, four ways:
 * ``loki_eager``: Loki (``enable_loki``) on a ``DynamicCache`` whose layers rotate keys on write;
 * ``loki_compiled``: Loki on a ``LokiStaticCache`` (preallocated, key prefix kept), compiled the same way.
 
+Loki runs in the default configuration, the one the accuracy suite reports and gates: on a GQA model
+(``llama3-8b``) one selection per KV group with each query head's approximate scores softmax-normalised before the
+group's maximum (``gqa_select="kv"``, ``aggregate="softmax-max"``), on a model without GQA (``llama2-7b``) per
+query head; ``aggregate="sum"`` (``loki bench --e2e --aggregate sum``) times raw sums instead.  Every result
+records the ``gqa_select`` and ``aggregate`` it ran.
+
 Method: the model is built once per model-dims, directly on the device, in the benchmark dtype.  The cache of every
 path is filled with the same random keys and values (drawn per layer from one seed, std 1) for the first
 ``n0 = S - steps`` positions through ``cache.update`` (no prefill forward); then ``steps`` decode steps run once
@@ -208,17 +214,19 @@ def memory_needed(config, B: int, S: int, *, itemsize: int, d_f) -> int:
 
 
 def run_path(model, path: str, *, B: int, S: int, steps: int, device, dtype, basis=None, k_f: float = 0.25,
-             d_f=0.25, gqa_select: str = "query", sdpa_backend: str = "default", seed: int = 0,
-             compile_mode: str | None = "reduce-overhead", aggregate: str = "sum", generate: bool = False,
+             d_f=0.25, gqa_select: str = "auto", sdpa_backend: str = "default", seed: int = 0,
+             compile_mode: str | None = "reduce-overhead", aggregate: str = "auto", generate: bool = False,
              generate_tokens: int | None = None, generate_reps: int = 3, generate_prompt: str = "cache") -> dict:
     """Time ``steps`` decode steps of ``path`` reaching cache length S (after an untimed pass over the same
     steps); returns ms per step (median, mean, min), tokens/s (B / median), the first pass's wall time (compilation
     and warm-up), what ran (cache and layer classes, attention implementation, finite logits), the largest
     difference between the last step's logits in the two passes (``rewind_diff``: 0 up to rounding when the
-    rewound cache holds what the first pass saw) and on CUDA the peak memory of these steps (``peak_memory_gib``,
-    weights included; ``base_memory_gib`` allocated before the path; None elsewhere).  ``k_f``: the budget, a
-    fraction or an int count of tokens.  ``compile_mode=None`` runs a ``*_compiled`` path's static cache without
-    compiling (tests on the CPU).
+    rewound cache holds what the first pass saw), for a Loki path the ``gqa_select`` and ``aggregate`` it ran, and
+    on CUDA the peak memory of these steps (``peak_memory_gib``, weights included; ``base_memory_gib`` allocated
+    before the path; None elsewhere).  ``k_f``: the budget, a
+    fraction or an int count of tokens; ``gqa_select`` and ``aggregate``: ``enable_loki``'s ("auto": the default
+    configuration).  ``compile_mode=None`` runs a ``*_compiled`` path's static cache without compiling (tests on the
+    CPU).
 
     ``generate=True``: then whole greedy ``model.generate`` calls on the same cache
     (:func:`loki.bench.e2e_generate.time_generate`; ``generate_tokens`` = N, default ``steps``; the compiled
@@ -234,8 +242,11 @@ def run_path(model, path: str, *, B: int, S: int, steps: int, device, dtype, bas
         return {"skipped": "compiled paths need CUDA (mode='reduce-overhead' records CUDA graphs)"}
     n0 = S - steps
     cfg = model.config
+    ran = {}
     if path.startswith("loki"):
         enable_loki(model, basis, k=k_f, d=d_f, gqa_select=gqa_select, aggregate=aggregate)
+        c = model._loki_config.config  # the settings enable_loki resolved: what runs
+        ran = {"gqa_select": c.gqa_select, "aggregate": c.aggregate}
     else:
         disable_loki(model)
     cache = fn = out = None
@@ -290,7 +301,7 @@ def run_path(model, path: str, *, B: int, S: int, steps: int, device, dtype, bas
             "compile_s": max(0.0, first_pass_s - sum(times) * 1e-3) if compiled else None,
             "cache": type(cache).__name__, "cache_layer": type(layer0).__name__ if layer0 is not None else None,
             "attn_implementation": getattr(cfg, "_attn_implementation", None),
-            "peak_memory_gib": memory.peak_gib, "base_memory_gib": memory.base_gib,
+            "peak_memory_gib": memory.peak_gib, "base_memory_gib": memory.base_gib, **ran,
         }
         if generate:
             fn = step = None
@@ -333,14 +344,16 @@ def run_grid(grid, *, device="cuda", dtype=torch.bfloat16, models=None, paths=PA
              k_f: float = 0.25, d_f=0.25, gqa_select: str = "auto", sdpa_backend: str = "default",
              copy_gbps: float | None = None, time_budget_s: float | None = None, seed: int = 0,
              compile_mode: str | None = "reduce-overhead", free_bytes: int | None = None, on_setting=None,
-             log=print, aggregate: str = "sum", generate: bool = False, generate_tokens: int | None = None,
+             log=print, aggregate: str = "auto", generate: bool = False, generate_tokens: int | None = None,
              generate_reps: int = 3, generate_prompt: str = "cache") -> list[dict]:
     """Run ``paths`` on every :class:`Setting` of ``grid`` (one model built per model name, settings that do not
     fit the device memory or the time budget reported as skipped: a path is not started when the time spent plus
     its last duration would pass ``time_budget_s``).  ``models`` maps names to ``LlamaConfig``
     fields (default :data:`E2E_MODELS`); ``gqa_select="auto"`` is "kv" for GQA models, else "query";
-    ``aggregate``: how a shared selection combines the group's scores ("sum", the timed default; "auto" as
-    ``enable_loki`` resolves it).  ``k_f``: the budget of settings without their own (``Setting.k``), a fraction
+    ``aggregate``: how a shared selection combines the group's scores ("auto", the default: "softmax-max" as
+    ``enable_loki`` resolves it, the configuration the accuracy suite gates; "sum": raw sums).  Each result records
+    the ``gqa_select`` and ``aggregate`` it ran (``aggregate`` "sum" for per-query-head selection, which has none).
+    ``k_f``: the budget of settings without their own (``Setting.k``), a fraction
     or an int count of tokens.  ``generate`` and the ``generate_*`` options: whole ``generate`` calls per path
     (:func:`run_path`).
     ``free_bytes`` overrides the device memory free beside the model (measured on CUDA, unchecked elsewhere).
@@ -355,8 +368,7 @@ def run_grid(grid, *, device="cuda", dtype=torch.bfloat16, models=None, paths=PA
     for name in dict.fromkeys(s.model for s in grid):
         config = llama_config(models[name])
         L, HQ, HKV, D = _dims(config)
-        mode = gqa_select if gqa_select != "auto" else ("kv" if HQ != HKV else "query")
-        agg = default_gqa_mode(config, "loki", mode, aggregate)[1]
+        mode, agg = default_gqa_mode(config, "loki", gqa_select, aggregate)  # as enable_loki resolves "auto"
         t0 = time.perf_counter()
         model = build_model(config, dev, dtype)
         build_s = time.perf_counter() - t0

@@ -13,6 +13,7 @@ import json
 import os
 
 from loki.evaluation.commands import UsageError
+from loki.reference.selection import KERNEL_AGGREGATES
 
 from .e2e import (
     BATCHES,
@@ -44,7 +45,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "steps after an untimed pass over the same steps), tokens/s = B / step time, the first pass's time "
         "(compilation), the peak memory (CUDA), the byte floor (weights + KV bytes to read, over the measured copy "
         "bandwidth), Loki's best path over the faster dense path, the byte ceiling of that speed-up (dense floor / "
-        "Loki floor) and the fraction of it reached (speed-up / ceiling), and the issue's targets. --generate adds "
+        "Loki floor) and the fraction of it reached (speed-up / ceiling), and the issue's targets. Loki runs in the "
+        "default configuration, the one the accuracy suite reports and gates: on the GQA model (llama3-8b) one "
+        "selection per KV group with each head's scores softmax-normalised before the group's maximum (kv, "
+        "softmax-max), on llama2-7b per query head (--gqa-select, --aggregate change it). --generate adds "
         "whole greedy model.generate calls per path: ms per token = (t(N+1 new tokens) - t(1)) / N, the generate-"
         "level speed-up and its fraction of the ceiling. Grid: --models (llama2-7b, llama3-8b), "
         f"--batches (default {' '.join(map(str, BATCHES))}), --seq-lens (S = the cache length the last timed "
@@ -64,7 +68,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    "K/V passed to SDPA as they are even under a mask (transformers otherwise copies them to every "
                    "query head whenever a mask is given, as on every static-cache decode step)")
     g.add_argument("--gqa-select", choices=("auto", "query", "kv"), default="auto",
-                   help="Loki's selection for GQA models: per query head or per KV head (auto: kv for GQA)")
+                   help="Loki's selection: per query head or one per KV group (default: auto, kv for a GQA model and "
+                   "query otherwise, enable_loki's default)")
+    g.add_argument("--aggregate", choices=("auto", *KERNEL_AGGREGATES), default="auto",
+                   help="how a shared (kv) selection combines the group's scores (default: auto = softmax-max, "
+                   "enable_loki's default and the configuration the accuracy suite gates; sum: raw sums, the timing "
+                   "before softmax-max became the default)")
     g.add_argument("--settings", nargs="+", default=None, metavar="ID",
                    help="setting ids to run, e.g. llama3-8b-B1-S131072-k2048 llama3-8b-B8-S32768 (instead of the "
                    "grid of --models/--batches/--seq-lens/--quick)")
@@ -94,6 +103,10 @@ def select(args) -> dict:
             raise UsageError(f"{flag} must be positive integers, got {' '.join(map(str, vals))}")
     if args.steps < 1:
         raise UsageError(f"--steps must be >= 1, got {args.steps}")
+    aggregate = args.aggregate
+    if args.gqa_select == "query" and aggregate != "auto":
+        raise UsageError(f"--aggregate {aggregate} combines the scores of a shared selection: it needs --gqa-select "
+                         "kv or auto (per query head there is nothing to combine)")
     if args.time_budget is not None and args.time_budget <= 0:
         raise UsageError(f"--time-budget must be > 0 seconds, got {args.time_budget}")
     budgets = args.budgets or ["0.25:0.25"]
@@ -141,7 +154,8 @@ def select(args) -> dict:
             raise UsageError(f"--generate-tokens {n_gen} must leave a prompt of at least 2 tokens (S - N - 1): "
                              f"{', '.join(short)}")
     return {"grid": grid, "k_f": k_f, "d_f": d_f, "paths": tuple(args.paths or PATHS), "steps": args.steps,
-            "gqa_select": args.gqa_select, "sdpa_backend": args.sdpa_backend, "time_budget_s": args.time_budget,
+            "gqa_select": args.gqa_select, "aggregate": aggregate, "sdpa_backend": args.sdpa_backend,
+            "time_budget_s": args.time_budget,
             "generate": args.generate, "generate_tokens": n_gen if args.generate else None,
             "generate_reps": args.generate_reps, "generate_prompt": args.generate_prompt}
 
@@ -227,6 +241,18 @@ def _ceiling_table(doc: dict) -> list[str]:
     return lines
 
 
+def _selection(doc: dict) -> str:
+    """Loki's GQA selection per model of the run, as the results record it (``gqa_select``, ``aggregate``)."""
+    seen = {}
+    for r in doc["results"]:
+        if "gqa_select" in r:
+            seen.setdefault(r["model"], (r["gqa_select"], r.get("aggregate", "sum")))
+    if not seen:
+        return "-"
+    return "; ".join(f"{m} " + (f"one per KV group, aggregate {a}" if g == "kv" else "per query head")
+                     for m, (g, a) in seen.items())
+
+
 def write_markdown(doc: dict, path: str) -> str:
     paths = doc["paths"]
     compiled = [p for p in paths if p.endswith("_compiled")]
@@ -237,7 +263,7 @@ def write_markdown(doc: dict, path: str) -> str:
         f"copy bandwidth {_f(doc.get('copy_gbps'), '.0f')} GB/s; SDPA backend {doc['sdpa_backend']} "
         f"(enabled: {', '.join(k for k, v in doc.get('sdpa_backends', {}).items() if v) or '-'}); Loki k_f = "
         f"{doc['k_f']} (a setting id ending in -k<k> carries its own budget), d_f = {doc['d_f']}, random orthogonal "
-        f"basis; {doc['steps']} timed steps per path ending at cache length S.",
+        f"basis; {doc['steps']} timed steps per path ending at cache length S. Loki's selection: {_selection(doc)}.",
         "",
         "ms = median ms per decode step (CUDA events), tok/s = B / median step time. Floors: bytes one step must "
         "read (weights without the input embedding table + dense K and V, or Loki's d/D key prefix and k_f rows of "
@@ -356,6 +382,7 @@ def run(args, copy_bandwidth=None) -> int:
            "transformers": transformers.__version__, "triton": triton_version, "dtype": args.dtype,
            "copy_gbps": copy_gbps, "sdpa_backend": sel["sdpa_backend"], "sdpa_backends": sdpa_backend_config(),
            "k_f": sel["k_f"], "d_f": sel["d_f"], "steps": sel["steps"], "paths": list(sel["paths"]),
+           "gqa_select": sel["gqa_select"], "aggregate": sel["aggregate"],
            "generate": {k: sel[k] for k in ("generate_tokens", "generate_reps", "generate_prompt")}
            if sel["generate"] else None,
            "grid": [s.id for s in sel["grid"]], "results": []}
@@ -370,7 +397,8 @@ def run(args, copy_bandwidth=None) -> int:
             json.dump(doc, f, indent=1)
 
     run_grid(sel["grid"], device="cuda", dtype=dtype, paths=sel["paths"], steps=sel["steps"], k_f=sel["k_f"],
-             d_f=sel["d_f"], gqa_select=sel["gqa_select"], sdpa_backend=sel["sdpa_backend"], copy_gbps=copy_gbps,
+             d_f=sel["d_f"], gqa_select=sel["gqa_select"], aggregate=sel["aggregate"], sdpa_backend=sel["sdpa_backend"],
+             copy_gbps=copy_gbps,
              time_budget_s=sel["time_budget_s"], on_setting=save, log=lambda m: print(m, flush=True),
              generate=sel["generate"], generate_tokens=sel["generate_tokens"], generate_reps=sel["generate_reps"],
              generate_prompt=sel["generate_prompt"])

@@ -90,6 +90,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "decode-time semantics (row i selects ceil(k_f (i+1)) of the i+1 tokens it sees) and paired 95% intervals,\n"
         "top-k agreement, Rank@90 and the synthetic retrieval suite, writes OUT/report.md, OUT/results.json and\n"
         "PNG plots, and exits 1 when a gate fails.\n\n"
+        "The default Loki configuration (the row the targets and gates read): the score-aware basis in the model's\n"
+        "default GQA mode, as enable_loki resolves it: on a GQA model such as the embedded SmolLM2 (9 query / 3 KV\n"
+        "heads) one selection per KV group with each head's scores softmax-normalised before the group's maximum\n"
+        "(rows [kv], aggregate softmax-max: the configuration the speed benchmarks time), with every setting also\n"
+        "measured per query head (rows [query]) as a comparison; on a model without GQA per query head\n"
+        "(--gqa-select query keeps per-query-head selection as the default on any model).\n\n"
         "Profiles: check (default; the CPU: 8 x 1024 WikiText-2 tokens, a few minutes on 2 cores), tests (what CI\n"
         "gates: 4 x 512), long (--long; for a GPU: windows of 1024/4096/8192 tokens, k_f 0.25/0.125/0.0625, the\n"
         "paper's protocol, retrieval at 1k-8k, about 10 minutes on an H200; since then the fixed counts 512/1024/2048\n"
@@ -127,6 +133,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--record-texts", default=",".join(_TEXTS),
                         help="texts --update-thresholds measures (default: %(default)s); the others run the "
                         "perplexity part only, at the gated window length")
+    parser.add_argument("--gqa-select", default="auto", choices=("auto", "query", "kv"),
+                        help="the default configuration's GQA mode (default: auto = kv with softmax-max on a GQA "
+                        "model, else query; query: per query head on any model)")
     parser.add_argument("--no-cache", action="store_true", help="recalibrate even if a cached basis exists")
     parser.add_argument("--no-retrieval", action="store_true", help="skip the synthetic retrieval suite")
     parser.add_argument("--no-fast-path", action="store_true",
@@ -159,7 +168,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _options(args) -> SuiteOptions:
     profile = "long" if args.long else args.profile
     opts = profile_options(profile, use_cache=not args.no_cache, progress=not args.no_progress, log=_log,
-                           eval_corpus=args.eval_corpus)
+                           eval_corpus=args.eval_corpus, gqa_select=args.gqa_select)
     if args.k is not None:
         opts = replace(opts, k=args.k, k_values=tuple(k for k in opts.k_values if k != args.k))
     if args.d is not None:

@@ -42,12 +42,15 @@ FAST_PATH_DTYPES = ("float32", "bfloat16")
 
 @torch.no_grad()
 def fast_path_perplexity(model, windows: torch.Tensor, basis, *, k: int | float = 0.25, d: int | float = 0.25,
-                         gqa_select: str = "kv", aggregate: str = "sum", dtype: torch.dtype | str | None = None,
+                         gqa_select: str = "auto", aggregate: str = "auto", dtype: torch.dtype | str | None = None,
                          compile: bool = True, backend: str = "auto", attention_mask: str = "none",
                          progress: bool = False) -> dict:
     """Perplexity of ``model`` on ``windows`` [N, T] (token ids) decoded token by token through the Loki static
     cache (module docstring): ``{"ppl", "nll", "tokens", "window_nll", "token_nll" ([N, T - 1] fp64, CPU),
-    "seconds", "steps", "dtype", "compiled", "device"}``.
+    "seconds", "steps", "dtype", "compiled", "device", "gqa_select", "aggregate"}``.
+
+    ``gqa_select`` / ``aggregate``: ``enable_loki``'s; "auto" (the default) resolves as it does (one selection per
+    KV group with "softmax-max" on a GQA model, else per query head), and the result states the resolved ones.
 
     ``dtype``: decode a copy of the model converted to it (None: the model as it is); ``compile``: compile the
     decode steps with ``torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)`` (CUDA only: it
@@ -59,10 +62,7 @@ def fast_path_perplexity(model, windows: torch.Tensor, basis, *, k: int | float 
 
     if not isinstance(windows, torch.Tensor) or windows.dim() != 2 or windows.shape[1] < 2:
         raise ValueError(f"windows must be [N, T] token ids with T >= 2, got {getattr(windows, 'shape', windows)}")
-    if gqa_select not in GQA_SELECT_MODES:
-        raise ValueError(f"gqa_select must be one of {GQA_SELECT_MODES}, got {gqa_select!r}")
-    if aggregate not in GQA_AGGREGATES:
-        raise ValueError(f"aggregate must be one of {GQA_AGGREGATES}, got {aggregate!r}")
+    gqa_select, aggregate = _resolve(model, gqa_select, aggregate)
     if attention_mask not in ("none", "grow"):
         raise ValueError(f"attention_mask must be 'none' or 'grow', got {attention_mask!r}")
     dev = next(model.parameters()).device
@@ -118,18 +118,31 @@ def fast_path_perplexity(model, windows: torch.Tensor, basis, *, k: int | float 
     return {"ppl": math.exp(mean), "nll": mean, "tokens": int(token_nll.numel()),
             "window_nll": [float(x) for x in token_nll.mean(1)], "token_nll": token_nll,
             "seconds": time.perf_counter() - t0, "steps": T - 1, "dtype": str(run_dtype).replace("torch.", ""),
-            "compiled": bool(compile), "device": str(dev)}
+            "compiled": bool(compile), "device": str(dev), "gqa_select": gqa_select, "aggregate": aggregate}
+
+
+def _resolve(model, gqa_select: str, aggregate: str) -> tuple[str, str]:
+    """(gqa_select, aggregate) checked, with "auto" resolved for ``model`` as ``enable_loki`` resolves it."""
+    from loki.integrations.transformers.enable import default_gqa_mode
+
+    if gqa_select != "auto" and gqa_select not in GQA_SELECT_MODES:
+        raise ValueError(f"gqa_select must be one of {('auto', *GQA_SELECT_MODES)}, got {gqa_select!r}")
+    if aggregate != "auto" and aggregate not in GQA_AGGREGATES:
+        raise ValueError(f"aggregate must be one of {('auto', *GQA_AGGREGATES)}, got {aggregate!r}")
+    return default_gqa_mode(model.config, "loki", gqa_select, aggregate)
 
 
 def fast_path_section(model, windows: torch.Tensor, basis, *, basis_name: str, k: int | float, d: int | float,
-                      gqa_select: str = "kv", aggregate: str = "sum", dtypes=FAST_PATH_DTYPES,
+                      gqa_select: str = "auto", aggregate: str = "auto", dtypes=FAST_PATH_DTYPES,
                       progress: bool = False, log=None) -> dict:
     """``loki check``'s fast-path section: the engine's perplexity (``semantics="decode"``, the model's dtype)
     and the fast path's in each of ``dtypes`` on the same windows, with the relative difference and the paired
-    95% interval of the increase over the engine.  Off CUDA: ``{"skipped": reason}`` (compiled CUDA graphs and the
-    Triton kernels are what it checks)."""
+    95% interval of the increase over the engine, in the GQA mode ``gqa_select`` / ``aggregate`` ("auto": the
+    model's default configuration, as ``enable_loki`` resolves it).  Off CUDA: ``{"skipped": reason}`` (compiled
+    CUDA graphs and the Triton kernels are what it checks)."""
     from loki.evaluation.intervals import paired_increase
 
+    gqa_select, aggregate = _resolve(model, gqa_select, aggregate)
     dev = next(model.parameters()).device
     if dev.type != "cuda":
         return {"skipped": f"the fast path (compiled static cache, Triton kernels) needs CUDA; the model is on {dev}"}
@@ -137,7 +150,8 @@ def fast_path_section(model, windows: torch.Tensor, basis, *, basis_name: str, k
     name = f"loki-{basis_name}[{gqa_select}]"
     spec = MethodSpec(name, "loki", k=k, d=d, basis=basis_name, gqa_select=gqa_select, aggregate=aggregate)
     if log:
-        log(f"fast path: {name} k={k} d={d}, {N} x {T} tokens, engine then {', '.join(dtypes)} token by token")
+        agg = f" ({aggregate})" if gqa_select == "kv" else ""
+        log(f"fast path: {name}{agg} k={k} d={d}, {N} x {T} tokens, engine then {', '.join(dtypes)} token by token")
     engine = perplexity(model, windows, spec, {basis_name: basis}, batch_size=max(1, N))
     rows = []
     for dt in dtypes:

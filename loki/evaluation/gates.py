@@ -8,9 +8,12 @@ book passages; :func:`update_thresholds`), each limit the largest of the three m
 holds on each text.
 
 Rows are chosen by the fields they carry (``role``: baseline, oracle, loki, competitor; ``basis``,
-``gqa_select``, ``k``, ``seq_len``; exactness rows name the row they must ``reproduce``; comparisons their
-``kind``), never by parsing display names.  Results written before these fields existed are read through the
-``method``, ``k`` and ``d`` fields they do carry.
+``gqa_select``, ``aggregate``, ``k``, ``seq_len``; exactness rows name the row they must ``reproduce``; comparisons
+their ``kind``), never by parsing display names.  The default Loki configuration is the default basis in the run's
+default GQA mode (``settings["default_gqa_select"]`` and ``["default_aggregate"]``: one selection per KV group with
+"softmax-max" on a GQA model; :func:`~loki.evaluation.gate_rows.default_gqa`).  Results written before these fields
+existed are read through the ``method``, ``k`` and ``d`` fields they do carry, with the default of then, per query
+head.
 
 How an interval decides (a gate fails only on evidence):
 
@@ -18,8 +21,8 @@ How an interval decides (a gate fails only on evidence):
   ``exactness_rel_tol``: deterministic, no interval;
 - ordering full <= exact top-k <= Loki: fails when the paired interval of the increase lies entirely below
   ``-ordering_rel_tol`` (a sparse method significantly better than the dense or oracle one means a bug);
-- Loki's best basis against H2O at the same budget: fails when the interval of Loki over H2O lies entirely
-  above 0 (Loki significantly worse);
+- Loki's best basis (in the default GQA mode) against H2O at the same budget: fails when the interval of Loki over
+  H2O lies entirely above 0 (Loki significantly worse);
 - targets and fidelity: the default basis' increase over full attention fails when its interval lies entirely
   above the target (at every window length and k_f the run measures that has a target), and against each PCA
   basis when the interval lies entirely above 0; a known miss of the profile is reported as such
@@ -44,7 +47,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from loki.evaluation.gate_rows import _gate, primary_setting, row_role  # noqa: F401 - re-exported
+from loki.evaluation.gate_rows import _gate, default_gqa, in_default_mode, primary_setting, row_role  # noqa: F401
 
 __all__ = ["DEFAULT_THRESHOLDS", "evaluate_gates", "load_thresholds", "primary_setting", "retrieval_cells",
            "row_key", "row_role", "update_thresholds", "verdict"]
@@ -133,10 +136,18 @@ def _ci(x: dict, pre="increase") -> str:
     return f"[{100 * lo:+.2f}%, {100 * hi:+.2f}%]" if lo is not None else ""
 
 
+#: Settings that results written before they were recorded had: the shared (kv) rows combined raw sums.
+_LEGACY_SETTINGS = {"kv_aggregate": "sum"}
+
+
 def _profile_applies(results: dict, thresholds: dict, profile: str) -> tuple[bool, dict]:
+    """Whether the profile's recorded limits and known misses apply to the run: every setting they were recorded
+    with (``kv_aggregate`` included: limits of shared rows combined otherwise measure another configuration) is the
+    run's."""
     prof = thresholds.get("profiles", {}).get(profile) or {}
     settings = results.get("settings", {})
-    mismatch = {k: (settings.get(k), v) for k, v in prof.get("settings", {}).items() if settings.get(k) != v}
+    got = lambda k: settings.get(k, _LEGACY_SETTINGS.get(k))  # noqa: E731
+    mismatch = {k: (got(k), v) for k, v in prof.get("settings", {}).items() if got(k) != v}
     return bool(prof) and not mismatch, mismatch
 
 
@@ -196,10 +207,11 @@ def evaluate_gates(results: dict, thresholds: dict, profile: str = "check", *,
     for kind, c in kinds:
         if kind == "loki_vs_oracle":
             ordering(c)
-    loki_q = [r for r in rows.values() if row_role(r) == "loki" and r.get("gqa_select", "query") == "query"]
+    gqa = default_gqa(results)
+    loki_default = [r for r in rows.values() if row_role(r) == "loki" and in_default_mode(r, gqa)]
     h2o = [r for r in rows.values() if r.get("method") == "h2o"]
-    if h2o and loki_q:
-        best = min(loki_q, key=lambda r: r["ppl"])
+    if h2o and loki_default:
+        best = min(loki_default, key=lambda r: r["ppl"])
         c = next((c for kind, c in kinds if kind == "loki_vs_h2o" and c["a"] == best["name"]), None)
         if c is None:
             gates.append(_missing(f"Loki best basis ({best['name']}) not worse than H2O at k={k0:g}",
@@ -354,8 +366,10 @@ def update_thresholds(runs: dict[str, dict], path: str | Path, profile: str, *, 
     data = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     first = next(iter(runs.values()))
     primary = primary_setting(first)
-    prof = {"settings": {k: first["settings"][k] for k in ("k", "d", "k_values", "calibration", "windows", "bases",
-                                                            "methods")},
+    settings = {k: first["settings"][k] for k in ("k", "d", "k_values", "calibration", "windows", "bases", "methods")}
+    if "kv_aggregate" in first["settings"]:  # the aggregate of the shared (kv) rows the limits are recorded for
+        settings["kv_aggregate"] = first["settings"]["kv_aggregate"]
+    prof = {"settings": settings,
             "measured_on": {t: {"full_ppl": next((round(r["ppl"], 6) for r in res["perplexity"]
                                                   if row_role(r) == "baseline" and r["seq_len"] == primary[0]),
                                                  None),

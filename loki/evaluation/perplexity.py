@@ -33,7 +33,7 @@ import torch
 
 from loki._checks import check_budget, resolve_d, resolve_k
 from loki._hf import cache_keyword, config_head_dim
-from loki.reference.selection import GQA_AGGREGATES, GQA_SELECT_MODES, KERNEL_AGGREGATES
+from loki.reference.selection import DEFAULT_KV_AGGREGATE, GQA_AGGREGATES, GQA_SELECT_MODES, KERNEL_AGGREGATES
 
 __all__ = [
     "METHOD_ROLES",
@@ -71,7 +71,9 @@ def method_role(method: str) -> str:
 @dataclass(frozen=True)
 class MethodSpec:
     """One evaluated setting.  ``k``/``d`` are counts or fractions (``d`` is SparQ's ``r``); ``basis`` names an
-    entry of the bases dict (e.g. "pre"/"post") for "loki" and "pcaattn"."""
+    entry of the bases dict (e.g. "pre"/"post") for "loki" and "pcaattn".  ``gqa_select`` / ``aggregate`` are
+    explicit (per query head unless given): a spec names one setting whatever the model; the accuracy suite builds
+    its specs in the model's default mode (:func:`loki.evaluation.suite.resolve_gqa`)."""
 
     name: str
     method: str
@@ -265,17 +267,24 @@ def perplexity(model, windows: torch.Tensor, spec: MethodSpec, bases: dict | Non
 
 
 def standard_methods(k_f: float = 0.25, d_f: float = 0.25, head_dim: int = 64, *, rotary=("pre", "post"),
-                     gqa_modes=("query", "kv"), pcaattn: bool = True, exactness: bool = True) -> list[MethodSpec]:
-    """The suite at matched budgets: full attention, exact top-k (both GQA modes), Loki for every basis and GQA
-    mode, H2O, PCAAttn and SparQ with ``r = d`` (SparQ reads r of D dims per key as Loki reads d, so their
-    score-phase bytes match), plus the exactness settings (Loki with d = D and k = all; d = D at k_f)."""
+                     gqa_modes=("query", "kv"), pcaattn: bool = True, exactness: bool = True,
+                     kv_aggregate: str = DEFAULT_KV_AGGREGATE) -> list[MethodSpec]:
+    """The suite at matched budgets: full attention, exact top-k (every GQA mode of ``gqa_modes``, in that order),
+    Loki for every basis and GQA mode, H2O, PCAAttn and SparQ with ``r = d`` (SparQ reads r of D dims per key as
+    Loki reads d, so their score-phase bytes match), plus the exactness settings (Loki with d = D and k = all;
+    d = D at k_f, per query head).  The "kv" settings (exact top-k among them: the oracle of the same shared
+    selection) combine a group's scores by ``kv_aggregate`` (default "softmax-max", ``enable_loki``'s)."""
+    if kv_aggregate not in GQA_AGGREGATES:
+        raise ValueError(f"kv_aggregate must be one of {GQA_AGGREGATES}, got {kv_aggregate!r}")
     r = max(1, math.ceil(d_f * head_dim - 1e-9))
+    agg = {"query": "sum", "kv": kv_aggregate}
     specs = [MethodSpec("full", "full")]
     for g in gqa_modes:
-        specs.append(MethodSpec(f"exact_topk[{g}]", "exact_topk", k=k_f, gqa_select=g))
+        specs.append(MethodSpec(f"exact_topk[{g}]", "exact_topk", k=k_f, gqa_select=g, aggregate=agg[g]))
     for rot in rotary:
         for g in gqa_modes:
-            specs.append(MethodSpec(f"loki-{rot}[{g}]", "loki", k=k_f, d=d_f, basis=rot, gqa_select=g))
+            specs.append(MethodSpec(f"loki-{rot}[{g}]", "loki", k=k_f, d=d_f, basis=rot, gqa_select=g,
+                                    aggregate=agg[g]))
     specs.append(MethodSpec("h2o", "h2o", k=k_f))
     specs.append(MethodSpec(f"sparq(r={r})", "sparq", k=k_f, d=r))
     pca_rot = "post" if "post" in rotary else rotary[-1]  # PCAAttn and the exactness checks use the PCA basis

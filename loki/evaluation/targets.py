@@ -2,9 +2,11 @@
 
 ``targets`` in ``loki/evaluation/accuracy_thresholds.json`` holds them:
 
-- ``ppl``: the default Loki configuration's perplexity increase over full attention (score-aware basis, GQA
-  ``query``; rows chosen by their ``role``, ``basis`` and ``gqa_select`` fields, never by display names) at a
-  window length and budget, a fraction k_f or (an int) a count of tokens: ``{"window", "k", "max"}``;
+- ``ppl``: the default Loki configuration's perplexity increase over full attention (score-aware basis in the
+  run's default GQA mode: one selection per KV group with "softmax-max" on a GQA model, per query head otherwise,
+  :func:`~loki.evaluation.gate_rows.default_gqa`; rows chosen by their ``role``, ``basis``, ``gqa_select`` and
+  ``aggregate`` fields, never by display names) at a window length and budget, a fraction k_f or (an int) a count
+  of tokens: ``{"window", "k", "max"}``;
 - ``retrieval``: the default Loki's pooled retrieval accuracy against exact top-k at a context length and k_f:
   ``{"context", "k", "max_drop"}``.
 
@@ -13,10 +15,12 @@ evidence: when the paired 95% interval lies entirely beyond the target.  The rep
 estimate is within it (the README's reading: "met" or "missed").
 
 ``known_misses`` of a target, per profile, record a target the default configuration does not reach, with the
-value and interval it was measured at.  A failing target gate with a known miss of the run's profile (and the
-profile's settings) is reported as a known miss; it fails the run unless ``loki check --allow-known-misses``, and
-it fails even then when the run is significantly worse than recorded (its interval lies entirely beyond the
-recorded value).
+value and interval it was measured at and the GQA mode it was measured in (``gqa_select`` and ``aggregate``;
+entries without them were recorded when the default was per query head: "query", "sum").  A failing target gate
+with a known miss of the run's profile (and the profile's settings) recorded in the GQA mode of the run's default
+row is reported as a known miss; it fails the run unless ``loki check --allow-known-misses``, and it fails even
+then when the run is significantly worse than recorded (its interval lies entirely beyond the recorded value).  A
+known miss recorded in another GQA mode excuses nothing (its note says so: measure and record the new default).
 
 :func:`targets_markdown` renders the table the README carries (a test keeps the README's copy identical).
 """
@@ -35,6 +39,12 @@ class KnownMiss:
     interval: tuple[float, float]
     reason: str
     recorded: str = ""
+    gqa_select: str = "query"  # the GQA mode of the default row it was measured on
+    aggregate: str = "sum"
+
+    @property
+    def gqa(self) -> tuple[str, str]:
+        return self.gqa_select, self.aggregate
 
 
 def _budget(k) -> int | float:
@@ -86,7 +96,8 @@ def _known(entry: dict, where: str) -> dict[str, KnownMiss]:
     for profile, km in (entry.get("known_misses") or {}).items():
         try:
             lo, hi = (float(x) for x in km["interval"])
-            out[profile] = KnownMiss(profile, float(km["measured"]), (lo, hi), km["reason"], km.get("recorded", ""))
+            out[profile] = KnownMiss(profile, float(km["measured"]), (lo, hi), km["reason"], km.get("recorded", ""),
+                                     km.get("gqa_select", "query"), km.get("aggregate", "sum"))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{where}: known_misses[{profile!r}] needs 'measured', 'interval' [lo, hi] and "
                              f"'reason' ({exc})") from None
@@ -122,20 +133,23 @@ def load_targets(thresholds: dict, primary: tuple[int, float] | None = None) -> 
     return ppl, ret
 
 
-def _default_row(rows: list[dict], default: str, T: int, k: float) -> dict | None:
-    from loki.evaluation.gate_rows import row_role
+def _default_row(rows: list[dict], default: str, gqa: tuple[str, str], T: int, k: float) -> dict | None:
+    """The default Loki configuration's row (basis ``default`` in the default GQA mode ``gqa``) at (T, k)."""
+    from loki.evaluation.gate_rows import in_default_mode, row_role
 
     for r in rows:
-        if (row_role(r) == "loki" and r.get("basis") == default and r.get("gqa_select", "query") == "query"
+        if (row_role(r) == "loki" and r.get("basis") == default and in_default_mode(r, gqa)
                 and r.get("seq_len") == T and _same_budget(r.get("k"), k) and "increase_lo" in r):
             return r
     return None
 
 
-def _default_cell(results: dict, default: str, context: int, k: float) -> dict | None:
+def _default_cell(results: dict, default: str, gqa: tuple[str, str], context: int, k: float) -> dict | None:
+    from loki.evaluation.gate_rows import in_default_mode
+
     for c in results.get("retrieval", {}).get("cells", []):
         if (c.get("task") == "all" and c.get("method") == "loki" and c.get("basis") == default
-                and c.get("gqa_select", "query") == "query" and c.get("context_len") == context
+                and in_default_mode(c, gqa) and c.get("context_len") == context
                 and _same_budget(c.get("k"), k) and c.get("diff")):
             return c
     return None
@@ -148,15 +162,16 @@ def _pct(x: float) -> str:
 def target_gates(results: dict, thresholds: dict, profile: str, *, profile_applies: bool) -> list[dict]:
     """The gates of the targets the run measures (see the module docstring).  ``profile_applies``: the run's
     settings are the profile's, so the profile's known misses apply."""
-    from loki.evaluation.gate_rows import _gate, primary_setting
+    from loki.evaluation.gate_rows import _gate, default_gqa, primary_setting
 
     s = results.get("settings", {})
     default = s.get("default_basis", "score")
+    gqa = default_gqa(results)
     k0 = primary_setting(results)[1]
     ppl, ret = load_targets(thresholds, primary_setting(results))
     gates = []
     for t in ppl:
-        r = _default_row(results.get("perplexity", []), default, t.window, t.k)
+        r = _default_row(results.get("perplexity", []), default, gqa, t.window, t.k)
         if r is None:
             continue
         where = f"T={t.window}" + ("" if _same_budget(t.k, k0) else f", {_k_text(t.k)}")
@@ -164,25 +179,35 @@ def target_gates(results: dict, thresholds: dict, profile: str, *, profile_appli
                   r["increase_lo"] <= t.max, f"interval [{_pct(r['increase_lo'])}, {_pct(r['increase_hi'])}] not "
                   f"all above {t.max:g}")
         _apply_known(g, t.known_misses.get(profile) if profile_applies else None, r["increase_lo"],
-                     r["increase_hi"], worse="higher")
+                     r["increase_hi"], worse="higher", gqa=gqa)
         gates.append(g)
     for t in ret:
-        c = _default_cell(results, default, t.context, t.k)
+        c = _default_cell(results, default, gqa, t.context, t.k)
         if c is None:
             continue
         d = c["diff"]
         g = _gate(f"target: retrieval {c['name']} within {100 * t.max_drop:g} points of {c['reference']} at "
                   f"{t.context} tokens", d["diff"], -t.max_drop, d["hi"] >= -t.max_drop,
                   f"interval [{d['lo']:+.3f}, {d['hi']:+.3f}] not all below {-t.max_drop:g}")
-        _apply_known(g, t.known_misses.get(profile) if profile_applies else None, d["lo"], d["hi"], worse="lower")
+        _apply_known(g, t.known_misses.get(profile) if profile_applies else None, d["lo"], d["hi"], worse="lower",
+                     gqa=gqa)
         gates.append(g)
     return gates
 
 
-def _apply_known(g: dict, km: KnownMiss | None, lo: float, hi: float, worse: str) -> None:
-    """Mark a failing target gate as a known miss of the run's profile, unless the run is significantly worse
-    than recorded (its interval lies entirely beyond the recorded value)."""
+def _gqa_text(gqa: tuple[str, str]) -> str:
+    return f"GQA {gqa[0]}" + (f" ({gqa[1]})" if gqa[0] == "kv" else "")
+
+
+def _apply_known(g: dict, km: KnownMiss | None, lo: float, hi: float, worse: str, gqa: tuple[str, str]) -> None:
+    """Mark a failing target gate as a known miss of the run's profile, unless it was recorded in another GQA mode
+    than the run's default row's (``gqa``) or the run is significantly worse than recorded (its interval lies
+    entirely beyond the recorded value)."""
     if g["passed"] or km is None:
+        return
+    if km.gqa[0] != gqa[0] or (gqa[0] == "kv" and km.gqa[1] != gqa[1]):
+        g["note"] = (f"the known miss of profile {km.profile} was recorded for {_gqa_text(km.gqa)}, the default row "
+                     f"here is {_gqa_text(gqa)}: it does not excuse it (measure and record the default configuration)")
         return
     if (lo > km.measured) if worse == "higher" else (hi < km.measured):
         g["note"] = (f"known miss of profile {km.profile} recorded at {km.measured:+.4f} does not excuse it: the "
@@ -195,13 +220,14 @@ def _apply_known(g: dict, km: KnownMiss | None, lo: float, hi: float, worse: str
 def target_status(results: dict, thresholds: dict) -> list[dict]:
     """Per target: ``{"kind", "target", "bound", "measured", "lo", "hi", "status"}`` where status is ``met`` (point
     estimate within the target), ``missed`` or ``not measured`` in this run."""
-    from loki.evaluation.gate_rows import primary_setting
+    from loki.evaluation.gate_rows import default_gqa, primary_setting
 
     default = results.get("settings", {}).get("default_basis", "score")
+    gqa = default_gqa(results)
     ppl, ret = load_targets(thresholds, primary_setting(results) if results.get("settings") else None)
     out = []
     for t in ppl:
-        r = _default_row(results.get("perplexity", []), default, t.window, t.k)
+        r = _default_row(results.get("perplexity", []), default, gqa, t.window, t.k)
         row = {"kind": "ppl", "target": f"default Loki, {t.label}: perplexity within {_pct(t.max)}",
                "bound": t.max}
         if r is None:
@@ -210,7 +236,7 @@ def target_status(results: dict, thresholds: dict) -> list[dict]:
             out.append(row | {"measured": r["increase"], "lo": r["increase_lo"], "hi": r["increase_hi"],
                               "status": "met" if r["increase"] <= t.max else "missed"})
     for t in ret:
-        c = _default_cell(results, default, t.context, t.k)
+        c = _default_cell(results, default, gqa, t.context, t.k)
         row = {"kind": "retrieval", "target": f"default Loki, {t.label}: within {100 * t.max_drop:g} points of "
                "exact top-k", "bound": -t.max_drop}
         if c is None:
@@ -222,6 +248,12 @@ def target_status(results: dict, thresholds: dict) -> list[dict]:
     return out
 
 
+def _mode_note(m: KnownMiss) -> str:
+    """A known miss recorded with a shared selection names it (entries per query head, the default they were
+    recorded under before softmax-max became it on GQA models, name nothing)."""
+    return f" (GQA kv, {m.aggregate})" if m.gqa_select == "kv" else ""
+
+
 def targets_markdown(thresholds: dict) -> str:
     """The targets as a markdown table (the README carries this table verbatim)."""
     from loki.evaluation.perplexity import budget_label
@@ -230,12 +262,12 @@ def targets_markdown(thresholds: dict) -> str:
     lines = ["| target (default Loki: score-aware basis, d_f = 0.25) | bound "
              "| known misses (measured [95% interval]) |", "|---|---:|---|"]
     for t in ppl:
-        km = "; ".join(f"profile `{p}`: {_pct(m.measured)} [{_pct(m.interval[0])}, {_pct(m.interval[1])}]"
-                       for p, m in t.known_misses.items()) or "-"
+        km = "; ".join(f"profile `{p}`{_mode_note(m)}: {_pct(m.measured)} [{_pct(m.interval[0])}, "
+                       f"{_pct(m.interval[1])}]" for p, m in t.known_misses.items()) or "-"
         note = f" ({t.note})" if t.note else ""
         lines.append(f"| perplexity increase over full attention, {t.label}{note} | {_pct(t.max)} | {km} |")
     for t in ret:
-        km = "; ".join(f"profile `{p}`: {100 * m.measured:+.1f} points [{100 * m.interval[0]:+.1f}, "
+        km = "; ".join(f"profile `{p}`{_mode_note(m)}: {100 * m.measured:+.1f} points [{100 * m.interval[0]:+.1f}, "
                        f"{100 * m.interval[1]:+.1f}]" for p, m in t.known_misses.items()) or "-"
         note = f" ({t.note})" if t.note else ""
         lines.append(f"| retrieval accuracy against exact top-k, {t.context} tokens, {budget_label(t.k)}{note} | "

@@ -79,7 +79,10 @@ class LokiLM(HFLM):
         basis: a ``PCABasis`` or path to one (required for "loki" and "pcaattn").
         k, d: counts (int) or fractions (float); see ``enable_loki``.
         method: "loki", "exact_topk", "pcaattn", "dense", "sparq" or "h2o" (h2o needs semantics=generate).
-        gqa_select: "query" or "kv"; aggregate: "sum" or "max"; backend: "auto", "torch" or "triton".
+        gqa_select: "auto" (default: ``enable_loki``'s, one selection per KV group with aggregate "softmax-max" for
+            method "loki" on a GQA model, else per query head), "query" or "kv"; aggregate: "auto" (default) or one
+            of ``loki.reference.GQA_AGGREGATES``; backend: "auto", "torch" or "triton".  ``loki_settings`` holds
+            the resolved ones.
         semantics: "decode" (default: every query row sparse, so loglikelihoods measure the method) or
             "generate" (dense prefill, sparse decode steps only).
     """
@@ -91,8 +94,8 @@ class LokiLM(HFLM):
         k: int | float = 0.25,
         d: int | float = 0.25,
         method: str = "loki",
-        gqa_select: str = "query",
-        aggregate: str = "sum",
+        gqa_select: str = "auto",
+        aggregate: str = "auto",
         semantics: str = "decode",
         backend: str = "auto",
         h2o_recent_fraction: float = 0.5,
@@ -114,7 +117,8 @@ class LokiLM(HFLM):
             self.model, basis, k=k, d=d, method=method, gqa_select=gqa_select, aggregate=aggregate,
             backend=backend, semantics=semantics, h2o_recent_fraction=h2o_recent_fraction,
         )
-        self.loki_settings = dict(k=k, d=d, method=method, gqa_select=gqa_select, aggregate=aggregate,
+        cfg = self.model._loki_config.config  # "auto" resolved by enable_loki
+        self.loki_settings = dict(k=k, d=d, method=method, gqa_select=cfg.gqa_select, aggregate=cfg.aggregate,
                                   semantics=semantics, backend=backend)
 
 

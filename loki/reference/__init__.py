@@ -5,6 +5,7 @@ from .common import expand_to_query_heads, gather_rows, rotate_keys, rotate_quer
 from .dense import dense_attention, exact_scores
 from .methods import exact_topk_attention, h2o_attention, loki_attention, pcaattn_attention, sparq_attention
 from .selection import (
+    DEFAULT_KV_AGGREGATE,
     GQA_AGGREGATES,
     GQA_SELECT_MODES,
     KERNEL_AGGREGATES,
@@ -19,6 +20,7 @@ from .selection import (
 from .sparse import sparse_attention
 
 __all__ = [
+    "DEFAULT_KV_AGGREGATE",
     "GQA_AGGREGATES",
     "GQA_SELECT_MODES",
     "KERNEL_AGGREGATES",

@@ -19,16 +19,22 @@ from .._checks import (
     valid_token_mask,
 )
 
-__all__ = ["GQA_SELECT_MODES", "GQA_AGGREGATES", "KERNEL_AGGREGATES", "approx_scores", "aggregate_group_scores",
+__all__ = ["DEFAULT_KV_AGGREGATE", "GQA_SELECT_MODES", "GQA_AGGREGATES", "KERNEL_AGGREGATES", "approx_scores",
+           "aggregate_group_scores",
            "budget", "check_kernel_aggregate", "select_topk", "token_ranks", "topk_indices"]
 
-#: "query": every query head selects its own tokens (the paper's code repeats KV heads; the default).
-#: "kv": one selection per KV head from the group's aggregated scores; each selected KV row is read once.
+#: "query": every query head selects its own tokens (the paper's code repeats KV heads; the default of the functions
+#: here).  "kv": one selection per KV head from the group's aggregated scores; each selected KV row is read once
+#: (``enable_loki``'s default for method "loki" on a GQA model).
 GQA_SELECT_MODES = ("query", "kv")
 #: How the scores of a GQA group are combined for a shared ("kv") selection (:func:`aggregate_group_scores`).
 GQA_AGGREGATES = ("sum", "max", "softmax-sum", "softmax-max", "union")
 #: The aggregates the Triton kernels implement ("union" runs on the PyTorch reference only).
 KERNEL_AGGREGATES = ("sum", "max", "softmax-sum", "softmax-max")
+#: The aggregate of a shared selection by default: ``enable_loki(..., aggregate="auto")`` for method "loki" with
+#: one selection per KV group, and the accuracy suite's kv rows (each head's scores softmax-normalised before the
+#: group's maximum: the most accurate shared selection the kernels run).
+DEFAULT_KV_AGGREGATE = "softmax-max"
 
 
 def _check_mode(gqa_select: str, aggregate: str) -> None:

@@ -68,8 +68,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default 0.25)")
     parser.add_argument("--method", default="loki", choices=_METHODS,
                         help="the attention method (default: %(default)s; h2o needs --semantics generate)")
-    parser.add_argument("--gqa-select", default="query", choices=("query", "kv"),
-                        help="GQA selection: per query head (default, as in the paper) or one per KV head")
+    parser.add_argument("--gqa-select", default="auto", choices=("auto", "query", "kv"),
+                        help="GQA selection of the sparse rows: auto (default: for --method loki on a GQA model "
+                        "such as the embedded SmolLM2, 9 query / 3 KV heads, one selection per KV group with each "
+                        "head's scores softmax-normalised before the group's maximum, as enable_loki; otherwise per "
+                        "query head), query (each query head selects its own tokens) or kv (one per KV group)")
     parser.add_argument("--semantics", default="decode", choices=("decode", "generate"),
                         help="decode (default): every query row sparse, so loglikelihoods measure the method; "
                         "generate: dense prefill")
@@ -168,8 +171,9 @@ def run(args: argparse.Namespace) -> int:
         payload = {
             "model": args.model or "embedded:SmolLM2-135M-Instruct",
             "basis": args.basis,
-            "settings": {"k": args.k, "d": args.d, "method": args.method, "gqa_select": args.gqa_select,
-                         "semantics": args.semantics, "num_fewshot": args.num_fewshot, "limit": args.limit},
+            "settings": {"k": args.k, "d": args.d, "method": args.method, "gqa_select": lm.loki_settings["gqa_select"],
+                         "aggregate": lm.loki_settings["aggregate"], "semantics": args.semantics,
+                         "num_fewshot": args.num_fewshot, "limit": args.limit},
             "tasks": tasks,
             "results": metrics,
             "n_samples": results.get("n-samples") if results else None,

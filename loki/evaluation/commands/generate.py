@@ -32,8 +32,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="principal dims (default: %(default)s)")
     parser.add_argument("--basis", default=None,
                         help="basis file; default: the cached/calibrated default (score-aware) basis")
-    parser.add_argument("--gqa-select", default="query", choices=("query", "kv"),
-                        help="GQA selection: per query head (default, as in the paper) or one per KV head")
+    parser.add_argument("--gqa-select", default="auto", choices=("auto", "query", "kv"),
+                        help="GQA selection of the decode steps: auto (default: for --method loki on a GQA model "
+                        "such as the embedded SmolLM2, 9 query / 3 KV heads, one selection per KV group with each "
+                        "head's scores softmax-normalised before the group's maximum, as enable_loki; otherwise per "
+                        "query head), query (each query head selects its own tokens) or kv (one per KV group)")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     add_model_arguments(parser)
 

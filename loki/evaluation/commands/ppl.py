@@ -17,6 +17,7 @@ from . import (
 )
 
 _METHODS = ("full", "dense", "exact_topk", "loki", "pcaattn", "sparq", "h2o")
+_AGGREGATES = ("sum", "max", "softmax-sum", "softmax-max", "union")  # reference.GQA_AGGREGATES (no torch import)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,11 +46,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="calibration text (its calibration part; default: %(default)s)")
     parser.add_argument("--calib-tokens", type=int, default=None,
                         help="calibration tokens when no --basis is given (default: the recipe's 32768)")
-    parser.add_argument("--gqa-select", default="query", choices=("query", "kv"),
-                        help="GQA selection of the top-k methods: per query head (default, as in the paper) or one "
-                        "per KV head")
-    parser.add_argument("--aggregate", default="sum", choices=("sum", "max", "softmax-sum", "softmax-max", "union"),
-                        help="how --gqa-select kv combines a group's scores (default: %(default)s; docs/accuracy.md)")
+    parser.add_argument("--gqa-select", default="auto", choices=("auto", "query", "kv"),
+                        help="GQA selection of the top-k methods: auto (default: enable_loki's, for --method loki on "
+                        "a GQA model such as the embedded SmolLM2, 9 query / 3 KV heads, one selection per KV group "
+                        "with --aggregate softmax-max, the configuration loki check gates and the benchmarks time; "
+                        "otherwise per query head), query (each query head selects its own tokens, as in the paper) "
+                        "or kv (one selection per KV group)")
+    parser.add_argument("--aggregate", default="auto", choices=("auto", *_AGGREGATES),
+                        help="how a shared (kv) selection combines a group's scores: auto (default: softmax-max for "
+                        "--method loki, each head's scores softmax-normalised before the group's maximum; sum for "
+                        "the other methods), sum (raw sums), max, softmax-sum, union (docs/accuracy.md)")
     parser.add_argument("--protocol", default="decode", choices=("decode", "paper"),
                         help="decode (default): row i selects ceil(k_f (i+1)) of its i+1 tokens; paper: k a "
                         "fraction of the whole window (the paper's evaluation)")
@@ -110,6 +116,10 @@ def run(args: argparse.Namespace) -> int:
                     "--calib-tokens N for a smaller calibration)")
             bases = {"b": get_bases(model, tokenizer, (args.basis_kind,), recipe, progress=not args.no_progress,
                                     log=log)[args.basis_kind]}
+    from loki.integrations.transformers.enable import default_gqa_mode
+
+    # "auto" resolved as enable_loki resolves it, so that the printed setting is the one measured
+    args.gqa_select, args.aggregate = default_gqa_mode(model.config, args.method, args.gqa_select, args.aggregate)
     try:
         windows = token_windows(tokenizer, src, seq_len, n_windows, offset=args.offset)
         spec = MethodSpec(args.method, args.method, k=args.k, d=args.d, basis="b" if bases else None,

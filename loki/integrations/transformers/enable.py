@@ -24,7 +24,7 @@ from loki._hf import (
     text_config,
 )
 from loki.basis import PCABasis
-from loki.reference.selection import GQA_AGGREGATES, KERNEL_AGGREGATES
+from loki.reference.selection import DEFAULT_KV_AGGREGATE, GQA_AGGREGATES, KERNEL_AGGREGATES
 
 from .attention import loki_attention_forward
 from .cache import convert_cache, restore_caches
@@ -73,13 +73,15 @@ def _register() -> None:
 
 
 def default_gqa_mode(config, method: str, gqa_select: str = "auto", aggregate: str = "auto") -> tuple[str, str]:
-    """(gqa_select, aggregate) with "auto" resolved: one selection per KV group with softmax-normalised scores
-    ("kv", "softmax-max") for method "loki" on a GQA model, else per query head ("query"; aggregate "sum")."""
+    """(gqa_select, aggregate) with "auto" resolved, as :func:`enable_loki` resolves its defaults: one selection per
+    KV group with softmax-normalised scores ("kv", :data:`~loki.reference.DEFAULT_KV_AGGREGATE` "softmax-max") for
+    method "loki" on a GQA model (fewer KV heads than query heads), else per query head ("query"; aggregate "sum").
+    An explicit "kv" with aggregate "auto" takes "softmax-max" for method "loki", "sum" for the other methods."""
     if gqa_select == "auto":
         heads = int(text_config(config).num_attention_heads)
         gqa_select = "kv" if method == "loki" and config_kv_heads(config) < heads else "query"
     if aggregate == "auto":
-        aggregate = "softmax-max" if gqa_select == "kv" and method == "loki" else "sum"
+        aggregate = DEFAULT_KV_AGGREGATE if gqa_select == "kv" and method == "loki" else "sum"
     return gqa_select, aggregate
 
 
@@ -94,8 +96,8 @@ def enable_loki(
     d: int | float = 0.25,
     *,
     method: str = "loki",
-    gqa_select: str = "query",
-    aggregate: str = "sum",
+    gqa_select: str = "auto",
+    aggregate: str = "auto",
     backend: str = "auto",
     semantics: str = "generate",
     h2o_recent_fraction: float = 0.5,
@@ -112,16 +114,20 @@ def enable_loki(
         d: leading principal dims for the approximate scores (SparQ's ``r`` for ``method="sparq"``): an int
             count (<= D) or a float fraction of D.
         method: one of :data:`METHODS`.
-        gqa_select: "query" (each query head selects its own tokens) or "kv" (one selection per KV head from the
-            group's scores combined by ``aggregate``, one of ``loki.reference.GQA_AGGREGATES``; the Triton kernels
-            implement all but "union" (``loki.reference.KERNEL_AGGREGATES``), which needs ``backend="torch"`` for
-            method "loki" on CUDA).  "auto": for method "loki" on a GQA model (fewer KV heads than query heads) one
-            selection per KV group, whose bytes fall with the group size, with ``aggregate`` "softmax-max" (each
-            head's scores normalised before the group's maximum: the most accurate shared selection the kernels run,
-            docs/accuracy.md; on the H100 its two extra kernels still cost more than the bytes they save,
-            docs/kernels.md); otherwise "query".  The default stays "query" (the most accurate per token read).
-        aggregate: how a shared selection combines the group's scores; "auto": "softmax-max" where "auto" chose
-            "kv", else "sum".
+        gqa_select: "auto" (the default), "query" or "kv".  "auto": for method "loki" on a GQA model (fewer KV
+            heads than query heads) "kv", one selection per KV group, whose bytes fall with the group size, with
+            ``aggregate`` "softmax-max" (each head's scores softmax-normalised before the group's maximum: the most
+            accurate shared selection the kernels run, docs/accuracy.md); this is the configuration the speed
+            benchmarks time and the accuracy suite reports and gates.  Otherwise (a model with as many KV heads as
+            query heads, or another method than "loki") "query".  An explicit "query" keeps per-query-head selection
+            (each query head selects its own tokens: more accurate per token, more bytes read) on any model.  "kv":
+            one selection per KV head from the group's scores combined by ``aggregate``.
+        aggregate: how a shared ("kv") selection combines the group's scores, one of
+            ``loki.reference.GQA_AGGREGATES``; the Triton kernels implement all but "union"
+            (``loki.reference.KERNEL_AGGREGATES``), which needs ``backend="torch"`` for method "loki" on CUDA.
+            "auto" (the default): "softmax-max" for method "loki" with a shared selection, else "sum" (raw sums of
+            the approximate scores, the timed configuration before "softmax-max" became the default).  Ignored for
+            per-query-head selection.  The resolved settings are on ``model._loki_config.config``.
         backend: "auto" (Triton kernel on CUDA, PyTorch elsewhere), "torch" or "triton" for the Loki decode step.
         semantics: "generate" (dense prefill, sparse decode steps) or "decode" (every query row attends like a
             decode step over the tokens it sees; for loglikelihood and perplexity evaluation).
