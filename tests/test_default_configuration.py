@@ -163,4 +163,30 @@ def test_the_targets_table_names_the_mode_of_a_shared_known_miss():
     km = dict(KM, gqa_select="kv", aggregate="softmax-max")
     md = targets_markdown({"targets": {"ppl": [{"window": 1024, "k": 0.25, "max": 0.2,
                                                 "known_misses": {"check": km, "long": KM}}]}})
-    assert "profile `check` (GQA kv, softmax-max): +31.0%" in md and "profile `long`: +31.0%" in md
+    assert "profile `check` (GQA kv, softmax-max): +31.0%" in md and "profile `long` (per query head): +31.0%" in md
+
+
+def test_the_shipped_known_misses_excuse_a_long_run_in_either_mode():
+    """The long profile's 1024-token miss is recorded per query head (the default before) and for the shared
+    softmax-max default; a run of the profile in either mode is excused by the entry of its own mode (the profile's
+    regression limits, recorded with raw-sum shared rows, are skipped for the softmax-max run but its known misses
+    apply), and a run significantly worse than its mode's entry is not."""
+    thr = gates.load_thresholds()
+
+    def gate(mode, increase, lo, hi):
+        settings = dict(thr["profiles"]["long"]["settings"], default_basis="score",
+                        parts={"perplexity": False, "agreement": False, "retrieval": False})
+        if mode == "kv":
+            settings.update(kv_aggregate="softmax-max", default_gqa_select="kv", default_aggregate="softmax-max")
+        row = dict(_row(f"loki-score[{mode}]", mode, "softmax-max" if mode == "kv" else "sum", increase, lo, hi),
+                   seq_len=1024)
+        (g,) = [g for g in gates.evaluate_gates({"settings": settings, "perplexity": [row], "comparisons": []},
+                                                thr, "long") if g["name"].startswith("fidelity")]
+        return g
+
+    recorded = {"kv": (0.146, 0.104, 0.198, "+0.1464"), "query": (0.140, 0.101, 0.184, "+0.1398")}
+    for mode, (m, lo, hi, text) in recorded.items():
+        g = gate(mode, m, lo, hi)
+        assert g["name"] == f"fidelity: loki-score[{mode}] within 8% of full at T=1024"
+        assert not g["passed"] and f"recorded {text}" in g["known"]
+    assert not gate("kv", 0.30, 0.25, 0.35).get("known")  # significantly worse than the kv entry

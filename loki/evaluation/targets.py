@@ -14,9 +14,10 @@ A target applies to every run that measures its setting.  Its gate, like every a
 evidence: when the paired 95% interval lies entirely beyond the target.  The report also states whether the point
 estimate is within it (the README's reading: "met" or "missed").
 
-``known_misses`` of a target, per profile, record a target the default configuration does not reach, with the
-value and interval it was measured at and the GQA mode it was measured in (``gqa_select`` and ``aggregate``;
-entries without them were recorded when the default was per query head: "query", "sum").  A failing target gate
+``known_misses`` of a target, per profile (one entry or a list of entries in different GQA modes), record a
+target the default configuration does not reach, with the value and interval it was measured at and the GQA mode
+it was measured in (``gqa_select`` and ``aggregate``; entries without them were recorded when the default was per
+query head: "query", "sum").  A failing target gate
 with a known miss of the run's profile (and the profile's settings) recorded in the GQA mode of the run's default
 row is reported as a known miss; it fails the run unless ``loki check --allow-known-misses``, and it fails even
 then when the run is significantly worse than recorded (its interval lies entirely beyond the recorded value).  A
@@ -67,7 +68,7 @@ class PplTarget:
     k: int | float
     max: float
     note: str = ""
-    known_misses: dict[str, KnownMiss] = field(default_factory=dict)
+    known_misses: dict[str, tuple[KnownMiss, ...]] = field(default_factory=dict)
 
     @property
     def label(self) -> str:
@@ -82,7 +83,7 @@ class RetrievalTarget:
     k: int | float
     max_drop: float
     note: str = ""
-    known_misses: dict[str, KnownMiss] = field(default_factory=dict)
+    known_misses: dict[str, tuple[KnownMiss, ...]] = field(default_factory=dict)
 
     @property
     def label(self) -> str:
@@ -91,16 +92,20 @@ class RetrievalTarget:
         return f"retrieval at {self.context} tokens, {budget_label(self.k)}"
 
 
-def _known(entry: dict, where: str) -> dict[str, KnownMiss]:
+def _known(entry: dict, where: str) -> dict[str, tuple[KnownMiss, ...]]:
+    """A target's known misses per profile: one entry, or a list of entries recorded in different GQA modes."""
     out = {}
-    for profile, km in (entry.get("known_misses") or {}).items():
-        try:
-            lo, hi = (float(x) for x in km["interval"])
-            out[profile] = KnownMiss(profile, float(km["measured"]), (lo, hi), km["reason"], km.get("recorded", ""),
-                                     km.get("gqa_select", "query"), km.get("aggregate", "sum"))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"{where}: known_misses[{profile!r}] needs 'measured', 'interval' [lo, hi] and "
-                             f"'reason' ({exc})") from None
+    for profile, kms in (entry.get("known_misses") or {}).items():
+        found = []
+        for km in kms if isinstance(kms, list) else [kms]:
+            try:
+                lo, hi = (float(x) for x in km["interval"])
+                found.append(KnownMiss(profile, float(km["measured"]), (lo, hi), km["reason"], km.get("recorded", ""),
+                                       km.get("gqa_select", "query"), km.get("aggregate", "sum")))
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ValueError(f"{where}: known_misses[{profile!r}] needs 'measured', 'interval' [lo, hi] and "
+                                 f"'reason' ({exc})") from None
+        out[profile] = tuple(found)
     return out
 
 
@@ -199,15 +204,22 @@ def _gqa_text(gqa: tuple[str, str]) -> str:
     return f"GQA {gqa[0]}" + (f" ({gqa[1]})" if gqa[0] == "kv" else "")
 
 
-def _apply_known(g: dict, km: KnownMiss | None, lo: float, hi: float, worse: str, gqa: tuple[str, str]) -> None:
-    """Mark a failing target gate as a known miss of the run's profile, unless it was recorded in another GQA mode
-    than the run's default row's (``gqa``) or the run is significantly worse than recorded (its interval lies
-    entirely beyond the recorded value)."""
-    if g["passed"] or km is None:
+def _same_mode(recorded: tuple[str, str], run: tuple[str, str]) -> bool:
+    return recorded[0] == run[0] and (run[0] != "kv" or recorded[1] == run[1])
+
+
+def _apply_known(g: dict, kms: tuple[KnownMiss, ...] | None, lo: float, hi: float, worse: str,
+                 gqa: tuple[str, str]) -> None:
+    """Mark a failing target gate as a known miss of the run's profile recorded in the GQA mode of the run's default
+    row (``gqa``), unless none was recorded in that mode or the run is significantly worse than recorded (its
+    interval lies entirely beyond the recorded value)."""
+    if g["passed"] or not kms:
         return
-    if km.gqa[0] != gqa[0] or (gqa[0] == "kv" and km.gqa[1] != gqa[1]):
-        g["note"] = (f"the known miss of profile {km.profile} was recorded for {_gqa_text(km.gqa)}, the default row "
-                     f"here is {_gqa_text(gqa)}: it does not excuse it (measure and record the default configuration)")
+    km = next((m for m in kms if _same_mode(m.gqa, gqa)), None)
+    if km is None:
+        modes = ", ".join(_gqa_text(m.gqa) for m in kms)
+        g["note"] = (f"the known miss of profile {kms[0].profile} was recorded for {modes}, the default row here is "
+                     f"{_gqa_text(gqa)}: it does not excuse it (measure and record the default configuration)")
         return
     if (lo > km.measured) if worse == "higher" else (hi < km.measured):
         g["note"] = (f"known miss of profile {km.profile} recorded at {km.measured:+.4f} does not excuse it: the "
@@ -249,9 +261,9 @@ def target_status(results: dict, thresholds: dict) -> list[dict]:
 
 
 def _mode_note(m: KnownMiss) -> str:
-    """A known miss recorded with a shared selection names it (entries per query head, the default they were
-    recorded under before softmax-max became it on GQA models, name nothing)."""
-    return f" (GQA kv, {m.aggregate})" if m.gqa_select == "kv" else ""
+    """The GQA mode a known miss was recorded in (entries without one were recorded per query head, the default
+    before softmax-max became it on GQA models)."""
+    return f" (GQA kv, {m.aggregate})" if m.gqa_select == "kv" else " (per query head)"
 
 
 def targets_markdown(thresholds: dict) -> str:
@@ -263,12 +275,12 @@ def targets_markdown(thresholds: dict) -> str:
              "| known misses (measured [95% interval]) |", "|---|---:|---|"]
     for t in ppl:
         km = "; ".join(f"profile `{p}`{_mode_note(m)}: {_pct(m.measured)} [{_pct(m.interval[0])}, "
-                       f"{_pct(m.interval[1])}]" for p, m in t.known_misses.items()) or "-"
+                       f"{_pct(m.interval[1])}]" for p, ms in t.known_misses.items() for m in ms) or "-"
         note = f" ({t.note})" if t.note else ""
         lines.append(f"| perplexity increase over full attention, {t.label}{note} | {_pct(t.max)} | {km} |")
     for t in ret:
         km = "; ".join(f"profile `{p}`{_mode_note(m)}: {100 * m.measured:+.1f} points [{100 * m.interval[0]:+.1f}, "
-                       f"{100 * m.interval[1]:+.1f}]" for p, m in t.known_misses.items()) or "-"
+                       f"{100 * m.interval[1]:+.1f}]" for p, ms in t.known_misses.items() for m in ms) or "-"
         note = f" ({t.note})" if t.note else ""
         lines.append(f"| retrieval accuracy against exact top-k, {t.context} tokens, {budget_label(t.k)}{note} | "
                      f"-{100 * t.max_drop:g} points | {km} |")
