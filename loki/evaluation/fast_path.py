@@ -32,7 +32,6 @@ import torch
 
 from loki._hf import cache_keyword
 from loki.evaluation.perplexity import MethodSpec, perplexity
-from loki.reference.selection import GQA_AGGREGATES, GQA_SELECT_MODES
 
 __all__ = ["FAST_PATH_DTYPES", "fast_path_perplexity", "fast_path_section"]
 
@@ -125,10 +124,6 @@ def _resolve(model, gqa_select: str, aggregate: str) -> tuple[str, str]:
     """(gqa_select, aggregate) checked, with "auto" resolved for ``model`` as ``enable_loki`` resolves it."""
     from loki.integrations.transformers.enable import default_gqa_mode
 
-    if gqa_select != "auto" and gqa_select not in GQA_SELECT_MODES:
-        raise ValueError(f"gqa_select must be one of {('auto', *GQA_SELECT_MODES)}, got {gqa_select!r}")
-    if aggregate != "auto" and aggregate not in GQA_AGGREGATES:
-        raise ValueError(f"aggregate must be one of {('auto', *GQA_AGGREGATES)}, got {aggregate!r}")
     return default_gqa_mode(model.config, "loki", gqa_select, aggregate)
 
 

@@ -204,10 +204,6 @@ def _gqa_text(gqa: tuple[str, str]) -> str:
     return f"GQA {gqa[0]}" + (f" ({gqa[1]})" if gqa[0] == "kv" else "")
 
 
-def _same_mode(recorded: tuple[str, str], run: tuple[str, str]) -> bool:
-    return recorded[0] == run[0] and (run[0] != "kv" or recorded[1] == run[1])
-
-
 def _apply_known(g: dict, kms: tuple[KnownMiss, ...] | None, lo: float, hi: float, worse: str,
                  gqa: tuple[str, str]) -> None:
     """Mark a failing target gate as a known miss of the run's profile recorded in the GQA mode of the run's default
@@ -215,7 +211,9 @@ def _apply_known(g: dict, kms: tuple[KnownMiss, ...] | None, lo: float, hi: floa
     interval lies entirely beyond the recorded value)."""
     if g["passed"] or not kms:
         return
-    km = next((m for m in kms if _same_mode(m.gqa, gqa)), None)
+    from loki.evaluation.gate_rows import in_default_mode
+
+    km = next((m for m in kms if in_default_mode({"gqa_select": m.gqa_select, "aggregate": m.aggregate}, gqa)), None)
     if km is None:
         modes = ", ".join(_gqa_text(m.gqa) for m in kms)
         g["note"] = (f"the known miss of profile {kms[0].profile} was recorded for {modes}, the default row here is "

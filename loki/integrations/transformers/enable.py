@@ -76,7 +76,12 @@ def default_gqa_mode(config, method: str, gqa_select: str = "auto", aggregate: s
     """(gqa_select, aggregate) with "auto" resolved, as :func:`enable_loki` resolves its defaults: one selection per
     KV group with softmax-normalised scores ("kv", :data:`~loki.reference.DEFAULT_KV_AGGREGATE` "softmax-max") for
     method "loki" on a GQA model (fewer KV heads than query heads), else per query head ("query"; aggregate "sum").
-    An explicit "kv" with aggregate "auto" takes "softmax-max" for method "loki", "sum" for the other methods."""
+    An explicit "kv" with aggregate "auto" takes "softmax-max" for method "loki", "sum" for the other methods.
+    Raises ValueError naming the argument for a mode or aggregate it does not know."""
+    if gqa_select not in ("auto", "query", "kv"):
+        raise ValueError(f"gqa_select must be 'auto', 'query' or 'kv', got {gqa_select!r}")
+    if aggregate != "auto" and aggregate not in GQA_AGGREGATES:
+        raise ValueError(f"aggregate must be one of {('auto', *GQA_AGGREGATES)}, got {aggregate!r}")
     if gqa_select == "auto":
         heads = int(text_config(config).num_attention_heads)
         gqa_select = "kv" if method == "loki" and config_kv_heads(config) < heads else "query"
@@ -138,10 +143,6 @@ def enable_loki(
     _check_architecture(model)
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    if gqa_select not in ("auto", "query", "kv"):
-        raise ValueError(f"gqa_select must be 'auto', 'query' or 'kv', got {gqa_select!r}")
-    if aggregate != "auto" and aggregate not in GQA_AGGREGATES:
-        raise ValueError(f"aggregate must be one of {('auto', *GQA_AGGREGATES)}, got {aggregate!r}")
     gqa_select, aggregate = default_gqa_mode(model.config, method, gqa_select, aggregate)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
