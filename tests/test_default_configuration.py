@@ -5,6 +5,10 @@ per query head.  Results written before the default GQA mode was recorded keep b
 
 from __future__ import annotations
 
+import copy
+import json
+from pathlib import Path
+
 import pytest
 
 from loki.basis import PCABasis
@@ -142,19 +146,30 @@ def test_retrieval_target_reads_the_default_modes_cell():
 
 
 def test_limits_recorded_for_raw_sum_shared_rows_do_not_apply_to_softmax_max_rows():
-    """The long profile's regression limits were recorded with the shared rows combining raw sums: a run whose
-    shared rows take softmax-max measures another configuration under the same names, so they are skipped with the
-    reason; results written before ``kv_aggregate`` was recorded (raw sums) keep them."""
-    thr = gates.load_thresholds()
-    assert thr["profiles"]["long"]["settings"]["kv_aggregate"] == "sum"
+    """Regression limits recorded with the shared rows combining raw sums do not apply to a run whose shared rows
+    take softmax-max (another configuration under the same names): they are skipped with the reason; results written
+    before ``kv_aggregate`` was recorded (raw sums) keep them.  The shipped long profile is recorded with the
+    default's softmax-max rows, so a default run of it is gated by its limits."""
+    shipped = gates.load_thresholds()
+    assert shipped["profiles"]["long"]["settings"]["kv_aggregate"] == "softmax-max"
     assert suite.profile_options("long").profile_settings()["kv_aggregate"] == "softmax-max"
-    settings = dict(thr["profiles"]["long"]["settings"], kv_aggregate="softmax-max", default_basis="score",
+    legacy_thr = copy.deepcopy(shipped)
+    legacy_thr["profiles"]["long"]["settings"]["kv_aggregate"] = "sum"
+    settings = dict(shipped["profiles"]["long"]["settings"], default_basis="score",
                     parts={"perplexity": False, "agreement": False, "retrieval": False})
     res = {"settings": settings, "perplexity": [], "comparisons": []}
-    (g,) = [g for g in gates.evaluate_gates(res, thr, "long") if g["name"] == "regression thresholds apply"]
+
+    def applies(result, thr):
+        return [g for g in gates.evaluate_gates(result, thr, "long") if g["name"] == "regression thresholds apply"]
+
+    (g,) = applies(res, legacy_thr)
     assert "skipped" in g["bound_text"] and "kv_aggregate" in g["note"]
-    legacy = dict(res, settings={k: v for k, v in settings.items() if k != "kv_aggregate"})
-    assert not [g for g in gates.evaluate_gates(legacy, thr, "long") if g["name"] == "regression thresholds apply"]
+    assert not applies(res, shipped)  # the shipped limits apply to the default's softmax-max rows
+    legacy = dict(res, settings=dict(settings, kv_aggregate="sum"))
+    (g,) = applies(legacy, shipped)  # and not to a run whose shared rows take raw sums
+    assert "skipped" in g["bound_text"] and "kv_aggregate" in g["note"]
+    old_results = dict(res, settings={k: v for k, v in settings.items() if k != "kv_aggregate"})
+    assert not applies(old_results, legacy_thr)
 
 
 def test_the_targets_table_names_the_mode_of_a_shared_known_miss():
@@ -168,9 +183,8 @@ def test_the_targets_table_names_the_mode_of_a_shared_known_miss():
 
 def test_the_shipped_known_misses_excuse_a_long_run_in_either_mode():
     """The long profile's 1024-token miss is recorded per query head (the default before) and for the shared
-    softmax-max default; a run of the profile in either mode is excused by the entry of its own mode (the profile's
-    regression limits, recorded with raw-sum shared rows, are skipped for the softmax-max run but its known misses
-    apply), and a run significantly worse than its mode's entry is not."""
+    softmax-max default; a run of the profile in either mode is excused by the entry of its own mode, and a run
+    significantly worse than its mode's entry is not."""
     thr = gates.load_thresholds()
 
     def gate(mode, increase, lo, hi):
@@ -190,3 +204,17 @@ def test_the_shipped_known_misses_excuse_a_long_run_in_either_mode():
         assert g["name"] == f"fidelity: loki-score[{mode}] within 8% of full at T=1024"
         assert not g["passed"] and f"recorded {text}" in g["known"]
     assert not gate("kv", 0.30, 0.25, 0.35).get("known")  # significantly worse than the kv entry
+
+
+def test_the_defaults_committed_retrieval_run_is_gated_by_the_shipped_limits():
+    """The long profile's limits were recorded in the default's mode (results/default-softmax-max-h100-2026-11-27):
+    its retrieval run applies them (no skip), passes every gate, and its 8k target gate reads the default row."""
+    folder = Path(__file__).resolve().parents[1] / "results" / "default-softmax-max-h100-2026-11-27" / "retrieval"
+    res = json.loads((folder / "results.json").read_text())
+    gs = gates.evaluate_gates(res, gates.load_thresholds(), "long")
+    names = {g["name"] for g in gs}
+    assert "regression thresholds apply" not in names
+    assert "regression: retrieval all@8192:loki-score[kv]" in names
+    assert [g["name"] for g in gs if not g["passed"]] == []
+    (t,) = [g for g in gs if g["name"].startswith("target: retrieval")]
+    assert "loki-score[kv]" in t["name"] and "exact_topk[kv]" in t["name"]

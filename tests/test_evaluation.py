@@ -447,14 +447,18 @@ def test_readme_report_and_gates_read_one_set_of_targets(tmp_path):
 
 def test_committed_results_without_role_fields_keep_their_gates():
     """Results written before the role fields (results/accuracy-long-h200-2026-11-26) are read through their
-    method, k and d fields: every gate they were decided with is still there, and the one failure is the
-    recorded known miss of the 1024-token target."""
+    method, k and d fields: every gate they were decided with is still there but the regression limits (recorded
+    since with the default's softmax-max shared rows, which those raw-sum results do not measure: skipped with the
+    reason), and the one failure is the recorded known miss of the 1024-token target."""
     folder = Path(__file__).resolve().parents[1] / "results" / "accuracy-long-h200-2026-11-26"
     res = json.loads((folder / "results.json").read_text())
     assert "role" not in res["perplexity"][0]
     res["retrieval"] = json.loads((folder / "retrieval.json").read_text())
     gs = gates.evaluate_gates(res, gates.load_thresholds(), "long")
-    assert {g["name"] for g in res["gates"]} <= {g["name"] for g in gs}
+    kept = {g["name"] for g in res["gates"] if not g["name"].startswith("regression:")}
+    assert kept and kept <= {g["name"] for g in gs}
+    (skip,) = [g for g in gs if g["name"] == "regression thresholds apply"]
+    assert skip["passed"] and "kv_aggregate" in skip["note"]
     failed = [g for g in gs if not g["passed"]]
     assert [g["name"] for g in failed] == ["fidelity: loki-score[query] within 8% of full at T=1024"]
     assert failed[0]["known"] and gates.verdict(gs, allow_known_misses=True)[0]
