@@ -174,9 +174,7 @@ def resolve_gqa(opts: SuiteOptions, config) -> SuiteOptions:
     "kv" on a GQA model, else "query")."""
     from loki.integrations.transformers.enable import default_gqa_mode
 
-    if opts.gqa_select not in ("auto", "query", "kv"):
-        raise ValueError(f"gqa_select must be 'auto', 'query' or 'kv', got {opts.gqa_select!r}")
-    if opts.kv_aggregate not in GQA_AGGREGATES:
+    if opts.kv_aggregate not in GQA_AGGREGATES:  # gqa_select is checked by default_gqa_mode
         raise ValueError(f"kv_aggregate must be one of {GQA_AGGREGATES}, got {opts.kv_aggregate!r}")
     return replace(opts, gqa_select=default_gqa_mode(config, "loki", opts.gqa_select, opts.kv_aggregate)[0])
 
