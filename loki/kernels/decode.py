@@ -137,7 +137,10 @@ def decode_attention(
     approximate scores (int count or fraction of D); k: tokens to attend (int count, capped at each
     sequence's length, or a fraction of it).  Returns out [B, HQ, D] in q_hat's dtype (and
     ``(idx [B, H, K], counts [B])`` when ``return_indices``; H = HQ for ``gqa_select="query"``, HKV for
-    ``"kv"``, whose group scores are combined by ``aggregate``).
+    ``"kv"``, whose group scores are combined by ``aggregate``).  These kernel-level defaults ("query", "sum") take
+    no model into account; the library's default on a GQA model, which ``enable_loki`` resolves and the
+    end-to-end benchmark times, is ``gqa_select="kv", aggregate="softmax-max"``
+    (``loki.integrations.transformers.enable.default_gqa_mode``).
 
     ``backend``: "torch" runs ``loki_attention_reference`` (differentiable); "triton" the kernels (CUDA
     tensors, or CPU tensors under ``TRITON_INTERPRET=1``; no backward: inputs that require grad are refused
