@@ -254,6 +254,7 @@ def test_every_method_runs_end_to_end(tiny, tmp_path):
     assert len(r["timing"]) == 4 and all(set(t["methods_s"]) == set(names) for t in r["timing"])
     md = markdown_table(r)
     assert md.count("| method |") == 5 and "Δ" in md
+    assert "| loki-post[kv] (softmax-max) |" in md and "| loki-post[query] |" in md and "| full |" in md
     plot_retrieval(r, tmp_path / "retrieval.png")
     assert (tmp_path / "retrieval.png").stat().st_size > 1000
     paths = write_report(r, tmp_path / "out")

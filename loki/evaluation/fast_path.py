@@ -32,6 +32,7 @@ import torch
 
 from loki._hf import cache_keyword
 from loki.evaluation.perplexity import MethodSpec, perplexity
+from loki.evaluation.retrieval_report import setting_label
 
 __all__ = ["FAST_PATH_DTYPES", "fast_path_perplexity", "fast_path_section"]
 
@@ -145,8 +146,8 @@ def fast_path_section(model, windows: torch.Tensor, basis, *, basis_name: str, k
     name = f"loki-{basis_name}[{gqa_select}]"
     spec = MethodSpec(name, "loki", k=k, d=d, basis=basis_name, gqa_select=gqa_select, aggregate=aggregate)
     if log:
-        agg = f" ({aggregate})" if gqa_select == "kv" else ""
-        log(f"fast path: {name}{agg} k={k} d={d}, {N} x {T} tokens, engine then {', '.join(dtypes)} token by token")
+        log(f"fast path: {setting_label(name, gqa_select, aggregate)} k={k} d={d}, {N} x {T} tokens, engine then "
+            f"{', '.join(dtypes)} token by token")
     engine = perplexity(model, windows, spec, {basis_name: basis}, batch_size=max(1, N))
     rows = []
     for dt in dtypes:

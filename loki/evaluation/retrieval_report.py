@@ -9,7 +9,13 @@ from pathlib import Path
 
 from loki._io import atomic_path, atomic_write
 
-__all__ = ["generate_markdown", "markdown_table", "plot_retrieval", "write_report"]
+__all__ = ["generate_markdown", "markdown_table", "plot_retrieval", "setting_label", "write_report"]
+
+
+def setting_label(name: str, gqa_select: str | None, aggregate: str | None) -> str:
+    """A setting's name with the aggregate of a shared (one selection per KV group) selection, e.g.
+    ``loki-score[kv] (softmax-max)``; other settings keep their name (a missing aggregate: "sum")."""
+    return f"{name} ({aggregate or 'sum'})" if gqa_select == "kv" else name
 
 
 def _fmt_cell(c: dict) -> str:
@@ -45,8 +51,7 @@ def markdown_table(result: dict) -> str:
                   "|---|" + "---|" * len(lens)]
         for m in result["methods"]:
             name = m["name"]
-            shared = m.get("gqa_select") == "kv" and m["method"] != "full"
-            label = f"{name} ({m.get('aggregate', 'sum')})" if shared else name
+            label = name if m["method"] == "full" else setting_label(name, m.get("gqa_select"), m.get("aggregate"))
             lines.append(f"| {label} | " + " | ".join(_fmt_cell(by[(task, L, name)]) for L in lens) + " |")
         lines.append("")
     return "\n".join(lines)
@@ -125,8 +130,7 @@ def generate_markdown(section: dict | None) -> list[str]:
             f"agree when it contains 0 or |Δ| <= {s['tolerance']:g}.", "",
             "| setting | task | n | engine | generate | Δ [95% interval] | only generate / only engine | same answer "
             "| agrees |", "|---|---|---:|---:|---:|---|---:|---:|---|"]
-    label = {m["name"]: f"{m['name']} ({m.get('aggregate', 'sum')})" for m in s.get("methods", [])
-             if m.get("gqa_select") == "kv"}  # a shared selection with its aggregate
+    label = {m["name"]: setting_label(m["name"], m.get("gqa_select"), m.get("aggregate")) for m in s.get("methods", [])}
     for r in section["rows"]:
         if r["context_len"] is not None:
             continue

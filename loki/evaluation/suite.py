@@ -422,7 +422,9 @@ def _generalization(model, tokenizer, bases, opts) -> dict:
             r = perplexity(model, w, spec, {"b": b}, batch_size=opts.batch_size)
             table[c][t] = r.ppl
             intervals[c][t] = paired_increase(r.token_nll, f.token_nll)
-    setting = f"loki-{name}[{g}]" + (f" ({opts.default_aggregate})" if g == "kv" else "") + f" k={opts.k} d={opts.d}"
+    from loki.evaluation.retrieval_report import setting_label
+
+    setting = f"{setting_label(spec.name, g, opts.default_aggregate)} k={opts.k} d={opts.d}"
     return {"setting": setting, "texts": list(texts), "full": full,
             "table": table, "intervals": intervals, "windows": [T, N]}
 
