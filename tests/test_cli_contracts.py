@@ -465,3 +465,12 @@ def test_committed_reports_and_docs_link_only_files_that_exist():
             if not link.startswith(("http://", "https://", "#")) and not (md.parent / link.split("#")[0]).exists():
                 broken.append(f"{md.relative_to(ROOT)}: {link}")
     assert not broken, broken
+
+
+def test_ppl_aggregate_choices_are_the_references():
+    """``loki ppl`` lists the aggregates without importing torch at parser time: its copy must stay the reference's
+    (``loki.reference.GQA_AGGREGATES``), or a new aggregate would be refused (or an old one offered) by the CLI."""
+    from loki.evaluation.commands import ppl
+    from loki.reference import GQA_AGGREGATES
+
+    assert ppl._AGGREGATES == GQA_AGGREGATES
