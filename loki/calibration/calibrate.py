@@ -29,8 +29,9 @@ from loki.calibration.score_aware import score_aware_basis
 from loki.calibration.stats import KeyStatistics
 
 ROTARY_MODES = ("pre", "post", "both")
-#: Basis names :func:`fit_bases` returns: PCA of pre- or post-rotary keys, and the score-aware pair.
-BASIS_NAMES = ("pre", "post", "score")
+#: Basis names :func:`fit_bases` returns: PCA of pre- or post-rotary keys, the score-aware pair, and the score-aware
+#: pair fitted with the group's query heads normalised (:func:`loki.calibration.score_aware.group_query_moment`).
+BASIS_NAMES = ("pre", "post", "score", "score-group")
 DEFAULT_NUM_TOKENS = 131_072
 DEFAULT_SEQ_LEN = 1024  # iter_token_batches' default; calibrate() defaults to the covered positions
 DEFAULT_BATCH_SIZE = 4
@@ -196,6 +197,8 @@ def fit_bases(
     kinds = [k for k in ("pre", "post") if k in names]
     if "score" in names:
         kinds += [k for k in ("post", "query") if k not in kinds]
+    if "score-group" in names:
+        kinds += [k for k in ("post", "query-heads") if k not in kinds]
     stats = collect_statistics(model, batches, kinds=kinds, num_tokens=num_tokens, max_positions=max_positions,
                                progress=progress)
     seen = next(iter(stats.values())).num_tokens
@@ -210,6 +213,9 @@ def fit_bases(
     for name in names:
         if name == "score":
             out[name] = score_aware_basis(stats["post"], stats["query"], max_positions=covered, **meta)
+        elif name == "score-group":
+            out[name] = score_aware_basis(stats["post"], stats["query-heads"], max_positions=covered,
+                                          group_normalised=True, **meta)
         else:
             out[name] = PCABasis.from_statistics(stats[name], rotary=name, max_positions=covered, **meta)
     return out

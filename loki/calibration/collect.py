@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from loki._distributed import world
+from loki._hf import text_config
 
 from .hooks import AttentionRecorder, PreRotaryKeyHooks, key_layout, positions_from_mask
 from .stats import KeyStatistics
@@ -30,8 +31,8 @@ from .stats import KeyStatistics
 __all__ = ["STATISTICS", "budgeted_batches", "collect_statistics", "position_offset"]
 
 #: Statistics :func:`collect_statistics` can fill: pre- and post-rotary keys, post-rotary queries (per KV head,
-#: the group's query heads pooled).
-STATISTICS = ("pre", "post", "query")
+#: the group's query heads pooled) and post-rotary queries per query head ("query-heads").
+STATISTICS = ("pre", "post", "query", "query-heads")
 
 _GOLDEN = 0.6180339887498949
 
@@ -100,8 +101,8 @@ def collect_statistics(
     ``batches``: ``input_ids [B, S]`` tensors, ``(input_ids, attention_mask)`` pairs or mappings (0 = padding,
     left or right).  ``num_tokens``: budget of real tokens (the last batch is truncated, row-major);
     ``max_positions``: the positions to cover (module docstring), ``None`` = each sequence from position 0.
-    Returns ``{kind: KeyStatistics}``; query statistics are per KV head with the group pooled (``count`` =
-    tokens x G).
+    Returns ``{kind: KeyStatistics}``; "query" statistics are per KV head with the group pooled (``count`` =
+    tokens x G), "query-heads" per query head ([L, HQ, ...]).
 
     In an initialised ``torch.distributed`` group of several processes, each rank runs the forward passes of its
     share of the batches (every rank must be given the same ``batches``) and every rank returns the statistics of
@@ -113,7 +114,12 @@ def collect_statistics(
         raise ValueError(f"kinds must be a non-empty subset of {STATISTICS}, got {kinds!r}")
     layout = key_layout(model)
     L, HKV, D = layout.num_layers, layout.num_kv_heads, layout.head_dim
-    stats = {k: KeyStatistics(L, HKV, D) for k in kinds}
+    HQ = int(text_config(model.config).num_attention_heads)
+
+    def new_stats():
+        return {k: KeyStatistics(L, HQ if k == "query-heads" else HKV, D) for k in kinds}
+
+    stats = new_stats()
     state = {"valid": None, "take": 0, "into": stats}
 
     def record(layer, query, key):
@@ -124,8 +130,10 @@ def collect_statistics(
             q = query.transpose(1, 2)[valid][:take]  # [N, HQ, D]
             G = q.shape[1] // HKV
             stats["query"].update(layer, q.reshape(-1, HKV, G, D).transpose(1, 2).reshape(-1, HKV, D))
+        if "query-heads" in stats:
+            stats["query-heads"].update(layer, query.transpose(1, 2)[valid][:take])  # [N, HQ, D]
 
-    rec = AttentionRecorder(model, record) if ("post" in stats or "query" in stats) else None
+    rec = AttentionRecorder(model, record) if {"post", "query", "query-heads"} & set(stats) else None
     pre = PreRotaryKeyHooks(layout) if "pre" in stats else None
     was_training = model.training
     model.eval()
@@ -151,7 +159,7 @@ def collect_statistics(
                 seen += take
                 bar.update(take)
                 continue
-            into = stats if chain is None else {k: KeyStatistics(L, HKV, D) for k in kinds}
+            into = stats if chain is None else new_stats()
             state["into"] = into
             valid = mask.bool()
             positions = positions_from_mask(mask)

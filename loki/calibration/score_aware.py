@@ -18,6 +18,14 @@ optimal for every ``d`` at once (singular values sorted).  Statistics are per la
 a GQA group are pooled, as they share the KV head's keys.  Queries and keys are post-rotary (what attention
 sees); ``eps`` floors the eigenvalues of both moments at ``eps`` times the largest, so the inverses stay finite.
 
+A shared selection (one per KV group, :func:`loki.reference.aggregate_group_scores`) ranks tokens by each head's
+softmax-normalised scores, so a head matters by how well its own order is kept, not by the size of its scores.
+Pooling ``M_q`` over the group weighs a head by its query energy: the heads with the widest score spread (which a
+given absolute error disturbs least) dominate the fit.  The group-normalised variant (basis ``"score-group"``,
+:func:`group_query_moment`) pools ``M_h / tr(M_h C_k)`` instead: every query head's expected score variance
+``E_q Var_k[q^T k] = tr(M_h C_k)`` is made 1, so the fit minimises the sum over the group's heads of each head's
+error relative to its own score spread.
+
 Shape letters: L layers, HQ query heads, HKV KV heads (G = HQ // HKV), B batch, S sequence length, D head dim.
 """
 
@@ -33,7 +41,7 @@ from loki.basis import PCABasis, constant_heads
 from loki.calibration.collect import collect_statistics
 from loki.calibration.stats import KeyStatistics
 
-__all__ = ["collect_score_statistics", "score_aware_pair", "score_aware_basis"]
+__all__ = ["collect_score_statistics", "group_query_moment", "score_aware_pair", "score_aware_basis"]
 
 
 def _sym_pow(m: torch.Tensor, power: float, eps: float) -> torch.Tensor:
@@ -79,6 +87,23 @@ def score_aware_pair(
     return pq, pk, s
 
 
+def group_query_moment(query_heads: KeyStatistics, key_covariance: torch.Tensor) -> torch.Tensor:
+    """The group-normalised query moment ``[L, HKV, D, D]`` (float64): the mean over each KV group's query heads
+    of ``M_h / tr(M_h C_k)``, from per-query-head statistics (``query_heads`` of shape [L, HQ, D], kind
+    "query-heads" of :func:`~loki.calibration.collect.collect_statistics`) and the centred key covariance
+    ``key_covariance [L, HKV, D, D]``.  A head whose expected score variance is 0 (no query energy along the keys'
+    spread) adds nothing."""
+    L, HQ, D = query_heads.shape
+    HKV = key_covariance.shape[1]
+    if HQ % HKV:
+        raise ValueError(f"the query statistics have {HQ} heads, not a multiple of the keys' {HKV} KV heads")
+    m = query_heads.second_moment()  # [L, HQ, D, D]
+    c = key_covariance.to(m).repeat_interleave(HQ // HKV, dim=1)
+    spread = torch.einsum("lhij,lhji->lh", m, c)  # E_q[q^T C_k q] per query head
+    w = torch.where(spread > 0, 1.0 / spread.clamp_min(1e-300), 0.0)
+    return (m * w[..., None, None]).view(L, HKV, HQ // HKV, D, D).mean(dim=2)
+
+
 def collect_score_statistics(
     model: nn.Module, batches: Iterable, *, num_tokens: int | None = None, max_positions: int | None = None,
     progress: bool = True,
@@ -93,8 +118,11 @@ def collect_score_statistics(
 
 def score_aware_basis(keys: KeyStatistics, queries: KeyStatistics, *, eps: float = 1e-4, config=None,
                       model_name: str | None = None, corpus: str | None = None, seq_len: int | None = None,
-                      model_dtype=None, max_positions: int | None = None):
+                      model_dtype=None, max_positions: int | None = None, group_normalised: bool = False):
     """A :class:`~loki.basis.PCABasis` of kind "score" from post-rotary key and query statistics.
+
+    ``queries``: per KV head with the group pooled ("query" statistics), or with ``group_normalised=True`` per
+    query head ("query-heads"), pooled by :func:`group_query_moment` (recorded as ``extra["query_moment"]``).
 
     A KV head whose keys have no variance (constant keys, or a single token) or whose queries are all zero gets
     the identity pair with zero singular values, and a warning names it; statistics with NaN or inf, or without
@@ -102,7 +130,9 @@ def score_aware_basis(keys: KeyStatistics, queries: KeyStatistics, *, eps: float
     (:func:`loki.basis.constant_heads`).  The result never holds NaN."""
     flat = constant_heads(keys, "keys")
     constant_heads(queries, "queries", rel_tol=-1.0)  # NaN or inf; all-zero queries everywhere
-    pq, pk, s = score_aware_pair(queries.second_moment(), keys.covariance(centered=True), eps=eps, identity=flat)
+    cov = keys.covariance(centered=True)
+    mq = group_query_moment(queries, cov) if group_normalised else queries.second_moment()
+    pq, pk, s = score_aware_pair(mq, cov, eps=eps, identity=flat)
     return PCABasis(
         components=pk.to(torch.float32).contiguous(),
         query_components=pq.to(torch.float32).contiguous(),
@@ -117,5 +147,5 @@ def score_aware_basis(keys: KeyStatistics, queries: KeyStatistics, *, eps: float
         max_positions=max_positions,
         model_dtype=None if model_dtype is None else str(model_dtype).replace("torch.", ""),
         centered=True,
-        extra={"eps": eps},
+        extra={"eps": eps, **({"query_moment": "group-normalised"} if group_normalised else {})},
     )

@@ -105,9 +105,9 @@ def basis_cache_path(model, corpus_origin: str, recipe: CalibrationRecipe, name:
 
 def get_bases(model, tokenizer, names=BASIS_NAMES, recipe: CalibrationRecipe = DEFAULT_RECIPE, *,
               use_cache: bool = True, progress: bool = True, log=None) -> dict[str, PCABasis]:
-    """``{name: PCABasis}`` for ``names`` (a subset of ``("pre", "post", "score")``: PCA of pre- or post-rotary
-    keys, the score-aware pair) calibrated by ``recipe`` on ``model``, from the cache when present; the missing
-    ones come from one streaming pass."""
+    """``{name: PCABasis}`` for ``names`` (a subset of ``("pre", "post", "score", "score-group")``: PCA of pre- or
+    post-rotary keys, the score-aware pair, the group-normalised score-aware pair) calibrated by ``recipe`` on
+    ``model``, from the cache when present; the missing ones come from one streaming pass."""
     from loki.evaluation.data import load_corpus
 
     names = tuple(dict.fromkeys(names))

@@ -24,7 +24,7 @@ from .._checks import check_decode_inputs, resolve_d, valid_token_mask
 from .accounting import record_indices, record_selection, tallying
 from .common import default_scale, expand_to_query_heads
 from .dense import dense_attention, exact_scores, masked_values
-from .selection import aggregate_group_scores, approx_scores, budget, select_topk, topk_indices
+from .selection import aggregate_group_scores, agreement_budget, approx_scores, budget, select_topk, topk_indices
 from .sparse import sparse_attention
 
 __all__ = [
@@ -57,7 +57,8 @@ def loki_attention(
     q_hat: [B, HQ, D] (q P, see ``rotate_query``); k_hat: [B, HKV, S, D] (K P); v_cache: [B, HKV, S, D].
     The budget is ``k`` (an int count or a fraction, resolved per sequence by ``budget``) or ``counts`` ([B] int,
     the tokens each sequence attends, already resolved; exactly one of the two).
-    Returns out [B, HQ, D] (and ``(idx [B, H, K], counts [B])`` when ``return_indices``).
+    Returns out [B, HQ, D] (and ``(idx [B, H, K], counts)`` when ``return_indices``: counts [B], or [B, HKV]
+    for the ``"agreement"`` aggregate, whose KV heads read different numbers of tokens).
     ``gqa_select="query"`` (default, as the paper's code) selects per query head; ``"kv"`` shares one
     selection per KV head, from the group's scores combined by ``aggregate`` (one of ``GQA_AGGREGATES``:
     :func:`~loki.reference.selection.aggregate_group_scores`).
@@ -69,6 +70,9 @@ def loki_attention(
                       compute_dtype=compute_dtype)
     if counts is None:
         counts = budget(k, lengths, starts, B, S, q_hat.device)
+    if gqa_select == "kv" and aggregate == "agreement":
+        head_scores = approx_scores(q_hat, k_hat, d, lengths, starts, compute_dtype=compute_dtype)
+        counts = agreement_budget(head_scores, HKV, counts, lengths - starts)
     idx = select_topk(s, counts)
     if tallying():  # the bytes accounting (loki.reference.accounting)
         record_indices(idx, lengths - starts, HKV, S)
@@ -97,13 +101,15 @@ def exact_topk_attention(
     """
     B, HQ, HKV, S, D, lengths, starts = check_decode_inputs(q, k_cache, v_cache, lengths, starts)
     s = exact_scores(q, k_cache, lengths, starts, compute_dtype=compute_dtype)
+    counts = budget(k, lengths, starts, B, S, q.device)
     if gqa_select == "kv":
         valid = valid_token_mask(lengths, starts, S)
+        if aggregate == "agreement":
+            counts = agreement_budget(s, HKV, counts, lengths - starts)
         s = aggregate_group_scores(s, HKV, aggregate, scale=default_scale(D, scale))
         s = s.masked_fill(~valid[:, None, :], float("-inf"))
     elif gqa_select != "query":
         raise ValueError(f"gqa_select must be 'query' or 'kv', got {gqa_select!r}")
-    counts = budget(k, lengths, starts, B, S, q.device)
     idx = select_topk(s, counts)
     if tallying():
         record_indices(idx, lengths - starts, HKV, S)

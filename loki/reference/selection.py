@@ -20,16 +20,16 @@ from .._checks import (
 )
 
 __all__ = ["DEFAULT_KV_AGGREGATE", "GQA_SELECT_MODES", "GQA_AGGREGATES", "KERNEL_AGGREGATES", "approx_scores",
-           "aggregate_group_scores",
-           "budget", "check_kernel_aggregate", "select_topk", "token_ranks", "topk_indices"]
+           "aggregate_group_scores", "agreement_budget", "agreement_counts", "budget", "check_kernel_aggregate",
+           "group_union_sizes", "select_topk", "token_ranks", "topk_indices"]
 
 #: "query": every query head selects its own tokens (the paper's code repeats KV heads; the default of the functions
 #: here).  "kv": one selection per KV head from the group's aggregated scores; each selected KV row is read once
 #: (``enable_loki``'s default for method "loki" on a GQA model).
 GQA_SELECT_MODES = ("query", "kv")
 #: How the scores of a GQA group are combined for a shared ("kv") selection (:func:`aggregate_group_scores`).
-GQA_AGGREGATES = ("sum", "max", "softmax-sum", "softmax-max", "union")
-#: The aggregates the Triton kernels implement ("union" runs on the PyTorch reference only).
+GQA_AGGREGATES = ("sum", "max", "softmax-sum", "softmax-max", "union", "agreement")
+#: The aggregates the Triton kernels implement ("union" and "agreement" run on the PyTorch reference only).
 KERNEL_AGGREGATES = ("sum", "max", "softmax-sum", "softmax-max")
 #: The aggregate of a shared selection by default: ``enable_loki(..., aggregate="auto")`` for method "loki" with
 #: one selection per KV group, and the accuracy suite's kv rows (each head's scores softmax-normalised before the
@@ -73,6 +73,8 @@ def aggregate_group_scores(scores: torch.Tensor, HKV: int, aggregate: str = "sum
       So a KV head reads exactly k tokens; when the union of every head's top-ceil(k/G) tokens holds k or more
       tokens the selection lies within it (trimmed to the best ranks), otherwise it contains it (topped up).
       Depends on each head's order of tokens only.  fp32 scores (fp64 for fp64 input).
+    - ``"agreement"``: the order of ``"softmax-max"``; what differs is the budget: the KV heads of a layer share
+      their step's tokens in proportion to how much each group's heads disagree (:func:`agreement_counts`).
 
     With G = 1 every aggregate selects what per-query-head selection selects.
     """
@@ -93,11 +95,59 @@ def aggregate_group_scores(scores: torch.Tensor, HKV: int, aggregate: str = "sum
         return -best.to(torch.float64 if scores.dtype == torch.float64 else torch.float32)
     if scale is None:
         raise ValueError(f"aggregate={aggregate!r} needs the attention scale (scale=1/sqrt(D))")
+    if aggregate == "agreement":
+        aggregate = "softmax-max"
     lp = torch.log_softmax(scores * scale, dim=-1)
     lp = lp.masked_fill(torch.isneginf(scores), float("-inf"))  # a row that sees nothing: -inf, not NaN
     if aggregate == "softmax-sum":
         return torch.logsumexp(group(lp), dim=2)
     return group(lp).amax(dim=2)
+
+
+def group_union_sizes(head_selection: torch.Tensor, HKV: int) -> torch.Tensor:
+    """How many distinct tokens the query heads of each GQA group select together: ``head_selection``
+    [B, HQ, ..., S] bool (each query head's own selection) -> [B, HKV, ...] int64, between the largest head's count
+    (the heads agree) and G times it (they pick disjoint tokens)."""
+    B, HQ = head_selection.shape[:2]
+    return head_selection.reshape(B, HKV, HQ // HKV, *head_selection.shape[2:]).any(dim=2).sum(dim=-1)
+
+
+def agreement_counts(union_sizes: torch.Tensor, counts: torch.Tensor, n_visible: torch.Tensor) -> torch.Tensor:
+    """The per-KV-head budgets of the ``"agreement"`` aggregate: a step's ``HKV * counts`` tokens (what one shared
+    selection of ``counts`` per KV head reads) shared among the KV heads of the layer in proportion to
+    ``union_sizes`` (:func:`group_union_sizes` of the heads' own top-``counts`` sets: a group whose heads disagree
+    gets more), rounded by largest remainders (ties to the lower KV head), each capped at the row's visible tokens.
+
+    union_sizes: [B, HKV, ...] int; counts, n_visible: [B, ...] int (broadcastable) -> [B, HKV, ...] int64.  Exact
+    integer arithmetic, so every caller (the decode references, the teacher-forced engine) gets the same budgets.
+    A row whose union sizes are all 0 (no budget) keeps ``counts`` per head."""
+    u = union_sizes.long()
+    HKV = u.shape[1]
+    counts = counts.long().unsqueeze(1).expand_as(u)
+    total = counts * HKV  # [B, HKV, ...], the same along the head axis
+    denom = u.sum(dim=1, keepdim=True).expand_as(u)
+    num = total * u
+    base = torch.where(denom > 0, num // denom.clamp_min(1), counts)
+    rem = torch.where(denom > 0, num % denom.clamp_min(1), 0)  # fractional parts, over a denominator shared by row
+    short = total[:, :1] - base.sum(dim=1, keepdim=True)  # tokens still to hand out (< HKV)
+    # head i's place among its row's heads by fractional part, largest first, ties to the lower head: the heads j
+    # ahead of it ([B, i, j, ...] below)
+    heads = torch.arange(HKV, device=u.device).view(1, HKV, *([1] * (u.dim() - 2)))
+    r_i, r_j = rem.unsqueeze(2), rem.unsqueeze(1)
+    ahead = ((r_j > r_i) | ((r_j == r_i) & (heads.unsqueeze(1) < heads.unsqueeze(2)))).sum(dim=2)
+    out = base + (ahead < short).long()
+    return torch.minimum(out, n_visible.long().unsqueeze(1).expand_as(out))
+
+
+def agreement_budget(head_scores: torch.Tensor, HKV: int, counts: torch.Tensor,
+                     n_visible: torch.Tensor) -> torch.Tensor:
+    """Per-KV-head budgets [B, HKV] of the ``"agreement"`` aggregate for decode steps: ``head_scores`` [B, HQ, S]
+    (each query head's selection scores, -inf outside the visible tokens), ``counts``, ``n_visible`` [B]."""
+    idx = select_topk(head_scores, counts)  # [B, HQ, K], -1 pads
+    S = head_scores.shape[-1]
+    sel = torch.zeros(*idx.shape[:2], S + 1, dtype=torch.bool, device=idx.device)
+    sel.scatter_(-1, torch.where(idx >= 0, idx, S), True)  # pads land in the spare slot S
+    return agreement_counts(group_union_sizes(sel[..., :S], HKV), counts, n_visible)
 
 
 def approx_scores(
@@ -191,22 +241,35 @@ def token_ranks(scores: torch.Tensor) -> torch.Tensor:
 
 
 def select_topk(scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """Indices of the ``counts[b]`` largest scores of every row (Loki Algorithm 1, line 5).
+    """Indices of the ``counts`` largest scores of every row (Loki Algorithm 1, line 5).
 
-    scores: [B, H, S] (-inf marks tokens that may not be chosen); counts: [B] int, 1 <= counts[b] <= the
-    number of finite scores in each row of batch b -> idx: [B, H, K] int64 with K = max(counts), sorted
-    by decreasing score, ties by increasing token position (:func:`topk_indices`); entries at positions
-    >= counts[b] are -1 (padding).  An empty batch (B = 0) gives idx [0, H, 0].
+    scores: [B, H, S] (-inf marks tokens that may not be chosen); counts: [B] int (one budget per sequence) or
+    [B, H] (one per row, as the ``"agreement"`` aggregate gives), 1 <= each count <= the finite scores of its row
+    -> idx: [B, H, K] int64 with K = the largest count, sorted by decreasing score, ties by increasing token
+    position (:func:`topk_indices`); entries at positions >= the row's count are -1 (padding).  An empty batch
+    (B = 0) gives idx [0, H, 0].
     """
     if scores.dim() != 3:
         raise ValueError(f"scores must have shape [B, H, S], got {list(scores.shape)}")
     B, H, S = scores.shape
-    check_counts(counts, B)
+    per_row = _check_row_counts(counts, B, H)
     if B == 0:
         return torch.empty(0, H, 0, dtype=torch.long, device=scores.device)
     kmax = int(counts.max())
     if kmax < 1 or kmax > S or int(counts.min()) < 1:
         raise ValueError(f"counts must lie in [1, S={S}], got {counts.tolist()}")
     idx = topk_indices(scores, kmax)
-    keep = torch.arange(kmax, device=scores.device)[None, None, :] < counts.to(scores.device)[:, None, None]
+    c = counts.to(scores.device)
+    keep = torch.arange(kmax, device=scores.device) < (c[:, :, None] if per_row else c[:, None, None])
     return idx.masked_fill(~keep, -1)
+
+
+def _check_row_counts(counts, B: int, H: int) -> bool:
+    """Validate ``counts`` of shape [B] (returns False) or [B, H] (per row: returns True)."""
+    if isinstance(counts, torch.Tensor) and counts.dim() == 2:
+        check_counts(counts[:, 0], B)  # the dtype and batch checks
+        if counts.shape[1] != H:
+            raise ValueError(f"counts must have shape [B]=[{B}] or [B, H]=[{B}, {H}], got {list(counts.shape)}")
+        return True
+    check_counts(counts, B)
+    return False

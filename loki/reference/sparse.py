@@ -30,20 +30,27 @@ def sparse_attention(
     By Lemma 1 the scores against the full-dimension rotated keys equal the original q . k, so the
     result is exact attention restricted to the selected tokens.
     q_hat: [B, HQ, D]; k_hat, v_cache: [B, HKV, S, D]; idx: [B, H, K] int (H in {HQ, HKV}; entries at
-    positions >= counts[b] are ignored); counts: [B] -> out [B, HQ, D] in q_hat's dtype
+    positions >= the row's count are ignored); counts: [B], or [B, H] (a count per idx row) -> out [B, HQ, D] in
+    q_hat's dtype
     (and the log-sum-exp of the scaled scores, [B, HQ] fp32, when ``return_lse``).
     """
     B, HQ, D = q_hat.shape
     if idx.dim() != 3 or idx.shape[0] != B:
         raise ValueError(f"idx must have shape [B, H, K] with B={B}, got {list(idx.shape)}")
     K = idx.shape[2]
-    check_counts(counts, B)
+    per_row = isinstance(counts, torch.Tensor) and counts.dim() == 2
+    check_counts(counts[:, 0] if per_row else counts, B)
+    if per_row and counts.shape[1] != idx.shape[1]:
+        raise ValueError(f"counts must have shape [B] or [B, H]=[{B}, {idx.shape[1]}] (H = idx.shape[1]), got "
+                         f"{list(counts.shape)}")
     if B and (int(counts.min()) < 1 or int(counts.max()) > K):
         raise ValueError(f"counts must lie in [1, K={K}] (K = idx.shape[2]), got {counts.tolist()}")
     kg = gather_rows(k_hat, idx, HQ).to(compute_dtype)  # [B, HQ, K, D]
     vg = gather_rows(v_cache, idx, HQ).to(compute_dtype)
     s = torch.einsum("bhd,bhkd->bhk", q_hat.to(compute_dtype), kg) * default_scale(D, scale)
-    keep = torch.arange(K, device=idx.device)[None, None, :] < counts.to(idx.device)[:, None, None]
+    c = counts.to(idx.device)
+    c = c.repeat_interleave(HQ // c.shape[1], dim=1) if per_row else c[:, None]  # [B, HQ] or [B, 1]
+    keep = torch.arange(K, device=idx.device)[None, None, :] < c[:, :, None]
     s = s.masked_fill(~keep, float("-inf"))
     vg = vg.masked_fill(~keep[..., None], 0)  # padding entries read row 0, which may be invalid (NaN)
     lse = torch.logsumexp(s, dim=-1)

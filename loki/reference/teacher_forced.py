@@ -23,7 +23,7 @@ import torch
 from .._checks import budget_counts, check_budget, resolve_d
 from .accounting import record_selection
 from .common import default_scale
-from .selection import GQA_AGGREGATES, aggregate_group_scores
+from .selection import GQA_AGGREGATES, aggregate_group_scores, agreement_counts, group_union_sizes
 
 __all__ = ["ROW_METHODS", "attend", "grouped_scores", "masked_softmax", "per_query_head", "teacher_forced_rows",
            "topk_mask"]
@@ -124,6 +124,8 @@ def _block(method, q, k, v, visible, n_visible, counts, *, dd, scale, gqa_select
         raise ValueError(f"method must be one of {ROW_METHODS}, got {method!r}")
     approx = approx.masked_fill(~visible, _NEG_INF)
     if gqa_select == "kv":  # the softmax aggregates normalise each head over the tokens its row sees
+        if aggregate == "agreement":  # per-KV-head budgets from the union of each group's own top-k sets
+            counts = agreement_counts(group_union_sizes(topk_mask(approx, counts), HKV), counts[:, 0], n_visible)
         approx = aggregate_group_scores(approx, HKV, aggregate, scale=scale).masked_fill(~visible, _NEG_INF)
     elif gqa_select != "query":
         raise ValueError(f"gqa_select must be 'query' or 'kv', got {gqa_select!r}")

@@ -17,7 +17,8 @@ from . import (
 )
 
 _METHODS = ("full", "dense", "exact_topk", "loki", "pcaattn", "sparq", "h2o")
-_AGGREGATES = ("sum", "max", "softmax-sum", "softmax-max", "union")  # reference.GQA_AGGREGATES (no torch import)
+#: reference.GQA_AGGREGATES (no torch import)
+_AGGREGATES = ("sum", "max", "softmax-sum", "softmax-max", "union", "agreement")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,7 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--aggregate", default="auto", choices=("auto", *_AGGREGATES),
                         help="how a shared (kv) selection combines a group's scores: auto (default: softmax-max for "
                         "--method loki, each head's scores softmax-normalised before the group's maximum; sum for "
-                        "the other methods), sum (raw sums), max, softmax-sum, union (docs/accuracy.md)")
+                        "the other methods), sum (raw sums), max, softmax-sum, union, agreement (softmax-max, with the "
+                        "KV heads whose query heads disagree given more of the step's tokens; docs/accuracy.md)")
     parser.add_argument("--protocol", default="decode", choices=("decode", "paper"),
                         help="decode (default): row i selects ceil(k_f (i+1)) of its i+1 tokens; paper: k a "
                         "fraction of the whole window (the paper's evaluation)")

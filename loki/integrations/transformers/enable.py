@@ -128,8 +128,8 @@ def enable_loki(
             (each query head selects its own tokens: more accurate per token, more bytes read) on any model.  "kv":
             one selection per KV head from the group's scores combined by ``aggregate``.
         aggregate: how a shared ("kv") selection combines the group's scores, one of
-            ``loki.reference.GQA_AGGREGATES``; the Triton kernels implement all but "union"
-            (``loki.reference.KERNEL_AGGREGATES``), which needs ``backend="torch"`` for method "loki" on CUDA.
+            ``loki.reference.GQA_AGGREGATES``; the Triton kernels implement all but "union" and "agreement"
+            (``loki.reference.KERNEL_AGGREGATES``), which need ``backend="torch"`` for method "loki" on CUDA.
             "auto" (the default): "softmax-max" for method "loki" with a shared selection, else "sum" (raw sums of
             the approximate scores, the timed configuration before "softmax-max" became the default).  Ignored for
             per-query-head selection.  The resolved settings are on ``model._loki_config.config``.
