@@ -217,7 +217,6 @@ def decode_speed(model, B, S, steps) -> dict:
     return dict(seconds=sec, ms_per_step=1e3 * sec / steps, tokens_per_s=B * steps / sec)
 
 
-@torch.no_grad()
 def kernel_summary(prof, steps: int, top: int = 15) -> dict:
     """Kernels of ``steps`` profiled decode steps: device us per step in all, in the collectives (NCCL kernels) and
     in the top kernels by name."""
@@ -232,6 +231,7 @@ def kernel_summary(prof, steps: int, top: int = 15) -> dict:
             "top": [{"name": n[:90], "us": round(v, 2)} for n, v in per.most_common(top)]}
 
 
+@torch.no_grad()  # autograd would make Loki's decode step take the differentiable reference (enable_loki's "auto")
 def decode_speed_static(model, B, S, steps, profile: bool = False) -> dict:
     """Decode steps on a static cache (``loki_static_cache`` under Loki, else transformers' ``StaticCache``; each
     rank's layers allocate their local heads at the first write), the forward compiled with CUDA graphs

@@ -285,3 +285,45 @@ def test_multi_gpu_script_profile_summary_and_table():
                   speed_setting=dict(batch=8, context=64, steps=4, **_bench().LOKI))
     table = _bench().markdown(result)
     assert "| loki+compile | 600 | 100 | nvjet_gemm 500; ncclDevKernel_AllReduce_Sum_bf16 100 |" in table
+
+
+def test_multi_gpu_script_times_the_compiled_paths_without_autograd(monkeypatch):
+    """The compiled static-cache timing runs the model with autograd off (as the eager one): with it on, the
+    weights' requires_grad makes enable_loki's "auto" backend take the differentiable PyTorch reference instead of
+    the Triton decode step (which then failed to compile under TP), and the dense path records a backward graph.
+    The CUDA-only pieces are stubbed so that it runs on the CPU."""
+    import functools
+    from types import SimpleNamespace
+
+    bench = _bench()
+    model = tiny_model("llama", num_heads=4, num_kv_heads=2)
+    seen = []
+    forward = model.forward
+
+    @functools.wraps(forward)  # the same signature: the cache keyword is read from it
+    def spy(*args, **kwargs):
+        seen.append(torch.is_grad_enabled())
+        return forward(*args, **kwargs)
+
+    class Event:
+        def __init__(self, **_):
+            pass
+
+        def record(self):
+            pass
+
+        def elapsed_time(self, _other):
+            return 1.0
+
+    monkeypatch.setattr(model, "forward", spy)
+    monkeypatch.setattr(torch, "compile", lambda fn, **_: fn)
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: None)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr("loki.bench.e2e.rewind", lambda cache, n: None)
+    monkeypatch.setattr(bench, "fill_cache", lambda model, B, S, cache=None, seed=0: cache if cache is not None
+                        else SimpleNamespace())
+    torch.set_grad_enabled(True)
+    bench.decode_speed_static(model, 1, 4, 2)
+    assert seen and not any(seen)
