@@ -140,14 +140,14 @@ def _ci(x: dict, pre="increase") -> str:
 _LEGACY_SETTINGS = {"kv_aggregate": "sum"}
 
 
-def _profile_applies(results: dict, thresholds: dict, profile: str) -> tuple[bool, dict]:
+def _profile_applies(results: dict, thresholds: dict, profile: str, *, ignore=()) -> tuple[bool, dict]:
     """Whether the profile's recorded limits and known misses apply to the run: every setting they were recorded
     with (``kv_aggregate`` included: limits of shared rows combined otherwise measure another configuration) is the
-    run's."""
+    run's, except the settings named in ``ignore``, which do not decide."""
     prof = thresholds.get("profiles", {}).get(profile) or {}
     settings = results.get("settings", {})
     got = lambda k: settings.get(k, _LEGACY_SETTINGS.get(k))  # noqa: E731
-    mismatch = {k: (got(k), v) for k, v in prof.get("settings", {}).items() if got(k) != v}
+    mismatch = {k: (got(k), v) for k, v in prof.get("settings", {}).items() if k not in ignore and got(k) != v}
     return bool(prof) and not mismatch, mismatch
 
 
@@ -219,10 +219,9 @@ def evaluate_gates(results: dict, thresholds: dict, profile: str = "check", *,
         else:
             gates.append(_gate(f"Loki best basis ({best['name']}) not worse than H2O at k={k0:g}", c["increase"], 0.0,
                                c["lo"] <= 0.0, f"interval vs h2o {_ci(c, None)} not all above 0"))
-    applies, mismatch = _profile_applies(results, thresholds, profile)
     # a known miss names the GQA mode it was measured in: how the profile's shared rows were combined when its
     # regression limits were recorded (kv_aggregate) does not decide whether it applies
-    applies = applies or (bool(mismatch) and set(mismatch) <= {"kv_aggregate"})
+    applies, _ = _profile_applies(results, thresholds, profile, ignore=("kv_aggregate",))
     ppl_targets, ret_targets = load_targets(thresholds, (T0, k0))
     default = results.get("settings", {}).get("default_basis", "score")
     if ppl_targets or ret_targets:
