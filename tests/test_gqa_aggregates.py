@@ -355,7 +355,7 @@ def test_perplexity_rows_state_the_bytes_they_read(tiny):
     assert (full.bytes_fraction, full.selected_fraction) == (1.0, 1.0)
     rows = {}
     for g in ("query", "kv"):
-        for agg in (("sum", "union") if g == "kv" else ("sum",)):
+        for agg in (("sum", "union", "agreement") if g == "kv" else ("sum",)):
             r = perplexity(model, ids, MethodSpec(f"l-{g}-{agg}", "loki", k=0.25, d=4, basis="b", gqa_select=g,
                                                   aggregate=agg), bases)
             rows[g, agg] = r
@@ -363,6 +363,8 @@ def test_perplexity_rows_state_the_bytes_they_read(tiny):
             assert r.bytes_fraction == pytest.approx(r.score_fraction + r.selected_fraction)
     assert rows["kv", "sum"].selected_fraction == pytest.approx(shared)
     assert rows["kv", "union"].selected_fraction == pytest.approx(shared)
+    # agreement moves tokens between KV heads at the same total, less where a share passes a row's visible tokens
+    assert 0.9 * shared <= rows["kv", "agreement"].selected_fraction <= shared + 1e-12
     assert shared < rows["query", "sum"].selected_fraction <= 2 * shared
     count = perplexity(model, ids, MethodSpec("l8", "loki", k=8, d=4, basis="b", gqa_select="kv"), bases)
     assert count.selected_fraction == pytest.approx(float((torch.clamp(n, max=8) / n).mean()))
