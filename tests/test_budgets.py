@@ -128,6 +128,12 @@ def test_loki_ppl_takes_an_aggregate_and_prints_the_bytes(monkeypatch, tmp_path,
                  "--gqa-select", "kv", "--aggregate", "union", "--k", "4"]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if "perplexity" in x)
     assert "gqa=kv:union" in line and "bytes of dense per decode step 0." in line
+    basis0 = tmp_path / "basis0.safetensors"
+    PCABasis.random(2, 2, 16, seed=0).save(basis0)
+    assert main(["ppl", "--text-file", str(text), "--windows", "16x2", "--device", "cpu", "--basis", str(basis0),
+                 "--gqa-select", "kv", "--aggregate", "agreement", "--k", "4"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if "perplexity" in x)
+    assert "gqa=kv:agreement" in line and "bytes of dense per decode step 0." in line
     # the defaults: "auto" resolved as enable_loki resolves it (tiny_model: 4 query / 2 KV heads), and printed so
     basis = tmp_path / "basis.safetensors"
     PCABasis.random(2, 2, 16, seed=0).save(basis)
