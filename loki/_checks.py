@@ -133,6 +133,18 @@ def check_counts(counts, B: int, device: torch.device | None = None, *, name: st
     return counts
 
 
+def check_row_counts(counts, B: int, H: int, *, name: str = "counts") -> bool:
+    """Selection counts per sequence ([B]: returns False) or per row ([B, H], e.g. the per-KV-head budgets of the
+    "agreement" aggregate: returns True); the checks of :func:`check_counts` otherwise."""
+    if isinstance(counts, torch.Tensor) and counts.dim() == 2:
+        check_counts(counts[:, 0], B, name=name)  # the dtype and batch checks
+        if counts.shape[1] != H:
+            raise ValueError(f"{name} must have shape [B]=[{B}] or [B, H]=[{B}, {H}], got {list(counts.shape)}")
+        return True
+    check_counts(counts, B, name=name)
+    return False
+
+
 def valid_token_mask(lengths: torch.Tensor, starts: torch.Tensor, S: int) -> torch.Tensor:
     """[B, S] bool: True where ``starts[b] <= s < lengths[b]``."""
     pos = torch.arange(S, device=lengths.device)

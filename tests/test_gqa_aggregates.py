@@ -379,3 +379,18 @@ def test_perplexity_rows_state_the_bytes_they_read(tiny):
         MethodSpec("x", "loki", basis="b", aggregate="mean")
     with pytest.raises(ValueError, match="k"):
         MethodSpec("x", "loki", basis="b", k=0)
+
+
+def test_per_row_counts_are_checked_by_name():
+    from loki.reference import select_topk, sparse_attention
+
+    s = torch.randn(1, 2, 5)
+    with pytest.raises(ValueError, match=r"counts must have shape \[B\]=\[1\] or \[B, H\]=\[1, 2\], got \[1, 3\]"):
+        select_topk(s, torch.tensor([[1, 2, 3]]))
+    with pytest.raises(TypeError, match="counts must be an integer tensor"):
+        select_topk(s, torch.tensor([[1.0, 2.0]]))
+    idx = select_topk(s, torch.tensor([[1, 3]]))
+    assert (idx[0, 0] >= 0).sum() == 1 and (idx[0, 1] >= 0).sum() == 3
+    q, kc, v = torch.randn(1, 4, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    with pytest.raises(ValueError, match=r"\[B, H\]=\[1, 2\], got \[1, 4\]"):
+        sparse_attention(q, kc, v, idx, torch.tensor([[1, 3, 1, 3]]))

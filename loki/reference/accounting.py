@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .selection import selection_mask
+
 __all__ = ["SelectionTally", "record_indices", "record_selection", "tally_selections", "tallying"]
 
 _OPEN: list = []
@@ -93,7 +95,5 @@ def record_indices(idx: torch.Tensor, n_valid: torch.Tensor, HKV: int, S: int) -
     sequence sees, S the cache length.  A no-op outside :func:`tally_selections`."""
     if not tallying():
         return
-    B, H, _ = idx.shape
-    sel = torch.zeros(B, H, S + 1, dtype=torch.bool, device=idx.device)
-    sel.scatter_(-1, torch.where(idx >= 0, idx, S).long(), True)  # pads land in the spare slot S
-    record_selection(sel[:, :, None, :S], n_valid.reshape(B, 1), HKV)
+    B = idx.shape[0]
+    record_selection(selection_mask(idx, S)[:, :, None], n_valid.reshape(B, 1), HKV)

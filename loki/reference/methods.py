@@ -66,12 +66,11 @@ def loki_attention(
     B, HQ, HKV, S, D, lengths, starts = check_decode_inputs(q_hat, k_hat, v_cache, lengths, starts)
     if (k is None) == (counts is None):
         raise ValueError("give the budget as exactly one of k (a count or a fraction) and counts ([B] int)")
-    s = approx_scores(q_hat, k_hat, d, lengths, starts, gqa_select=gqa_select, aggregate=aggregate, scale=scale,
-                      compute_dtype=compute_dtype)
+    head_scores, s = approx_scores(q_hat, k_hat, d, lengths, starts, gqa_select=gqa_select, aggregate=aggregate,
+                                   scale=scale, compute_dtype=compute_dtype, return_both=True)
     if counts is None:
         counts = budget(k, lengths, starts, B, S, q_hat.device)
     if gqa_select == "kv" and aggregate == "agreement":
-        head_scores = approx_scores(q_hat, k_hat, d, lengths, starts, compute_dtype=compute_dtype)
         counts = agreement_budget(head_scores, HKV, counts, lengths - starts)
     idx = select_topk(s, counts)
     if tallying():  # the bytes accounting (loki.reference.accounting)

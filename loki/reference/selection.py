@@ -12,8 +12,8 @@ import torch
 from .._checks import (
     budget_counts,
     check_budget,
-    check_counts,
     check_decode_inputs,
+    check_row_counts,
     resolve_d,
     resolve_scale,
     valid_token_mask,
@@ -21,7 +21,7 @@ from .._checks import (
 
 __all__ = ["DEFAULT_KV_AGGREGATE", "GQA_SELECT_MODES", "GQA_AGGREGATES", "KERNEL_AGGREGATES", "approx_scores",
            "aggregate_group_scores", "agreement_budget", "agreement_counts", "budget", "check_kernel_aggregate",
-           "group_union_sizes", "select_topk", "token_ranks", "topk_indices"]
+           "group_union_sizes", "select_topk", "selection_mask", "token_ranks", "topk_indices"]
 
 #: "query": every query head selects its own tokens (the paper's code repeats KV heads; the default of the functions
 #: here).  "kv": one selection per KV head from the group's aggregated scores; each selected KV row is read once
@@ -143,11 +143,15 @@ def agreement_budget(head_scores: torch.Tensor, HKV: int, counts: torch.Tensor,
                      n_visible: torch.Tensor) -> torch.Tensor:
     """Per-KV-head budgets [B, HKV] of the ``"agreement"`` aggregate for decode steps: ``head_scores`` [B, HQ, S]
     (each query head's selection scores, -inf outside the visible tokens), ``counts``, ``n_visible`` [B]."""
-    idx = select_topk(head_scores, counts)  # [B, HQ, K], -1 pads
-    S = head_scores.shape[-1]
-    sel = torch.zeros(*idx.shape[:2], S + 1, dtype=torch.bool, device=idx.device)
-    sel.scatter_(-1, torch.where(idx >= 0, idx, S), True)  # pads land in the spare slot S
-    return agreement_counts(group_union_sizes(sel[..., :S], HKV), counts, n_visible)
+    sel = selection_mask(select_topk(head_scores, counts), head_scores.shape[-1])
+    return agreement_counts(group_union_sizes(sel, HKV), counts, n_visible)
+
+
+def selection_mask(idx: torch.Tensor, S: int) -> torch.Tensor:
+    """The tokens ``idx`` [..., K] (int, -1 pads) select as a bool mask [..., S]."""
+    sel = torch.zeros(*idx.shape[:-1], S + 1, dtype=torch.bool, device=idx.device)
+    sel.scatter_(-1, torch.where(idx >= 0, idx, S).long(), True)  # pads land in the spare slot S
+    return sel[..., :S]
 
 
 def approx_scores(
@@ -161,12 +165,15 @@ def approx_scores(
     aggregate: str = "sum",
     scale: float | None = None,
     compute_dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
+    return_both: bool = False,
+):
     """Approximate scores from the first d rotated dims: ``q_hat[:d] . K_hat[:, :d]^T`` (unscaled).
 
     q_hat: [B, HQ, D]; k_hat: [B, HKV, S, D] -> [B, H, S] in ``compute_dtype``, -inf outside valid
     tokens; H = HQ for ``gqa_select="query"``, HKV for ``"kv"`` (group scores combined by ``aggregate``,
     :func:`aggregate_group_scores`; the softmax aggregates use ``scale``, default ``1/sqrt(D)``).
+    ``return_both`` returns ``(per_query_head [B, HQ, S], result)`` from the same pass (as the kernels'
+    ``approx_scores``).
     """
     _check_mode(gqa_select, aggregate)
     B, HQ, HKV, S, D, lengths, starts = check_decode_inputs(q_hat, k_hat, k_hat, lengths, starts)
@@ -174,11 +181,11 @@ def approx_scores(
     qg = q_hat[..., :dd].to(compute_dtype).view(B, HKV, HQ // HKV, dd)
     s = torch.einsum("bhgd,bhsd->bhgs", qg, k_hat[..., :dd].to(compute_dtype)).reshape(B, HQ, S)
     valid = valid_token_mask(lengths, starts, S)
-    s = s.masked_fill(~valid[:, None, :], float("-inf"))
+    heads = s = s.masked_fill(~valid[:, None, :], float("-inf"))
     if gqa_select == "kv":
         s = aggregate_group_scores(s, HKV, aggregate, scale=resolve_scale(scale, D))
         s = s.masked_fill(~valid[:, None, :], float("-inf"))
-    return s
+    return (heads, s) if return_both else s
 
 
 def budget(k: int | float, lengths: torch.Tensor | None, starts: torch.Tensor | None, B: int, S: int,
@@ -252,7 +259,7 @@ def select_topk(scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     if scores.dim() != 3:
         raise ValueError(f"scores must have shape [B, H, S], got {list(scores.shape)}")
     B, H, S = scores.shape
-    per_row = _check_row_counts(counts, B, H)
+    per_row = check_row_counts(counts, B, H)
     if B == 0:
         return torch.empty(0, H, 0, dtype=torch.long, device=scores.device)
     kmax = int(counts.max())
@@ -262,14 +269,3 @@ def select_topk(scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     c = counts.to(scores.device)
     keep = torch.arange(kmax, device=scores.device) < (c[:, :, None] if per_row else c[:, None, None])
     return idx.masked_fill(~keep, -1)
-
-
-def _check_row_counts(counts, B: int, H: int) -> bool:
-    """Validate ``counts`` of shape [B] (returns False) or [B, H] (per row: returns True)."""
-    if isinstance(counts, torch.Tensor) and counts.dim() == 2:
-        check_counts(counts[:, 0], B)  # the dtype and batch checks
-        if counts.shape[1] != H:
-            raise ValueError(f"counts must have shape [B]=[{B}] or [B, H]=[{B}, {H}], got {list(counts.shape)}")
-        return True
-    check_counts(counts, B)
-    return False

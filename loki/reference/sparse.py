@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check_counts
+from .._checks import check_row_counts
 from .common import default_scale, gather_rows
 
 __all__ = ["sparse_attention"]
@@ -38,11 +38,7 @@ def sparse_attention(
     if idx.dim() != 3 or idx.shape[0] != B:
         raise ValueError(f"idx must have shape [B, H, K] with B={B}, got {list(idx.shape)}")
     K = idx.shape[2]
-    per_row = isinstance(counts, torch.Tensor) and counts.dim() == 2
-    check_counts(counts[:, 0] if per_row else counts, B)
-    if per_row and counts.shape[1] != idx.shape[1]:
-        raise ValueError(f"counts must have shape [B] or [B, H]=[{B}, {idx.shape[1]}] (H = idx.shape[1]), got "
-                         f"{list(counts.shape)}")
+    per_row = check_row_counts(counts, B, idx.shape[1])  # H = idx.shape[1]
     if B and (int(counts.min()) < 1 or int(counts.max()) > K):
         raise ValueError(f"counts must lie in [1, K={K}] (K = idx.shape[2]), got {counts.tolist()}")
     kg = gather_rows(k_hat, idx, HQ).to(compute_dtype)  # [B, HQ, K, D]
