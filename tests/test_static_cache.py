@@ -157,6 +157,45 @@ def test_compiled_fullgraph_static_decode_equals_eager(kind):
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
 
 
+def test_reference_step_runs_eagerly_inside_a_compiled_step_and_warns_once(monkeypatch):
+    """The static step's PyTorch reference on CUDA (backend="torch", or "auto" while autograd records) is not
+    traced under torch.compile (Inductor does not compile it, and a refusal raised while tracing never reaches the
+    user: Dynamo breaks the graph on the raise and reruns the frame eagerly): it runs eagerly, gives eager's
+    result, and warns once per model."""
+    torch._dynamo.reset()
+    model = tiny_model(num_heads=4, num_kv_heads=2)
+    enable_loki(model, _basis(model), k=0.5, d=0.5, backend="torch")
+    state = model._loki_config
+    x = make_decode_inputs(2, 4, 2, 24, 16, ragged=True, left_pad=True, seed=5)
+    counts = torch.ceil((x.lengths - x.starts).double() * 0.5 - 1e-9).long()
+    P_q = torch.linalg.qr(torch.randn(2, 16, 16, generator=torch.Generator().manual_seed(2)))[0]  # per KV head
+    query = x.q[:, :, None]  # [B, HQ, 1, D]
+    args = (query, P_q, x.k_cache, x.v_cache, x.lengths, x.starts, counts, 8, 0.25)
+    traced = []
+    real = lt_static.loki_attention_reference
+
+    def spy(*a, **kw):
+        traced.append(torch.compiler.is_compiling())
+        return real(*a, **kw)
+
+    monkeypatch.setattr(lt_static, "loki_attention_reference", spy)
+    expected = lt_static._reference_step(state, False, *args)
+
+    def step(*a):
+        return lt_static._reference_step(state, torch.compiler.is_compiling(), *a) * 1.0
+
+    compiled = torch.compile(step, backend="eager")
+    with pytest.warns(RuntimeWarning, match="runs the PyTorch reference .backend='torch'.*eagerly"):
+        got = compiled(*args)
+    torch.testing.assert_close(got, expected)
+    assert traced == [False, False], traced  # called eagerly both times, never traced
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.testing.assert_close(compiled(*args), expected)  # once per model
+
+
 def test_custom_op_registered_per_device_and_traceable():
     """loki::decode_step: one budget input (counts); the CPU registration is the reference."""
     assert hasattr(torch.ops.loki, "decode_step")
@@ -318,6 +357,36 @@ def test_gpu_compiled_static_bf16_logits_match_eager():
                 logits.append(o.logits[:, -1].float().clone())
         diffs[name] = max((logits[i] - logits[0]).abs().max().item() for i in (1, 2, 3))
     assert diffs["loki"] <= 2 * diffs["dense"] + 0.05, diffs
+
+
+@pytest.mark.gpu
+def test_gpu_compiled_static_step_with_autograd_on_runs_the_reference_eagerly():
+    """torch.compile (inductor) of a static-cache decode step with autograd recording: "auto" takes the PyTorch
+    reference (the kernels have no backward), which runs eagerly outside the graph with one warning, and the
+    logits are those of the kernels' step under no_grad (fp32)."""
+    torch._dynamo.reset()
+    model = tiny_model(num_layers=2, num_heads=8, num_kv_heads=2, head_dim=64).to("cuda")
+    enable_loki(model, _basis(model), k=0.5, d=0.25)
+    ids, mask = _prompt(B=2, n=40)
+    ids, mask = ids.cuda(), mask.cuda()
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    full = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype, device="cuda")], 1)
+    step_kw = dict(input_ids=ids[:, -1:], attention_mask=full, position_ids=pos[:, -1:] + 1, use_cache=True)
+    logits = []
+    for grad in (False, True):
+        cache = loki_static_cache(model, max_cache_len=48, batch_size=2)
+        kw = {_cache_kw(model): cache}
+        with torch.no_grad():
+            model(ids, attention_mask=mask, position_ids=pos, use_cache=True, **kw)
+        if grad:
+            compiled = torch.compile(model.forward)
+            with pytest.warns(RuntimeWarning, match="runs the PyTorch reference .backend='auto' with autograd"):
+                out = compiled(**step_kw, **kw)
+        else:
+            with torch.no_grad():
+                out = model(**step_kw, **kw)
+        logits.append(out.logits[:, -1].detach().float())
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)
 
 
 def test_compiled_graph_computes_ranges_once_for_all_layers():

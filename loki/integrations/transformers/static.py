@@ -108,13 +108,32 @@ def static_decode(state, layer, query, key, value, ranges, scale: float):
         out = decode_step_op(q_hat, key, value, prefix, *args, dd, ranges.width, cfg.gqa_select, cfg.aggregate,
                              float(scale))
     else:
-        # backend="torch" on CUDA: the reference itself (eager; it syncs on the budgets)
-        q_hat = rotate_query(query[:, :, 0], layer.loki_P_q)
-        if torch.compiler.is_compiling():
-            raise LokiError("backend='torch' runs the PyTorch reference, which does not compile on CUDA: enable Loki "
-                            "with backend='auto' or 'triton' for a compiled static cache")
-        out = loki_attention_reference(q_hat, key, value, d=dd, counts=ranges.counts, lengths=ranges.dec_lengths,
-                                       starts=ranges.dec_starts, gqa_select=cfg.gqa_select, aggregate=cfg.aggregate,
-                                       scale=scale).to(query.dtype)
+        # backend="torch" (or "auto" with autograd on) on CUDA: the reference itself, eager even inside a compiled
+        # step (it syncs on the budgets, and Inductor does not compile it)
+        out = _reference_step(state, torch.compiler.is_compiling(), query, layer.loki_P_q, key, value,
+                              ranges.dec_lengths, ranges.dec_starts, ranges.counts, dd, scale)
     out = out.masked_fill(~ranges.any_[:, 0, None, None], 0)
     return out[:, None]
+
+
+@torch.compiler.disable
+def _reference_step(state, compiling: bool, query, P_q, key, value, lengths, starts, counts, d: int, scale: float):
+    """``static_decode``'s PyTorch reference on CUDA (backend="torch", or "auto" while autograd records), run
+    eagerly: under ``torch.compile`` the step breaks its graph here instead of tracing the reference (which
+    Inductor does not compile), and the first such step warns once per enabled model that the compiled step is
+    not the kernels' (``compiling``: whether the caller was being traced). Same result as eager decoding."""
+    if compiling and not state.warned_compiled_reference:
+        import warnings
+
+        state.warned_compiled_reference = True
+        why = ("backend='torch'" if state.config.backend == "torch"
+               else f"backend={state.config.backend!r} with autograd recording (the Triton kernels have no backward)")
+        warnings.warn(
+            f"Loki's static-cache decode step runs the PyTorch reference ({why}): inside torch.compile it runs "
+            "eagerly, outside the compiled graph and any CUDA graph, so the step is much slower than the kernels' "
+            "(results are the same). Decode under torch.no_grad() (as generate does) with backend='auto' or "
+            "'triton' for the compiled kernels", RuntimeWarning, stacklevel=2)
+    q_hat = rotate_query(query[:, :, 0], P_q)
+    return loki_attention_reference(q_hat, key, value, d=d, counts=counts, lengths=lengths, starts=starts,
+                                    gqa_select=state.config.gqa_select, aggregate=state.config.aggregate,
+                                    scale=scale).to(query.dtype)
