@@ -160,8 +160,10 @@ def test_compiled_fullgraph_static_decode_equals_eager(kind):
 def test_reference_step_runs_eagerly_inside_a_compiled_step_and_warns_once(monkeypatch):
     """The static step's PyTorch reference on CUDA (backend="torch", or "auto" while autograd records) is not
     traced under torch.compile (Inductor does not compile it, and a refusal raised while tracing never reaches the
-    user: Dynamo breaks the graph on the raise and reruns the frame eagerly): it runs eagerly, gives eager's
-    result, and warns once per model."""
+    user: Dynamo breaks the graph on the raise and reruns the frame eagerly): it runs eagerly
+    (``rows.reference_outside_graph``), gives eager's result, and warns once per model."""
+    from loki.integrations.transformers.rows import reference_outside_graph
+
     torch._dynamo.reset()
     model = tiny_model(num_heads=4, num_kv_heads=2)
     enable_loki(model, _basis(model), k=0.5, d=0.5, backend="torch")
@@ -170,7 +172,7 @@ def test_reference_step_runs_eagerly_inside_a_compiled_step_and_warns_once(monke
     counts = torch.ceil((x.lengths - x.starts).double() * 0.5 - 1e-9).long()
     P_q = torch.linalg.qr(torch.randn(2, 16, 16, generator=torch.Generator().manual_seed(2)))[0]  # per KV head
     query = x.q[:, :, None]  # [B, HQ, 1, D]
-    args = (query, P_q, x.k_cache, x.v_cache, x.lengths, x.starts, counts, 8, 0.25)
+    args = (state, query, P_q, x.k_cache, x.v_cache, x.lengths, x.starts, counts, 8, 0.25)
     traced = []
     real = lt_static.loki_attention_reference
 
@@ -179,10 +181,10 @@ def test_reference_step_runs_eagerly_inside_a_compiled_step_and_warns_once(monke
         return real(*a, **kw)
 
     monkeypatch.setattr(lt_static, "loki_attention_reference", spy)
-    expected = lt_static._reference_step(state, False, *args)
+    expected = lt_static._reference_step(*args)
 
     def step(*a):
-        return lt_static._reference_step(state, torch.compiler.is_compiling(), *a) * 1.0
+        return reference_outside_graph(state, torch.compiler.is_compiling(), lt_static._reference_step, *a) * 1.0
 
     compiled = torch.compile(step, backend="eager")
     with pytest.warns(RuntimeWarning, match="runs the PyTorch reference .backend='torch'.*eagerly"):
@@ -387,6 +389,47 @@ def test_gpu_compiled_static_step_with_autograd_on_runs_the_reference_eagerly():
                 out = model(**step_kw, **kw)
         logits.append(out.logits[:, -1].detach().float())
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_gpu_compiled_dynamic_step_on_the_reference_runs_it_eagerly(backend):
+    """torch.compile (inductor) of a DynamicCache decode step whose attention is the PyTorch reference
+    (backend="torch", or "auto" with autograd recording): the reference runs eagerly outside the graph with one
+    warning (before, Inductor failed to compile it), and the logits are eager's."""
+    from transformers import DynamicCache
+
+    torch._dynamo.reset()
+    model = tiny_model(num_layers=2, num_heads=8, num_kv_heads=2, head_dim=64).to("cuda")
+    enable_loki(model, _basis(model), k=0.5, d=0.25, backend=backend)
+    ids = torch.randint(1, 256, (2, 40), generator=torch.Generator().manual_seed(0)).cuda()
+    logits = []
+    for compiled in (False, True):
+        cache = DynamicCache(config=model.config)
+        kw = {_cache_kw(model): cache}
+        with torch.no_grad():
+            model(ids, use_cache=True, **kw)
+        with torch.set_grad_enabled(backend == "auto"):
+            if compiled:
+                with pytest.warns(RuntimeWarning, match="runs the PyTorch reference"):
+                    out = torch.compile(model.forward)(input_ids=ids[:, -1:], use_cache=True, **kw)
+            else:
+                out = model(input_ids=ids[:, -1:], use_cache=True, **kw)
+        logits.append(out.logits[:, -1].detach().float())
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)
+
+
+def test_whole_graph_compilation_refuses_the_reference_on_cuda_by_name():
+    """fast_path_perplexity / generate_retrieval compile whole graphs: backend='torch' on CUDA is refused before
+    anything runs, naming the argument (its reference would run outside the graph); the CPU, where the reference
+    is the custom op's registration, and the kernels' backends pass."""
+    from loki.integrations.transformers.rows import check_compiled_backend
+
+    with pytest.raises(ValueError, match=r"fast_path_perplexity\(compile=True\): backend='torch'.*compile=False"):
+        check_compiled_backend("torch", "cuda", "fast_path_perplexity(compile=True)")
+    check_compiled_backend("torch", "cpu", "x")
+    check_compiled_backend("auto", "cuda", "x")
+    check_compiled_backend("triton", torch.device("cuda", 0), "x")
 
 
 def test_compiled_graph_computes_ranges_once_for_all_layers():

@@ -69,6 +69,10 @@ def fast_path_perplexity(model, windows: torch.Tensor, basis, *, k: int | float 
     if compile and dev.type != "cuda":
         raise ValueError(f"compile=True records CUDA graphs and needs a model on CUDA (it is on {dev}); pass "
                          "compile=False")
+    if compile:
+        from loki.integrations.transformers.rows import check_compiled_backend
+
+        check_compiled_backend(backend, dev, "fast_path_perplexity(compile=True)")
     if compile and attention_mask == "grow":
         raise ValueError("attention_mask='grow' changes the input shape every step: a compiled step would record "
                          "a CUDA graph per length; use attention_mask='none' with compile=True")

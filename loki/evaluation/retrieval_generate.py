@@ -163,6 +163,10 @@ def generate_retrieval(model, tokenizer, specs: list[MethodSpec], bases: dict, *
     if compile is True and dev.type != "cuda":
         raise ValueError(f"compile=True records CUDA graphs and needs a model on CUDA (it is on {dev}); pass "
                          "compile=False")
+    if compile:
+        from loki.integrations.transformers.rows import check_compiled_backend
+
+        check_compiled_backend(backend, dev, f"generate_retrieval(compile={compile!r})")
     if dtype is not None:
         from loki.evaluation.models import resolve_dtype
 

@@ -21,7 +21,7 @@ from loki.reference import expand_to_query_heads
 
 from .config import LokiError, LokiState
 from .metadata import LayerRanges, direct_ranges
-from .rows import check_triton_inputs, rotate_rows, triton_backend
+from .rows import check_triton_inputs, reference_outside_graph, rotate_rows, triton_backend
 from .static import static_decode
 from .teacher_forced import decode_rows, teacher_forced_attention
 
@@ -125,11 +125,14 @@ def loki_attention_forward(module, query, key, value, attention_mask, scaling=No
     if (L == 1 and cfg.method == "loki" and keys_rotated and P_q is not None
             and triton_backend(cfg.backend, query)):
         return _loki_decode_fast(state, query, key, value, ranges, P_q, scale, prefix), None
-    out = teacher_forced_attention(
-        query, key, value, method=cfg.method, k=cfg.k, d=cfg.d, P=P, P_q=P_q, keys_rotated=keys_rotated,
-        scale=scale, gqa_select=cfg.gqa_select, aggregate=cfg.aggregate, backend=cfg.backend,
-        chunk_elements=cfg.chunk_elements, k_prefix=prefix, ranges=(ranges.starts, ranges.lengths, ranges.any_),
-    )
+    kw = dict(method=cfg.method, k=cfg.k, d=cfg.d, P=P, P_q=P_q, keys_rotated=keys_rotated, scale=scale,
+              gqa_select=cfg.gqa_select, aggregate=cfg.aggregate, backend=cfg.backend,
+              chunk_elements=cfg.chunk_elements, k_prefix=prefix, ranges=(ranges.starts, ranges.lengths, ranges.any_))
+    if query.is_cuda and torch.compiler.is_compiling():
+        # the reference inside a compiled CUDA step: eager, outside the graph (Inductor does not compile it)
+        out = reference_outside_graph(state, True, teacher_forced_attention, query, key, value, **kw)
+    else:
+        out = teacher_forced_attention(query, key, value, **kw)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -13,7 +13,7 @@ from loki.reference import rotate_query
 
 from .config import LokiError
 
-__all__ = ["check_triton_inputs", "rotate_rows", "triton_backend"]
+__all__ = ["check_compiled_backend", "check_triton_inputs", "reference_outside_graph", "rotate_rows", "triton_backend"]
 
 
 def rotate_rows(x: torch.Tensor, P: torch.Tensor) -> torch.Tensor:
@@ -39,3 +39,39 @@ def check_triton_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
                       value=value)
     except RuntimeError as exc:
         raise LokiError(str(exc)) from None
+
+
+def check_compiled_backend(backend: str, device, where: str) -> None:
+    """Refuse, before compiling, a whole-graph (``fullgraph=True``) CUDA decode step on ``backend="torch"``:
+    its PyTorch reference runs outside the compiled graph (:func:`reference_outside_graph`), which a whole graph
+    cannot hold."""
+    if backend == "torch" and torch.device(device).type == "cuda":
+        raise ValueError(f"{where}: backend='torch' runs Loki's PyTorch reference, which a compiled CUDA step runs "
+                         "eagerly outside its graph, so a whole-graph (fullgraph) compilation cannot hold it: use "
+                         "backend='auto' or 'triton' (the kernels), or compile=False")
+
+
+@torch.compiler.disable
+def reference_outside_graph(state, compiling: bool, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)``, a PyTorch reference step on CUDA, run eagerly: under ``torch.compile`` the step
+    breaks its graph here instead of tracing the reference (Inductor does not compile it; a refusal raised while
+    tracing would not reach the user either: Dynamo breaks the graph on the raise and reruns the frame eagerly).
+    ``compiling``: whether the caller was being traced; the first such call warns once per enabled model
+    (``state``) that the compiled step is not the kernels'.  Same result as eager decoding."""
+    if compiling and not state.warned_compiled_reference:
+        import warnings
+
+        state.warned_compiled_reference = True
+        cfg = state.config
+        if cfg.backend == "torch":
+            why = "backend='torch'"
+        elif cfg.method != "loki":
+            why = f"method={cfg.method!r}, which has no kernels"
+        else:
+            why = f"backend={cfg.backend!r} with autograd recording (the Triton kernels have no backward)"
+        warnings.warn(
+            f"Loki's decode step runs the PyTorch reference ({why}): inside torch.compile it runs eagerly, outside "
+            "the compiled graph and any CUDA graph, so the step is much slower than the kernels' (results are the "
+            "same). Decode under torch.no_grad() (as generate does) with backend='auto' or 'triton' on a static "
+            "cache for the compiled kernels", RuntimeWarning, stacklevel=3)
+    return fn(*args, **kwargs)

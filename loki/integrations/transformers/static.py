@@ -32,7 +32,7 @@ from loki.reference.methods import loki_attention as loki_attention_reference
 
 from .cache import LokiStaticCacheLayer, convert_cache
 from .config import LokiError, state_of
-from .rows import triton_backend
+from .rows import reference_outside_graph, triton_backend
 
 __all__ = ["LokiStaticCache", "LokiStaticCacheLayer", "loki_static_cache", "static_decode"]
 
@@ -110,29 +110,16 @@ def static_decode(state, layer, query, key, value, ranges, scale: float):
     else:
         # backend="torch" (or "auto" with autograd on) on CUDA: the reference itself, eager even inside a compiled
         # step (it syncs on the budgets, and Inductor does not compile it)
-        out = _reference_step(state, torch.compiler.is_compiling(), query, layer.loki_P_q, key, value,
-                              ranges.dec_lengths, ranges.dec_starts, ranges.counts, dd, scale)
+        out = reference_outside_graph(state, torch.compiler.is_compiling(), _reference_step, state, query,
+                                      layer.loki_P_q, key, value, ranges.dec_lengths, ranges.dec_starts,
+                                      ranges.counts, dd, scale)
     out = out.masked_fill(~ranges.any_[:, 0, None, None], 0)
     return out[:, None]
 
 
-@torch.compiler.disable
-def _reference_step(state, compiling: bool, query, P_q, key, value, lengths, starts, counts, d: int, scale: float):
-    """``static_decode``'s PyTorch reference on CUDA (backend="torch", or "auto" while autograd records), run
-    eagerly: under ``torch.compile`` the step breaks its graph here instead of tracing the reference (which
-    Inductor does not compile), and the first such step warns once per enabled model that the compiled step is
-    not the kernels' (``compiling``: whether the caller was being traced). Same result as eager decoding."""
-    if compiling and not state.warned_compiled_reference:
-        import warnings
 
-        state.warned_compiled_reference = True
-        why = ("backend='torch'" if state.config.backend == "torch"
-               else f"backend={state.config.backend!r} with autograd recording (the Triton kernels have no backward)")
-        warnings.warn(
-            f"Loki's static-cache decode step runs the PyTorch reference ({why}): inside torch.compile it runs "
-            "eagerly, outside the compiled graph and any CUDA graph, so the step is much slower than the kernels' "
-            "(results are the same). Decode under torch.no_grad() (as generate does) with backend='auto' or "
-            "'triton' for the compiled kernels", RuntimeWarning, stacklevel=2)
+def _reference_step(state, query, P_q, key, value, lengths, starts, counts, d: int, scale: float):
+    """``static_decode``'s PyTorch reference (backend="torch", or "auto" while autograd records, on CUDA)."""
     q_hat = rotate_query(query[:, :, 0], P_q)
     return loki_attention_reference(q_hat, key, value, d=d, counts=counts, lengths=lengths, starts=starts,
                                     gqa_select=state.config.gqa_select, aggregate=state.config.aggregate,
