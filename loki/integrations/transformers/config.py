@@ -112,7 +112,7 @@ class LokiState:
     current_cache: Any = field(default=None, repr=False)
     forward: Any = field(default=None, repr=False)
     warned_positions: bool = False  # the warning about keys past covered_positions was given
-    warned_compiled_reference: bool = False  # the warning about the reference inside a compiled static step
+    warned_compiled_reference: bool = False  # the warning about the reference in a compiled step
     handles: list = field(default_factory=list, repr=False)
     # The token every cache layer converted under these settings points to (inactive after disable_loki), and
     # weak references to the caches converted, which disable_loki restores.

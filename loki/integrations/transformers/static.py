@@ -117,7 +117,6 @@ def static_decode(state, layer, query, key, value, ranges, scale: float):
     return out[:, None]
 
 
-
 def _reference_step(state, query, P_q, key, value, lengths, starts, counts, d: int, scale: float):
     """``static_decode``'s PyTorch reference (backend="torch", or "auto" while autograd records, on CUDA)."""
     q_hat = rotate_query(query[:, :, 0], P_q)
