@@ -120,7 +120,8 @@ def test_a_known_miss_excuses_only_the_gqa_mode_it_was_recorded_in():
         return g
 
     g = gate(KM)  # recorded when the default was per query head
-    assert not g["passed"] and not g.get("known") and "recorded for GQA query" in g["note"]
+    assert not g["passed"] and not g.get("known")
+    assert "recorded for per query head, the default row here is GQA kv, softmax-max" in g["note"]
     assert not gate(dict(KM, gqa_select="kv", aggregate="sum")).get("known")  # another aggregate
     g = gate(dict(KM, gqa_select="kv", aggregate="softmax-max"))
     assert not g["passed"] and g["known"]

@@ -201,7 +201,9 @@ def target_gates(results: dict, thresholds: dict, profile: str, *, profile_appli
 
 
 def _gqa_text(gqa: tuple[str, str]) -> str:
-    return f"GQA {gqa[0]}" + (f" ({gqa[1]})" if gqa[0] == "kv" else "")
+    """A GQA mode (gqa_select, aggregate) in words, as gate notes and the targets table write it: "GQA kv,
+    softmax-max" (one selection per KV group, and its aggregate) or "per query head"."""
+    return f"GQA kv, {gqa[1]}" if gqa[0] == "kv" else "per query head"
 
 
 def _apply_known(g: dict, kms: tuple[KnownMiss, ...] | None, lo: float, hi: float, worse: str,
@@ -215,7 +217,7 @@ def _apply_known(g: dict, kms: tuple[KnownMiss, ...] | None, lo: float, hi: floa
 
     km = next((m for m in kms if in_default_mode({"gqa_select": m.gqa_select, "aggregate": m.aggregate}, gqa)), None)
     if km is None:
-        modes = ", ".join(_gqa_text(m.gqa) for m in kms)
+        modes = " and ".join(_gqa_text(m.gqa) for m in kms)
         g["note"] = (f"the known miss of profile {kms[0].profile} was recorded for {modes}, the default row here is "
                      f"{_gqa_text(gqa)}: it does not excuse it (measure and record the default configuration)")
         return
@@ -261,7 +263,7 @@ def target_status(results: dict, thresholds: dict) -> list[dict]:
 def _mode_note(m: KnownMiss) -> str:
     """The GQA mode a known miss was recorded in (entries without one were recorded per query head, the default
     before softmax-max became it on GQA models)."""
-    return f" (GQA kv, {m.aggregate})" if m.gqa_select == "kv" else " (per query head)"
+    return f" ({_gqa_text(m.gqa)})"
 
 
 def targets_markdown(thresholds: dict) -> str:
