@@ -6,10 +6,10 @@ folder, then runs the tests named for it there (``pytest -x``, the copy first on
 killed when those tests fail, survives when they pass; mutants marked ``equivalent`` (no observable behaviour
 changes) and, on the CPU, those that only a GPU run can see (``gpu``) are reported but not counted.
 
-    python scripts/mutation_check.py                      # every CPU mutant (about 15-25 minutes on 2 cores)
-    python scripts/mutation_check.py --only M03,M07       # some of them
-    python scripts/mutation_check.py --gpu                # on a CUDA machine: the GPU-only mutants, -m gpu tests
-    python scripts/mutation_check.py --out results/mutation-cpu.json
+    python tools/mutation_check.py                      # every CPU mutant (about 15-25 minutes on 2 cores)
+    python tools/mutation_check.py --only M03,M07       # some of them
+    python tools/mutation_check.py --gpu                # on a CUDA machine: the GPU-only mutants, -m gpu tests
+    python tools/mutation_check.py --out results/mutation-cpu.json
 
 The kill rate is killed / (mutants run - equivalent).  docs/mutation.md records the last run and the survivors.
 """
