@@ -44,7 +44,7 @@ def _peak_memory_mib(cfg) -> float:
 
     def step(x):
         return decode_attention(x.q, x.k_cache, x.v_cache, d=d, k=cfg.k_f, lengths=x.lengths, starts=x.starts,
-                                backend="triton", gqa_select=mode, select_method="triton")
+                                backend="triton", gqa_select=mode, select_method="triton", aggregate="sum")
 
     step(inputs)  # compile outside the measurement
     torch.cuda.synchronize()

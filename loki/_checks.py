@@ -14,7 +14,9 @@ import torch
 
 __all__ = [
     "CacheOverflowError",
+    "MAX_COUNT",
     "check_count",
+    "check_dims",
     "check_counts",
     "budget_bound",
     "budget_counts",
@@ -151,24 +153,39 @@ def valid_token_mask(lengths: torch.Tensor, starts: torch.Tensor, S: int) -> tor
     return (pos[None, :] >= starts[:, None].long()) & (pos[None, :] < lengths[:, None].long())
 
 
+def check_dims(d: int | float, *, name: str = "d") -> int | float:
+    """Validate a dims setting before the head dim is known: an ``int`` count >= 1 or a ``float`` fraction in
+    (0, 1].  Returns ``d`` as an int or a float (:func:`resolve_d` makes it a count)."""
+    if isinstance(d, bool):
+        raise TypeError(f"{name} must be an int count or a float fraction, got bool")
+    if isinstance(d, Integral):
+        if int(d) < 1:
+            raise ValueError(f"{name}={d} is out of range: it must be at least 1")
+        return int(d)
+    if isinstance(d, Real):
+        f = float(d)
+        if not (0.0 < f <= 1.0) or math.isnan(f):
+            raise ValueError(f"{name}={d} as a fraction of D must lie in (0, 1]")
+        return f
+    raise TypeError(f"{name} must be an int count or a float fraction, got {type(d).__name__}")
+
+
 def resolve_d(d: int | float, D: int, *, name: str = "d") -> int:
     """Number of leading principal dims used for approximate scores.
 
     An ``int`` is a count (1 <= d <= D); a ``float`` in (0, 1] is a fraction of D, rounded up.
     """
-    if isinstance(d, bool):
-        raise TypeError(f"{name} must be an int count or a float fraction, got bool")
-    if isinstance(d, Integral):
-        d = int(d)
-        if not 1 <= d <= D:
-            raise ValueError(f"{name}={d} is out of range: it must satisfy 1 <= {name} <= D={D}")
+    if isinstance(d, Integral) and not isinstance(d, bool) and not 1 <= int(d) <= D:
+        raise ValueError(f"{name}={d} is out of range: it must satisfy 1 <= {name} <= D={D}")
+    d = check_dims(d, name=name)
+    if isinstance(d, int):
         return d
-    if isinstance(d, Real):
-        f = float(d)
-        if not (0.0 < f <= 1.0) or math.isnan(f):
-            raise ValueError(f"{name}={d} as a fraction of D must lie in (0, 1]")
-        return max(1, min(D, math.ceil(f * D - 1e-9)))
-    raise TypeError(f"{name} must be an int count or a float fraction, got {type(d).__name__}")
+    return max(1, min(D, math.ceil(d * D - 1e-9)))
+
+
+#: The largest int budget (token positions are int32 in the kernels); a count above a sequence's valid tokens
+#: keeps them all, so a larger one has no use.
+MAX_COUNT = 2**31 - 1
 
 
 def check_budget(k: int | float, *, name: str = "k") -> int | float:
@@ -179,6 +196,9 @@ def check_budget(k: int | float, *, name: str = "k") -> int | float:
     if isinstance(k, Integral):
         if int(k) < 1:
             raise ValueError(f"{name}={k} is out of range: at least one token must be selected ({name} >= 1)")
+        if int(k) > MAX_COUNT:
+            raise ValueError(f"{name}={k} exceeds the largest count, {MAX_COUNT}; a count above a sequence's "
+                             f"valid tokens keeps them all (use {name}=1.0 to attend to every token)")
         return int(k)
     if isinstance(k, Real):
         f = float(k)

@@ -48,7 +48,7 @@ def _tiny_section(windows_spec, aggregate: str = "auto"):
 
     from loki.evaluation.fast_path import fast_path_perplexity
     from loki.evaluation.perplexity import MethodSpec, perplexity
-    from loki.integrations.transformers.enable import default_gqa_mode
+    from loki.settings import LokiSettings
     from loki.testing.decode import random_score_basis
     from loki.testing.models import tiny_model
 
@@ -56,7 +56,8 @@ def _tiny_section(windows_spec, aggregate: str = "auto"):
     basis = random_score_basis(2, 2, 16, seed=1)
     T, N = windows_spec
     windows = torch.randint(1, 256, (N, T), generator=torch.Generator().manual_seed(0))
-    g, agg = default_gqa_mode(model.config, "loki", "auto", aggregate)
+    mode = LokiSettings(aggregate=aggregate, backend="torch").resolve(model.config).kernel_args()
+    g, agg = mode["gqa_select"], mode["aggregate"]
     spec = MethodSpec(f"loki-score[{g}]", "loki", k=0.25, d=0.25, basis="b", gqa_select=g, aggregate=agg)
     engine = perplexity(model, windows, spec, {"b": basis})
     rows = []
@@ -77,7 +78,7 @@ def _retrieval(args, tol: float) -> tuple[dict, bool]:
     from loki.evaluation.perplexity import MethodSpec
     from loki.evaluation.retrieval import evaluate_retrieval
     from loki.evaluation.retrieval_generate import retrieval_generate_section
-    from loki.integrations.transformers.enable import default_gqa_mode
+    from loki.settings import LokiSettings
 
     if args.tiny:
         from loki.testing.decode import random_score_basis
@@ -95,7 +96,8 @@ def _retrieval(args, tol: float) -> tuple[dict, bool]:
         bases = get_bases(model, tok, ("score",), DEFAULT_RECIPE, progress=True, log=_log)
         kw = {"context_lens": args.contexts, "samples": args.samples, "batch_size": min(32, args.samples)}
         compile, backend = True, "auto"
-    agg = {g: default_gqa_mode(model.config, "loki", g, args.aggregate)[1] for g in args.gqa_select}
+    agg = {g: LokiSettings(gqa_select=g, aggregate=args.aggregate, backend="torch").resolve(model.config).kernel_args()[
+        "aggregate"] for g in args.gqa_select}
     specs = [MethodSpec(f"loki-score[{g}]", "loki", k=0.125, d=0.25, basis="score", gqa_select=g, aggregate=agg[g])
              for g in args.gqa_select]
     _log(f"engine: {', '.join(s.name for s in specs)} on {kw['samples']} samples per task and length at "

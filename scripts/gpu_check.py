@@ -56,9 +56,9 @@ def check(out_rows: list) -> bool:
         for sm in ("torch", "triton", "auto+k_prefix"):
             out = decode_attention(x.q, x.k_cache, x.v_cache, d=0.25, k=0.25, lengths=x.lengths, starts=x.starts,
                                    backend="triton", gqa_select=mode, select_method=sm.split("+")[0],
-                                   k_prefix=kp if "k_prefix" in sm else None)
+                                   k_prefix=kp if "k_prefix" in sm else None, aggregate="sum")
             ref = decode_attention(x.q, x.k_cache, x.v_cache, d=0.25, k=0.25, lengths=x.lengths, starts=x.starts,
-                                   backend="torch", gqa_select=mode)
+                                   backend="torch", gqa_select=mode, aggregate="sum")
             e_o = _err(out, ref)
             tol = 1e-4 if dtype == torch.float32 else 2e-2
             row_ok = e_s < 1e-3 and sel_ok and e_o < tol and not torch.isnan(out).any()
@@ -118,13 +118,13 @@ def sanitize() -> None:
                     sparse_attention(x.q, x.k_cache, x.v_cache, idx, counts, prefix_scores=s, prefix_dims=7,
                                      block_k=16)
             decode_attention(x.q, x.k_cache, x.v_cache, d=0.25, k=0.25, lengths=x.lengths, starts=x.starts,
-                             backend="triton", gqa_select=mode, select_method="triton")
+                             backend="triton", gqa_select=mode, select_method="triton", aggregate="sum")
             decode_attention(x.q, x.k_cache, x.v_cache, d=9, k=0.25, lengths=x.lengths, starts=x.starts,
-                             backend="triton", gqa_select=mode, k_prefix=kp)
+                             backend="triton", gqa_select=mode, k_prefix=kp, aggregate="sum")
             launch_mod.PDL = True  # programmatic dependent launch through the whole step
             for _ in range(2):
                 decode_attention(x.q, x.k_cache, x.v_cache, d=9, k=0.25, lengths=x.lengths, starts=x.starts,
-                                 backend="triton", gqa_select=mode, k_prefix=kp)
+                                 backend="triton", gqa_select=mode, k_prefix=kp, aggregate="sum")
             launch_mod.PDL = False
         sparq_attention(x.q, x.k_cache, x.v_cache, r=8, k=0.25, lengths=x.lengths, starts=x.starts)
     torch.cuda.synchronize()

@@ -240,11 +240,11 @@ def decode_speed_static(model, B, S, steps, profile: bool = False) -> dict:
 
     from loki._hf import cache_keyword, text_config
     from loki.bench.e2e import rewind
-    from loki.integrations.transformers import is_loki_enabled, loki_static_cache
+    from loki.integrations.transformers import is_loki_enabled, loki_cache
 
     kw = cache_keyword(model)
     n = S + steps
-    cache = fill_cache(model, B, S, cache=loki_static_cache(model, max_cache_len=n) if is_loki_enabled(model)
+    cache = fill_cache(model, B, S, cache=loki_cache(model, static=True, max_cache_len=n) if is_loki_enabled(model)
                        else StaticCache(config=text_config(model.config), max_cache_len=n))
     ids = torch.randint(0, model.config.vocab_size, (B, 1), device=model.device)
     fn = torch.compile(model.forward, mode="reduce-overhead")
@@ -395,9 +395,10 @@ def main(argv=None) -> int:
                 r["vs_sdpa"] = r["tokens_per_s"] / sp[0]["tokens_per_s"]
     if rank != 0:
         return 0
-    from loki.integrations.transformers.enable import default_gqa_mode
+    from loki.settings import LokiSettings
 
-    gqa, agg = default_gqa_mode(config, "loki")  # the selection LOKI's defaults resolve to on this model
+    mode = LokiSettings(backend="torch").resolve(config).kernel_args()  # the selection Loki's defaults resolve to
+    gqa, agg = mode["gqa_select"], mode["aggregate"]
     result = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", world_size=size,
                   commit=args.commit or _commit(), torch=torch.__version__, transformers=transformers.__version__,
                   model="tiny" if args.tiny else f"Llama-3-8B dims, vocab {config.vocab_size}, random bf16",

@@ -23,7 +23,7 @@ def x():
 
 
 def _loki(x, **kw):
-    args = dict(q_hat=x.q, k_hat=x.k_cache, v_cache=x.v_cache, d=8, k=4)
+    args = dict(q_hat=x.q, k_hat=x.k_cache, v_cache=x.v_cache, d=8, k=4, gqa_select="query", aggregate="sum")
     args.update(kw)
     return loki_attention(args.pop("q_hat"), args.pop("k_hat"), args.pop("v_cache"), **args)
 
@@ -115,4 +115,4 @@ def test_other_methods(x):
     with pytest.raises(ValueError, match=r"mask must have shape"):
         dense_attention(x.q, x.k_cache, x.v_cache, mask=torch.ones(2, 3, 16, dtype=torch.bool))
     with pytest.raises(ValueError, match=r"d=100 is out of range"):
-        approx_scores(x.q, x.k_cache, 100)
+        approx_scores(x.q, x.k_cache, 100, gqa_select="query", aggregate="sum")

@@ -16,6 +16,7 @@ from loki import cli
 from loki._hf import cache_keyword
 from loki.bench import e2e, e2e_report
 from loki.bench.harness import add_arguments
+from loki.settings import LokiSettings
 
 TINY = {"tiny": dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                      intermediate_size=128, vocab_size=256, max_position_embeddings=512)}
@@ -93,8 +94,9 @@ def test_default_selection_is_the_accuracy_suites(capsys):
     assert (sel["gqa_select"], sel["aggregate"]) == ("auto", "auto")
     assert inspect.signature(e2e.run_grid).parameters["aggregate"].default == "auto"
     gqa, mha = (e2e.llama_config(e2e.E2E_MODELS[m]) for m in ("llama3-8b", "llama2-7b"))
-    assert e2e.default_gqa_mode(gqa, "loki", sel["gqa_select"], sel["aggregate"]) == ("kv", "softmax-max")
-    assert e2e.default_gqa_mode(mha, "loki", sel["gqa_select"], sel["aggregate"]) == ("query", "sum")
+    resolved = [tuple(LokiSettings(gqa_select=sel["gqa_select"], aggregate=sel["aggregate"],
+                                   backend="torch").resolve(c).kernel_args().values()) for c in (gqa, mha)]
+    assert resolved == [("kv", "softmax-max"), ("query", "sum")]
     assert e2e_report.select(_args("--e2e", "--quick", "--aggregate", "sum"))["aggregate"] == "sum"
     assert cli.main(["bench", "--e2e", "--quick", "--gqa-select", "query", "--aggregate", "sum"]) == 2
     assert "--aggregate" in capsys.readouterr().err

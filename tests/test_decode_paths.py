@@ -27,7 +27,7 @@ import torch
 pytest.importorskip("transformers")
 
 from loki.basis import PCABasis  # noqa: E402
-from loki.integrations.transformers import cache_keyword, enable_loki, loki_static_cache  # noqa: E402
+from loki.integrations.transformers import cache_keyword, enable_loki, loki_cache  # noqa: E402
 from loki.testing.decode import BATCH_KINDS, batch_inputs, decode_logits, random_score_basis  # noqa: E402
 from loki.testing.models import tiny_model  # noqa: E402
 
@@ -58,7 +58,7 @@ def run_path(path: str, batch_kind: str, basis: str, k, gqa: str, device: str) -
     gqa, _, aggregate = gqa.partition(":")  # "kv:softmax-max": a shared selection with that aggregate
     enable_loki(model, _basis(basis), k=k, d=D_DIMS, backend=backend, gqa_select=gqa, aggregate=aggregate or "sum")
     batch = batch_inputs(batch_kind, prompt_len=P, steps=T).to(device)
-    cache = loki_static_cache(model, max_cache_len=P + T + 2) if "static" in path else None
+    cache = loki_cache(model, static=True, max_cache_len=P + T + 2) if "static" in path else None
     step = None
     if path == "compiled-static":
         step = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
@@ -203,36 +203,39 @@ def test_gpu_compiled_static(case):
 def _plant(monkeypatch, defect: str):
     """One-line defects of the decode paths, each planted for one test."""
     import loki.integrations.transformers.attention as attention
-    import loki.integrations.transformers.metadata as metadata
-    import loki.integrations.transformers.static as static
+    import loki.integrations.transformers.run as run
+    import loki.integrations.transformers.step as step
 
     if defect == "static-scale-5%":
-        real = static.static_decode
-        monkeypatch.setattr(attention, "static_decode",
-                            lambda s, layer, q, k, v, r, scale: real(s, layer, q, k, v, r, scale * 1.05))
-    elif defect == "static-query-rotated-with-key-transform":
-        real = static.rotate_query
-        for name in ("rotate_query", "rotate_query_op", "rotate_query_fast"):  # every rotation the static path uses
-            monkeypatch.setattr(static, name, lambda q, P_q: real(q, P_q.transpose(-1, -2).inverse()))
-    elif defect == "dynamic-query-rotated-with-key-transform":
-        from loki.integrations.transformers.config import LayerTransforms, LokiState
+        real = run.run_decode
 
-        real = LokiState.transforms
-        monkeypatch.setattr(LokiState, "transforms",
+        def scaled(state, plan, ranges, q, k, v, *, scale, **kw):
+            return real(state, plan, ranges, q, k, v, scale=scale * 1.05 if plan.static else scale, **kw)
+
+        monkeypatch.setattr(attention, "run_decode", scaled)
+    elif defect == "static-query-rotated-with-key-transform":
+        real = run.rotate_query
+        for name in ("rotate_query", "rotate_query_op"):  # every rotation of the decode step
+            monkeypatch.setattr(run, name, lambda q, P_q: real(q, P_q.transpose(-1, -2).inverse()))
+    elif defect == "dynamic-query-rotated-with-key-transform":
+        from loki.integrations.transformers.state import LayerTransforms, Transforms
+
+        real = Transforms.layer
+        monkeypatch.setattr(Transforms, "layer",
                             lambda self, i, dev=None: LayerTransforms(real(self, i, dev).key, real(self, i, dev).key,
                                                                       real(self, i, dev).inverse))
     elif defect == "static-prefill-sees-unwritten-slots":
-        real = metadata._group
+        real = step._group
 
         def every_slot(key, *a):
             g = real(key, *a)
             g.lengths = torch.where(g.any_, torch.full_like(g.lengths, key[0]), g.lengths)
             return g
 
-        monkeypatch.setattr(metadata, "_group", every_slot)
+        monkeypatch.setattr(step, "_group", every_slot)
     elif defect == "budget-off-by-one":
-        real = metadata.budget_counts
-        monkeypatch.setattr(metadata, "budget_counts", lambda k, n: (real(k, n) - 1).clamp(min=1))
+        real = step.budget_counts
+        monkeypatch.setattr(step, "budget_counts", lambda k, n: (real(k, n) - 1).clamp(min=1))
     else:
         raise ValueError(defect)
 
@@ -267,7 +270,7 @@ def test_prompt_longer_than_the_static_cache_is_refused_before_writing(backend):
     if backend == "triton" and not INTERPRET:
         pytest.skip("needs TRITON_INTERPRET=1")
     model = _static_model(backend)
-    cache = loki_static_cache(model, max_cache_len=8, batch_size=1)
+    cache = loki_cache(model, static=True, max_cache_len=8, batch_size=1)
     with pytest.raises(CacheOverflowError, match="max_cache_len=8"):
         decode_logits(model, batch_inputs("B1-unpadded", prompt_len=10, steps=0), cache=cache)
     assert all(bool((layer.keys == 0).all()) and bool((layer.values == 0).all()) for layer in cache.layers)
@@ -279,20 +282,20 @@ def test_generating_past_the_static_cache_raises_at_that_step():
 
     model = _static_model()
     batch = batch_inputs("B2-left-padded", prompt_len=6, steps=4)
-    cache = loki_static_cache(model, max_cache_len=8)
+    cache = loki_cache(model, static=True, max_cache_len=8)
     with pytest.raises(CacheOverflowError, match="max_cache_len=8"):
         decode_logits(model, batch, cache=cache)  # positions 6, 7 fit; 8 does not
     ids, mask = batch.ids, batch.mask
     with pytest.raises(CacheOverflowError, match="max_cache_len"), torch.no_grad():
         model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0,
-                       **{cache_keyword(model): loki_static_cache(model, max_cache_len=8)})
+                       **{cache_keyword(model): loki_cache(model, static=True, max_cache_len=8)})
 
 
 def test_batch_other_than_the_allocated_one_is_refused():
     from loki._checks import CacheOverflowError
 
     model = _static_model()
-    cache = loki_static_cache(model, max_cache_len=20, batch_size=1)
+    cache = loki_cache(model, static=True, max_cache_len=20, batch_size=1)
     with pytest.raises(CacheOverflowError, match="batch_size=1"):
         decode_logits(model, batch_inputs("B2-unpadded", prompt_len=6, steps=1), cache=cache)
 
@@ -359,13 +362,13 @@ def test_int_budget_above_the_cache_keeps_every_token(backend, gqa_select):
     want = dense_attention(x.q, x.k_cache, x.v_cache, x.lengths, x.starts)
     for k in (37, 38, 4096):
         got = decode_attention(x.q, x.k_cache, x.v_cache, d=16, k=k, lengths=x.lengths, starts=x.starts,
-                               backend=backend, gqa_select=gqa_select)
+                               backend=backend, gqa_select=gqa_select, aggregate="sum")
         torch.testing.assert_close(got, want, **TOL)
     if backend == "triton":
-        plan = plan_decode(x.k_cache, x.v_cache, num_q_heads=4, d=16, k=4096, gqa_select=gqa_select)
+        plan = plan_decode(x.k_cache, x.v_cache, num_q_heads=4, d=16, k=4096, gqa_select=gqa_select, aggregate="sum")
         torch.testing.assert_close(plan.run(x.q, x.lengths, x.starts), want, **TOL)
     with pytest.raises(ValueError, match="k=0"):
-        decode_attention(x.q, x.k_cache, x.v_cache, d=16, k=0, backend=backend)
+        decode_attention(x.q, x.k_cache, x.v_cache, d=16, k=0, backend=backend, gqa_select="query", aggregate="sum")
     with pytest.raises(ValueError, match="k=1.5"):
         enable_loki(tiny_model(**MODEL), _basis("pca"), k=1.5)
 
@@ -392,7 +395,7 @@ def test_static_layer_write_outside_a_forward_is_checked():
     from loki._checks import CacheOverflowError
 
     model = _static_model()
-    cache = loki_static_cache(model, max_cache_len=6, batch_size=1)
+    cache = loki_cache(model, static=True, max_cache_len=6, batch_size=1)
     layer = cache.layers[0]
     kv = torch.randn(1, MODEL["num_kv_heads"], 4, MODEL["head_dim"])
     layer.update(kv, kv)
@@ -415,11 +418,7 @@ def test_disable_restores_plain_keys_with_a_score_basis(static):
     decode_logits(plain, batch, cache=ref_cache)
     model = tiny_model(**MODEL)
     enable_loki(model, _basis("score"), k=0.5, d=D_DIMS, backend="torch")
-    cache = loki_static_cache(model, max_cache_len=P + 2) if static else None
-    if cache is None:
-        from loki.integrations.transformers import loki_cache
-
-        cache = loki_cache(model)
+    cache = loki_cache(model, static=True, max_cache_len=P + 2) if static else loki_cache(model)
     decode_logits(model, batch, cache=cache)
     disable_loki(model)
     for i, layer in enumerate(cache.layers):
@@ -440,7 +439,7 @@ def test_planned_runs_change_every_input_and_keep_every_output(with_out):
     B, HQ, HKV, S, D = 3, 4, 2, 90, 32
     x = make_decode_inputs(B, HQ, HKV, S, D, ragged=True, left_pad=True, seed=4)
     out = torch.empty(B, HQ, D) if with_out else None
-    plan = plan_decode(x.k_cache, x.v_cache, num_q_heads=HQ, d=8, k=0.3, gqa_select="kv", out=out)
+    plan = plan_decode(x.k_cache, x.v_cache, num_q_heads=HQ, d=8, k=0.3, gqa_select="kv", out=out, aggregate="sum")
     g = torch.Generator().manual_seed(5)
     kept = []
     for _run in range(5):
@@ -452,10 +451,10 @@ def test_planned_runs_change_every_input_and_keep_every_output(with_out):
             assert res is out
             res = res.clone()
         kept.append((q, lengths, starts, res))
-    assert plan._plan, "the plan should replay its recorded launches"
+    assert plan.replays == 1, "the plan should replay its recorded launches"
     for q, lengths, starts, res in kept:
         want = loki_attention(q, x.k_cache, x.v_cache, d=8, k=0.3, lengths=lengths, starts=starts,
-                              gqa_select="kv")
+                              gqa_select="kv", aggregate="sum")
         torch.testing.assert_close(res, want, **TOL)
 
 

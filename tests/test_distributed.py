@@ -70,8 +70,8 @@ def _worker(rank: int, port: int, folder: str) -> None:
         basis = PCABasis.load(folder / "basis.safetensors")
         model = _bench().load(folder / "model", torch.float32, torch.device("cpu"), tp=True)
         out["tp_generate"] = [_generate(model, basis, s) for s in SETTINGS]
-        out["tp_components"] = model._loki_config.config.components
-        out["tp_query_components"] = model._loki_config.config.query_components
+        out["tp_components"] = model._loki.transforms.key
+        out["tp_query_components"] = model._loki.transforms.query
         del model
         out["bench_equality"] = _bench().equality(folder / "model", torch.device("cpu"), 16, 6,
                                                   dtypes=(torch.float32,))
@@ -181,17 +181,16 @@ def test_sharded_heads_without_a_process_group_are_refused():
 
 def test_basis_follows_the_device_of_each_layer():
     """device_map: a layer's basis and its cache layer's P go to the device of the tensors they meet."""
-    from loki.integrations.transformers import loki_cache
-    from loki.integrations.transformers.config import state_of
+    from loki.integrations.transformers import loki_cache, state_of
 
     model = enable_loki(tiny_model(**ARCH), PCABasis.random(2, 2, 16), k=0.25, d=0.25)
     state = state_of(model)
-    assert state.transforms(1, torch.device("meta")).key.device.type == "meta"
-    assert state.transforms(1, torch.device("cpu")).query.device.type == "cpu"
+    assert state.transforms.layer(1, torch.device("meta")).key.device.type == "meta"
+    assert state.transforms.layer(1, torch.device("cpu")).query.device.type == "cpu"
     cache = loki_cache(model)
     k = torch.randn(1, 2, 3, 16, device="meta")
     cache.update(k, k, 1)
-    assert cache.layers[1].loki_P.device.type == "meta" and cache.layers[1].keys.device.type == "meta"
+    assert cache.layers[1].loki.transforms.key.device.type == "meta" and cache.layers[1].keys.device.type == "meta"
 
 
 def _byte_tokenizer():

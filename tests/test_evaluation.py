@@ -61,7 +61,7 @@ def test_model_left_unchanged(tiny):
     model, basis, ids = tiny
     impl = model.config._attn_implementation
     method_logits(model, ids, MethodSpec("l", "loki", k=0.25, d=0.5, basis="b"), {"b": basis})
-    assert model.config._attn_implementation == impl and not hasattr(model, "_loki_config")
+    assert model.config._attn_implementation == impl and not hasattr(model, "_loki")
 
 
 def test_perplexity_full_equals_hf_loss(tiny):

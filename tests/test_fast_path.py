@@ -31,7 +31,7 @@ def test_fast_path_equals_the_engine(tiny, k, gqa, aggregate, mask):
     assert fast["tokens"] == engine.tokens == 2 * 20 and fast["steps"] == 20
     assert fast["ppl"] == pytest.approx(engine.ppl, rel=1e-4)
     torch.testing.assert_close(fast["token_nll"], engine.token_nll, rtol=1e-4, atol=1e-4)
-    assert not hasattr(model, "_loki_config")  # Loki disabled again
+    assert not hasattr(model, "_loki")  # Loki disabled again
     full = perplexity(model, windows, MethodSpec("full", "full"))
     assert abs(fast["ppl"] / full.ppl - 1) > 1e-4  # the sparse setting really differs from dense attention
 

@@ -51,7 +51,8 @@ def test_new_aggregates_are_named():
 def test_one_head_per_group_selects_as_per_query_head(aggregate, k):
     """G = 1: every aggregate selects what per-query-head selection selects (decode reference and engine)."""
     q, kc, v, lengths, starts = _decode_inputs(HQ=3, HKV=3)
-    out_q, (idx_q, _) = loki_attention(q, kc, v, d=5, k=k, lengths=lengths, starts=starts, return_indices=True)
+    out_q, (idx_q, _) = loki_attention(q, kc, v, d=5, k=k, lengths=lengths, starts=starts, return_indices=True,
+                                       gqa_select="query", aggregate="sum")
     out_kv, (idx_kv, _) = loki_attention(q, kc, v, d=5, k=k, lengths=lengths, starts=starts, gqa_select="kv",
                                          aggregate=aggregate, return_indices=True)
     assert _sets(idx_q) == _sets(idx_kv)
@@ -61,7 +62,7 @@ def test_one_head_per_group_selects_as_per_query_head(aggregate, k):
                   torch.randn(1, 3, 15, 8, generator=g))
     lens = (5 + torch.arange(11))[None]
     st = torch.zeros_like(lens)
-    a = teacher_forced_rows(qr, kr, vr, st, lens, method="loki", k_budget=k, d=3)
+    a = teacher_forced_rows(qr, kr, vr, st, lens, method="loki", k_budget=k, d=3, gqa_select="query", aggregate="sum")
     b = teacher_forced_rows(qr, kr, vr, st, lens, method="loki", k_budget=k, d=3, gqa_select="kv",
                             aggregate=aggregate)
     torch.testing.assert_close(a, b)
@@ -309,12 +310,14 @@ def test_tally_counts_distinct_tokens_per_kv_head():
                             aggregate="union")
     assert t.count == HKV * L and t.selected_fraction == pytest.approx(want_kv)
     with tally_selections() as t:
-        teacher_forced_rows(q, k, v, starts, lengths, method="exact_topk", k_budget=0.25)
+        teacher_forced_rows(q, k, v, starts, lengths, method="exact_topk", k_budget=0.25, gqa_select="query",
+                            aggregate="sum")
     assert want_kv <= t.selected_fraction <= min(1.0, 2 * want_kv) + 1e-12
     # the decode reference records the same selection (one row per step)
     with tally_selections() as t2:
         for i in range(L):
-            exact_topk_attention(q[:, :, i], k, v, k=0.25, lengths=lengths[:, i], starts=starts[:, i])
+            exact_topk_attention(q[:, :, i], k, v, k=0.25, lengths=lengths[:, i], starts=starts[:, i],
+                                 gqa_select="query", aggregate="sum")
     assert t2.selected_fraction == pytest.approx(t.selected_fraction)
     with tally_selections() as t3:
         record_indices(torch.tensor([[[0, 2, -1], [2, 3, -1]]]), torch.tensor([5]), 1, 6)

@@ -13,7 +13,6 @@ transformers = pytest.importorskip("transformers")
 
 from loki.basis import BasisError, PCABasis  # noqa: E402
 from loki.integrations import transformers as lt  # noqa: E402
-from loki.integrations.transformers import cache as lt_cache  # noqa: E402
 from loki.integrations.transformers import (  # noqa: E402
     disable_loki,
     enable_loki,
@@ -21,6 +20,8 @@ from loki.integrations.transformers import (  # noqa: E402
     loki_cache,
     teacher_forced_attention,
 )
+from loki.integrations.transformers import layers as lt_layers  # noqa: E402
+from loki.integrations.transformers.step import build_step_plan  # noqa: E402
 from loki.reference import loki_attention, rotate_keys, rotate_query  # noqa: E402
 from loki.testing.models import tiny_config, tiny_model  # noqa: E402
 
@@ -89,7 +90,7 @@ def test_cache_holds_rotated_keys(arch):
     ref_cache = _output_cache(ref(ids, use_cache=True))
     cache = _output_cache(model(ids, use_cache=True))
     for l in range(model.config.num_hidden_layers):
-        assert isinstance(cache.layers[l], lt.LokiCacheLayer)
+        assert isinstance(cache.layers[l], lt.LokiDynamicLayer)
         want = rotate_keys(ref_cache.layers[l].keys, basis.layer(l))
         torch.testing.assert_close(cache.layers[l].keys, want, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(cache.layers[l].values, ref_cache.layers[l].values)  # values not rotated
@@ -99,13 +100,13 @@ def test_keys_rotated_once_per_token(monkeypatch):
     model = tiny_model("llama")
     enable_loki(model, _basis(model), k=0.5, d=0.5)
     rotated_tokens = []
-    real = lt_cache.rotate_keys
+    real = lt_layers.write_tokens
 
-    def counting(k, P):
-        rotated_tokens.append(k.shape[-2])
-        return real(k, P)
+    def counting(store, keys, values, prefix, k_new, *a, **kw):
+        rotated_tokens.append(k_new.shape[-2])
+        return real(store, keys, values, prefix, k_new, *a, **kw)
 
-    monkeypatch.setattr(lt_cache, "rotate_keys", counting)
+    monkeypatch.setattr(lt_layers, "write_tokens", counting)
     ids = _prompt(10)
     out = _generate(model, ids, n=5)
     L = model.config.num_hidden_layers
@@ -171,7 +172,7 @@ def test_disable_restores_original_behaviour():
     assert model.config._attn_implementation == before
     assert not lt.is_loki_enabled(model)
     assert torch.equal(_generate(model, ids), expected)
-    assert all(not hasattr(m, "_loki_config") for m in model.modules())
+    assert all(not hasattr(m, "_loki") for m in model.modules())
 
 
 @pytest.mark.parametrize("explicit", [{}, {"gqa_select": "auto", "aggregate": "auto"}, {"gqa_select": "query"}],
@@ -185,18 +186,24 @@ def test_decode_step_matches_reference_at_sparse_setting(explicit):
     enable_loki(model, basis, k=0.25, d=0.25, **explicit)
     cache = loki_cache(model)
     model(_prompt(23), **{_cache_kwarg(model): cache})
+    cache.crop(-1)  # the query below is the 23rd token, attending over the 23 keys in the cache
     layer_idx = 1
     attn = model.model.layers[layer_idx].self_attn
     k_hat, v = cache.layers[layer_idx].keys, cache.layers[layer_idx].values
+    k_hat, v = torch.cat([k_hat, torch.randn_like(k_hat[:, :, :1])], 2), torch.cat([v, torch.randn_like(v[:, :, :1])],
+                                                                                   2)
     B, HKV, S, D = k_hat.shape
     q = torch.randn(B, model.config.num_attention_heads, 1, D)
-    model._loki_config.current_cache = cache
+    state = lt.state_of(model)
+    state.plan = build_step_plan(settings=state.settings, B=B, L=1, device="cpu", cache=cache, attention_mask=None,
+                                 windows=[None] * model.config.num_hidden_layers,
+                                 num_layers=model.config.num_hidden_layers, needs_grad=False)
     try:
         out, weights = loki_attention_forward(attn, q, k_hat, v, None, scaling=attn.scaling)
     finally:
-        model._loki_config.current_cache = None
+        state.plan = None
     assert weights is None and out.shape == (B, 1, q.shape[1], D)
-    cfg = model._loki_config.config
+    cfg = state.settings
     mode = ("query", "sum") if explicit.get("gqa_select") == "query" else ("kv", "softmax-max")
     assert (cfg.gqa_select, cfg.aggregate) == mode  # what enable_loki resolved and runs
     want = loki_attention(rotate_query(q[:, :, 0], basis.layer(layer_idx)), k_hat, v, d=0.25, k=0.25,
@@ -208,7 +215,7 @@ def test_default_selection_follows_the_model():
     """enable_loki's defaults: kv + softmax-max on a GQA model, per query head (aggregate "sum") on a model with as
     many KV heads as query heads, per query head for the other methods; explicit settings are kept."""
     gqa, mha = tiny_model("llama", num_heads=4, num_kv_heads=2), tiny_model("llama", num_heads=4, num_kv_heads=4)
-    resolved = lambda m: (m._loki_config.config.gqa_select, m._loki_config.config.aggregate)  # noqa: E731
+    resolved = lambda m: (lt.state_of(m).settings.gqa_select, lt.state_of(m).settings.aggregate)  # noqa: E731
     enable_loki(gqa, _basis(gqa), k=0.25, d=0.25)
     assert resolved(gqa) == ("kv", "softmax-max")
     enable_loki(mha, PCABasis.random(2, 4, 16, seed=1), k=0.25, d=0.25)
@@ -221,7 +228,7 @@ def test_default_selection_follows_the_model():
     assert resolved(gqa) == ("query", "sum")
     enable_loki(gqa, None, k=0.25, method="exact_topk", gqa_select="kv")
     assert resolved(gqa) == ("kv", "sum")  # "auto" aggregate: softmax-max for method "loki" only
-    with pytest.raises(ValueError, match="gqa_select must be 'auto', 'query' or 'kv'"):
+    with pytest.raises(ValueError, match=r"gqa_select must be one of \('auto', 'query', 'kv'\)"):
         enable_loki(gqa, _basis(gqa), gqa_select="group")
 
 
@@ -233,11 +240,16 @@ def test_teacher_forced_rows_match_decode_reference():
     k = torch.randn(B, HKV, S, D, generator=g)
     v = torch.randn(B, HKV, S, D, generator=g)
     P = PCABasis.random(1, HKV, D, seed=5).layer(0)
-    out = teacher_forced_attention(q, k, v, method="loki", k=0.5, d=0.5, P=P, chunk_elements=HKV * S * D * 3)
-    q_hat, k_hat = rotate_query(q.transpose(1, 2).reshape(B * L, HQ, D), P), rotate_keys(k, P)
-    for i in range(L):
-        want = loki_attention(q_hat.view(B, L, HQ, D)[:, i], k_hat[:, :, : i + 1], v[:, :, : i + 1], d=0.5, k=0.5)
-        torch.testing.assert_close(out[:, :, i], want, atol=1e-5, rtol=1e-5)
+    for mode in (("query", "sum"), ("kv", "softmax-max")):
+        out = teacher_forced_attention(q, k, v, method="loki", k=0.5, d=0.5, P=P, chunk_elements=HKV * S * D * 3,
+                                       gqa_select=mode[0], aggregate=mode[1])
+        q_hat, k_hat = rotate_query(q.transpose(1, 2).reshape(B * L, HQ, D), P), rotate_keys(k, P)
+        for i in range(L):
+            want = loki_attention(q_hat.view(B, L, HQ, D)[:, i], k_hat[:, :, : i + 1], v[:, :, : i + 1], d=0.5,
+                                  k=0.5, gqa_select=mode[0], aggregate=mode[1])
+            torch.testing.assert_close(out[:, :, i], want, atol=1e-5, rtol=1e-5)
+    # "auto" on a GQA shape is the shared softmax-max selection, as enable_loki resolves it
+    torch.testing.assert_close(teacher_forced_attention(q, k, v, method="loki", k=0.5, d=0.5, P=P), out)
 
 
 def test_wrong_basis_is_refused():
@@ -330,17 +342,17 @@ def test_triton_path_keeps_and_uses_a_contiguous_key_prefix(monkeypatch, triton_
     """With the Triton backend the cache keeps K_hat[..., :d] contiguous beside the keys (appended per
     token) and the decode step hands it to the kernels; results equal the torch backend."""
 
-    import loki.kernels.decode as kd
+    from loki.kernels.plan import DecodeRun
 
     device = triton_device
     seen = []
-    original = kd.loki_decode_step
+    original = DecodeRun.step
 
-    def spy(*args, **kwargs):
+    def spy(self, **kwargs):
         seen.append(kwargs.get("k_prefix"))
-        return original(*args, **kwargs)
+        return original(self, **kwargs)
 
-    monkeypatch.setattr(kd, "loki_decode_step", spy)  # the decode fast path calls the kernels' step directly
+    monkeypatch.setattr(DecodeRun, "step", spy)  # the kernels' route runs the model's DecodeRun
     model = tiny_model("llama", num_layers=1).to(device)
     enable_loki(model, _basis(model), k=0.5, d=0.25, backend="triton")
     ids = _prompt(20).to(device)
@@ -348,24 +360,25 @@ def test_triton_path_keeps_and_uses_a_contiguous_key_prefix(monkeypatch, triton_
     model(ids[:, :-1], **{_cache_kwarg(model): cache})
     layer = cache.layers[0]
     dp = 4  # d = 0.25 of head_dim 16
-    assert layer.loki_prefix.shape[-2:] == (19, dp)
-    assert layer.loki_prefix.stride()[-2:] == (dp, 1)  # rows of dp contiguous values (a buffer with capacity)
+    assert layer.loki.prefix.shape[-2:] == (19, dp)
+    assert layer.loki.prefix.stride()[-2:] == (dp, 1)  # rows of dp contiguous values (a buffer with capacity)
     logits = model(ids[:, -1:], **{_cache_kwarg(model): cache}).logits
-    torch.testing.assert_close(layer.loki_prefix, layer.keys[..., :dp])
+    torch.testing.assert_close(layer.loki.prefix, layer.keys[..., :dp])
     assert seen and seen[-1] is not None and seen[-1].shape[-2] == 20
     disable_loki(model)
     enable_loki(model, _basis(model), k=0.5, d=0.25, backend="torch")
     cache2 = loki_cache(model)
     model(ids[:, :-1], **{_cache_kwarg(model): cache2})
-    assert getattr(cache2.layers[0], "loki_prefix", None) is None  # the torch path keeps no prefix
+    assert cache2.layers[0].loki.prefix is None  # the torch path keeps no prefix
     ref = model(ids[:, -1:], **{_cache_kwarg(model): cache2}).logits
     torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
 
 
 @torch.no_grad()  # the Triton backend refuses inputs that require grad
 def test_key_prefix_is_appended_in_place(triton_device):
-    """The key prefix grows inside a buffer with spare capacity (no copy of the whole prefix per decode step)
-    and stays equal to the rotated keys' first dims through decode steps, crop and beam reordering."""
+    """Keys, values and the key prefix grow inside buffers with spare capacity (no copy of the whole cache per
+    decode step) and the prefix stays equal to the rotated keys' first dims through decode steps, crop and beam
+    reordering."""
 
     device = triton_device
     model = tiny_model("llama", num_layers=1).to(device)
@@ -376,20 +389,21 @@ def test_key_prefix_is_appended_in_place(triton_device):
     model(ids[:, :20], **{kw: cache})
     layer = cache.layers[0]
     dp = 4  # d = 0.25 of head_dim 16
-    buf = layer.loki_prefix_buf
-    assert buf.shape[-2] >= 20 + 10
+    buf = layer._buffers
+    assert buf[0].shape[-2] >= 20 + 10
     for t in range(20, 30):
         model(ids[:, t:t + 1], **{kw: cache})
-        assert layer.loki_prefix_buf is buf  # appended in place, no reallocation
-        torch.testing.assert_close(layer.loki_prefix, layer.keys[..., :dp])
+        assert all(a is b for a, b in zip(layer._buffers, buf))  # written in place, no reallocation
+        assert layer.keys.data_ptr() == buf[0].data_ptr() and layer.loki.prefix.data_ptr() == buf[2].data_ptr()
+        torch.testing.assert_close(layer.loki.prefix, layer.keys[..., :dp])
     cache.crop(-5)  # drop the last 5 tokens (a negative count works on every transformers 5.x)
-    assert layer.loki_prefix.shape[-2] == 25
+    assert layer.keys.shape[-2] == 25
     model(ids[:, 25:26], **{kw: cache})
-    torch.testing.assert_close(layer.loki_prefix, layer.keys[..., :dp])
+    torch.testing.assert_close(layer.loki.prefix, layer.keys[..., :dp])
     cache.reorder_cache(torch.zeros(1, dtype=torch.long, device=device))
     model(ids[:, 26:27], **{kw: cache})
-    assert layer.loki_prefix.shape[-2] == layer.keys.shape[-2] == 27
-    torch.testing.assert_close(layer.loki_prefix, layer.keys[..., :dp])
+    assert layer.loki.prefix.shape[-2] == layer.keys.shape[-2] == 27
+    torch.testing.assert_close(layer.loki.prefix, layer.keys[..., :dp])
 
 
 @pytest.mark.parametrize("gqa_select", ["query", "kv"])

@@ -64,7 +64,8 @@ APPROX_CASES = [
 @pytest.mark.parametrize("B,HQ,HKV,S,D,d,ragged,left_pad", APPROX_CASES)
 def test_approx_scores(triton_device, B, HQ, HKV, S, D, d, ragged, left_pad):
     x = _inputs(B, HQ, HKV, S, D, torch.float32, triton_device, ragged=ragged, left_pad=left_pad)
-    heads, agg = approx_scores(x.q, x.k_cache, d, x.lengths, x.starts, return_both=True)
+    heads, agg = approx_scores(x.q, x.k_cache, d, x.lengths, x.starts, return_both=True, gqa_select="query",
+                               aggregate="sum")
     agg_max = approx_scores(x.q, x.k_cache, d, x.lengths, x.starts, gqa_select="kv", aggregate="max")
     for got, mode, aggr in ((heads, "query", "sum"), (agg, "kv", "sum"), (agg_max, "kv", "max")):
         ref = approx_scores_reference(x.q.double(), x.k_cache.double(), d, x.lengths, x.starts, gqa_select=mode,
@@ -86,8 +87,8 @@ def test_approx_scores_from_key_prefix(triton_device, dp):
     kp = x.k_cache[..., :dp].contiguous()
     assert torch.equal(make_key_prefix(x.k_cache, dp), kp)
     for mode in ("query", "kv"):
-        ref = approx_scores(x.q, x.k_cache, 24, x.lengths, x.starts, gqa_select=mode)
-        got = approx_scores(x.q, x.k_cache, 24, x.lengths, x.starts, gqa_select=mode, k_prefix=kp)
+        ref = approx_scores(x.q, x.k_cache, 24, x.lengths, x.starts, gqa_select=mode, aggregate="sum")
+        got = approx_scores(x.q, x.k_cache, 24, x.lengths, x.starts, gqa_select=mode, k_prefix=kp, aggregate="sum")
         assert torch.equal(torch.isneginf(got), torch.isneginf(ref)) and not torch.isnan(got).any()
         fin = torch.isfinite(ref)
         assert (got[fin] - ref[fin]).abs().max().item() <= 1e-5 * max(1.0, ref[fin].abs().max().item())
@@ -96,16 +97,18 @@ def test_approx_scores_from_key_prefix(triton_device, dp):
 def test_approx_scores_key_prefix_errors():
     x = make_decode_inputs(1, 2, 2, 16, 64)
     with pytest.raises(ValueError, match="k_prefix"):
-        approx_scores(x.q, x.k_cache, 16, k_prefix=x.k_cache[..., :8].contiguous())  # dp < d
+        approx_scores(x.q, x.k_cache, 16, k_prefix=x.k_cache[..., :8].contiguous(), gqa_select="query",
+                      aggregate="sum")  # dp < d
     with pytest.raises(ValueError, match="k_prefix"):
-        approx_scores(x.q, x.k_cache, 8, k_prefix=x.k_cache[:, :, :8, :8].contiguous())  # wrong S
+        approx_scores(x.q, x.k_cache, 8, k_prefix=x.k_cache[:, :, :8, :8].contiguous(), gqa_select="query",
+                      aggregate="sum")  # wrong S
 
 
 @interp
 def test_approx_scores_out_argument_poisoned(triton_device):
     x = _inputs(2, 4, 2, 130, 64, torch.float32, triton_device, ragged=True)
     out = torch.full((2, 4, 130), float("nan"), device=triton_device)
-    res = approx_scores(x.q, x.k_cache, 16, x.lengths, x.starts, out=out)
+    res = approx_scores(x.q, x.k_cache, 16, x.lengths, x.starts, out=out, gqa_select="query", aggregate="sum")
     assert res.data_ptr() == out.data_ptr() and not torch.isnan(out).any()
 
 
@@ -185,7 +188,7 @@ def test_sparse_attention(triton_device, B, HQ, HKV, S, D, k, mode, dtype, ragge
 def _run_sparse_case(device, B, HQ, HKV, S, D, k, mode, dtype, ragged, num_splits=None):
     x = _inputs(B, HQ, HKV, S, D, dtype, device, ragged=ragged, left_pad=ragged, seed=B + S)
     k = S if k == "S" else k
-    s = approx_scores_reference(x.q, x.k_cache, 0.25, x.lengths, x.starts, gqa_select=mode)
+    s = approx_scores_reference(x.q, x.k_cache, 0.25, x.lengths, x.starts, gqa_select=mode, aggregate="sum")
     counts = R.budget(k, x.lengths, x.starts, B, S, device)
     idx = R.select_topk(s, counts)
     out = torch.full((B, HQ, D), float("nan"), dtype=dtype, device=device)
@@ -201,7 +204,7 @@ def _run_sparse_case(device, B, HQ, HKV, S, D, k, mode, dtype, ragged, num_split
 def test_sparse_attention_int32_idx_and_splits(triton_device):
     """int32 indices (the Triton select's output) and a forced split count exercise the merge kernel."""
     x = _inputs(2, 4, 2, 600, 64, torch.float32, triton_device, ragged=True, seed=3)
-    s = approx_scores_reference(x.q, x.k_cache, 16, x.lengths, x.starts, gqa_select="kv")
+    s = approx_scores_reference(x.q, x.k_cache, 16, x.lengths, x.starts, gqa_select="kv", aggregate="sum")
     counts = R.budget(0.5, x.lengths, x.starts, 2, 600, triton_device)
     idx = R.select_topk(s, counts)
     ref = sparse_attention_reference(x.q.double(), x.k_cache.double(), x.v_cache.double(), idx, counts,
@@ -220,7 +223,7 @@ def test_sparse_attention_many_tiles_per_split(triton_device, prefetch, slots, m
     ragged last tile; with ``prefix_scores`` the first d dims come from the approximate scores."""
     B, HQ, HKV, S, D, d = 2, 6, 2, 700, 96, 24
     x = _inputs(B, HQ, HKV, S, D, torch.float32, triton_device, ragged=True, left_pad=True, seed=5)
-    s = approx_scores(x.q, x.k_cache, d, x.lengths, x.starts, gqa_select=mode)
+    s = approx_scores(x.q, x.k_cache, d, x.lengths, x.starts, gqa_select=mode, aggregate="sum")
     counts = R.budget(0.4, x.lengths, x.starts, B, S, triton_device)
     idx = select_topk(s, counts, method="triton", k_max=R.budget(0.4, None, None, B, S).max().item())
     extra = {"prefix_scores": s, "prefix_dims": d} if reuse else {}
@@ -298,11 +301,11 @@ def _run_decode_case(device, B, HQ, HKV, S, D, d, k, mode, select_method, dtype,
     k = S if k == "S" else k
     out, (idx, counts) = decode_attention(x.q, x.k_cache, x.v_cache, d=d, k=k, lengths=x.lengths,
                                           starts=x.starts, backend="triton", gqa_select=mode,
-                                          select_method=select_method, return_indices=True)
+                                          select_method=select_method, return_indices=True, aggregate="sum")
     assert out.shape == (B, HQ, D) and out.dtype == dtype
     # the selection is a valid top-k of the fp64 approximate scores (slack: fp32 summation order)
     s64 = approx_scores_reference(x.q.double(), x.k_cache.double(), d, x.lengths, x.starts, gqa_select=mode,
-                                  compute_dtype=torch.float64)
+                                  compute_dtype=torch.float64, aggregate="sum")
     slack = 1e-5 * s64[torch.isfinite(s64)].abs().max().item()
     if dtype != torch.float32:
         slack *= 10
@@ -314,7 +317,7 @@ def _run_decode_case(device, B, HQ, HKV, S, D, d, k, mode, select_method, dtype,
     assert_close_to_reference(out, ref64, lowp, dtype, "decode_attention")
     # and the whole step agrees with the torch backend (selections may differ only at near-ties)
     ref = decode_attention(x.q, x.k_cache, x.v_cache, d=d, k=k, lengths=x.lengths, starts=x.starts,
-                           backend="torch", gqa_select=mode)
+                           backend="torch", gqa_select=mode, aggregate="sum")
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     assert (out.float() - ref.float()).abs().max().item() <= tol
 
@@ -325,12 +328,12 @@ def test_decode_attention_key_prefix_and_auto_select(triton_device, mode):
     """k_prefix (a cache-layout option) and the default select method give the same step as the plain path."""
     B, HQ, HKV, S, D = 2, 8, 2, 500, 64
     x = _inputs(B, HQ, HKV, S, D, torch.float32, triton_device, ragged=True, left_pad=True, seed=9)
-    kw = dict(d=16, k=0.25, lengths=x.lengths, starts=x.starts, backend="triton", gqa_select=mode,
+    kw = dict(d=16, k=0.25, lengths=x.lengths, starts=x.starts, backend="triton", gqa_select=mode, aggregate="sum",
               return_indices=True)
     base, (idx0, counts) = decode_attention(x.q, x.k_cache, x.v_cache, select_method="triton", **kw)
     out, (idx1, _) = decode_attention(x.q, x.k_cache, x.v_cache, k_prefix=make_key_prefix(x.k_cache, 16), **kw)
     s64 = approx_scores_reference(x.q.double(), x.k_cache.double(), 16, x.lengths, x.starts, gqa_select=mode,
-                                  compute_dtype=torch.float64)
+                                  compute_dtype=torch.float64, aggregate="sum")
     slack = 1e-5 * s64[torch.isfinite(s64)].abs().max().item()
     assert check_selection(idx1, s64, counts, slack=slack) == B * idx1.shape[1]
     ref = sparse_attention_reference(x.q.double(), x.k_cache.double(), x.v_cache.double(), idx1.long(), counts,
@@ -343,7 +346,7 @@ def test_decode_attention_key_prefix_and_auto_select(triton_device, mode):
 def test_decode_attention_full_budget_is_dense(triton_device):
     """d = D and k = S: Loki equals dense attention."""
     x = _inputs(2, 6, 3, 200, 64, torch.float32, triton_device)
-    out = decode_attention(x.q, x.k_cache, x.v_cache, d=64, k=200, backend="triton", gqa_select="kv")
+    out = decode_attention(x.q, x.k_cache, x.v_cache, d=64, k=200, backend="triton", gqa_select="kv", aggregate="sum")
     ref = R.dense_attention(x.q.double(), x.k_cache.double(), x.v_cache.double(), compute_dtype=torch.float64)
     assert (out.double() - ref).abs().max().item() < 1e-5
 
@@ -353,32 +356,36 @@ def test_decode_attention_full_budget_is_dense(triton_device):
 def test_decode_attention_errors_name_the_argument():
     x = make_decode_inputs(1, 2, 2, 16, 64)
     with pytest.raises(ValueError, match="d=65"):
-        decode_attention(x.q, x.k_cache, x.v_cache, d=65, k=4, backend="triton")
+        decode_attention(x.q, x.k_cache, x.v_cache, d=65, k=4, backend="triton", gqa_select="query", aggregate="sum")
     with pytest.raises(ValueError, match="k=1.5"):
-        decode_attention(x.q, x.k_cache, x.v_cache, d=8, k=1.5, backend="triton")
+        decode_attention(x.q, x.k_cache, x.v_cache, d=8, k=1.5, backend="triton", gqa_select="query", aggregate="sum")
     with pytest.raises(ValueError, match="k=0"):
-        decode_attention(x.q, x.k_cache, x.v_cache, d=8, k=0, backend="triton")
+        decode_attention(x.q, x.k_cache, x.v_cache, d=8, k=0, backend="triton", gqa_select="query", aggregate="sum")
     with pytest.raises(ValueError, match="backend"):
-        decode_attention(x.q, x.k_cache, x.v_cache, d=8, k=4, backend="cuda")
+        decode_attention(x.q, x.k_cache, x.v_cache, d=8, k=4, backend="cuda", gqa_select="query", aggregate="sum")
     with pytest.raises(ValueError, match="gqa_select"):
-        decode_attention(x.q, x.k_cache, x.v_cache, d=8, k=4, gqa_select="group")
+        decode_attention(x.q, x.k_cache, x.v_cache, d=8, k=4, gqa_select="group", aggregate="sum")
     with pytest.raises(ValueError, match="select_method"):
-        decode_attention(x.q, x.k_cache, x.v_cache, d=8, k=4, select_method="radix")
+        decode_attention(x.q, x.k_cache, x.v_cache, d=8, k=4, select_method="radix", gqa_select="query",
+                         aggregate="sum")
     with pytest.raises(ValueError, match="k_prefix"):
         decode_attention(x.q, x.k_cache, x.v_cache, d=8, k=4, backend="triton",
-                         k_prefix=x.k_cache[..., :4].contiguous())
+                         k_prefix=x.k_cache[..., :4].contiguous(), gqa_select="query", aggregate="sum")
     with pytest.raises(ValueError, match="lengths"):
-        decode_attention(x.q, x.k_cache, x.v_cache, d=8, k=4, lengths=torch.tensor([17]), backend="triton")
+        decode_attention(x.q, x.k_cache, x.v_cache, d=8, k=4, lengths=torch.tensor([17]), backend="triton",
+                         gqa_select="query", aggregate="sum")
     with pytest.raises(ValueError, match="k_cache batch"):
-        decode_attention(x.q, x.k_cache[:0], x.v_cache[:0], d=8, k=4, backend="triton")
+        decode_attention(x.q, x.k_cache[:0], x.v_cache[:0], d=8, k=4, backend="triton", gqa_select="query",
+                         aggregate="sum")
 
 
 def test_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
     x = make_decode_inputs(1, 2, 2, 16, 64)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
-        decode_attention(x.q, x.k_cache, x.v_cache, d=8, k=4, backend="triton")
-    out = decode_attention(x.q, x.k_cache, x.v_cache, d=8, k=4)  # auto -> torch on CPU tensors
+        decode_attention(x.q, x.k_cache, x.v_cache, d=8, k=4, backend="triton", gqa_select="query", aggregate="sum")
+    out = decode_attention(x.q, x.k_cache, x.v_cache, d=8, k=4, gqa_select="query",
+                           aggregate="sum")  # auto -> torch on CPU tensors
     assert out.shape == (1, 2, 64)
 
 
@@ -421,10 +428,11 @@ GPU_APPROX = [
 def test_gpu_approx_scores_and_select(B, HQ, HKV, S, D, d, dtype):
     dev = torch.device("cuda")
     x = _inputs(B, HQ, HKV, S, D, dtype, dev, ragged=True, left_pad=True)
-    heads, agg = approx_scores(x.q, x.k_cache, d, x.lengths, x.starts, return_both=True)
+    heads, agg = approx_scores(x.q, x.k_cache, d, x.lengths, x.starts, return_both=True, gqa_select="query",
+                               aggregate="sum")
     for got, mode in ((heads, "query"), (agg, "kv")):
         ref = approx_scores_reference(x.q, x.k_cache, d, x.lengths, x.starts, gqa_select=mode,
-                                      compute_dtype=torch.float64)
+                                      compute_dtype=torch.float64, aggregate="sum")
         assert torch.equal(torch.isneginf(got), torch.isneginf(ref))
         fin = torch.isfinite(ref)
         assert (got.double()[fin] - ref[fin]).abs().max().item() <= 1e-5 * max(1.0, ref[fin].abs().max().item())
@@ -458,10 +466,10 @@ def test_gpu_decode_attention_key_prefix(B, HQ, HKV, S, D, mode, dtype):
     d = D // 4
     out, (idx, counts) = decode_attention(x.q, x.k_cache, x.v_cache, d=d, k=0.25, lengths=x.lengths,
                                           starts=x.starts, backend="triton", gqa_select=mode,
-                                          k_prefix=make_key_prefix(x.k_cache, d), return_indices=True)
+                                          k_prefix=make_key_prefix(x.k_cache, d), return_indices=True, aggregate="sum")
     assert idx.dtype == torch.int32  # "auto" picked the Triton select on CUDA
     s64 = approx_scores_reference(x.q.double(), x.k_cache.double(), d, x.lengths, x.starts, gqa_select=mode,
-                                  compute_dtype=torch.float64)
+                                  compute_dtype=torch.float64, aggregate="sum")
     slack = 1e-4 * s64[torch.isfinite(s64)].abs().max().item()
     assert check_selection(idx, s64, counts, slack=slack) == B * idx.shape[1]
     ref64 = sparse_attention_reference(x.q.double(), x.k_cache.double(), x.v_cache.double(), idx.long(), counts,
@@ -516,33 +524,33 @@ def _replay_inputs(x, g, dev, S, K):
 
 
 def _check_replays(dev, B, HQ, HKV, S, D, d, K, mode, prefix, with_out, dtype, calls=5):
-    """Calls of one signature through a StepReplay (normal, recorded, then replayed), every input new each
-    call, every output kept: each equals the reference for its own inputs and nothing overwrote an earlier one."""
-    from loki.kernels.decode import StepReplay, loki_decode_step
+    """Calls of one signature through a DecodeRun (recorded, then replayed), every input new each call, every
+    output kept: each equals the reference for its own inputs and nothing overwrote an earlier one."""
     from loki.reference.methods import loki_attention
+    from loki.testing.decode import kernel_run
 
     g = torch.Generator().manual_seed(11)
     x = _inputs(B, HQ, HKV, S, D, dtype, dev, ragged=True, left_pad=True, seed=11)
     kp = make_key_prefix(x.k_cache, d) if prefix else None
-    replay = StepReplay()
-    kw = dict(d=d, k_max=K, gqa_select=mode, select_method="triton", k_prefix=kp, replay=replay)
+    run = kernel_run(x.q, x.k_cache, d=d, gqa_select=mode, aggregate="sum")
     kept = []
     for _call in range(calls):
         q = torch.randn(x.q.shape, generator=g).to(dev, dtype)
         lengths, starts, counts = _replay_inputs(x, g, dev, S, K)
         out = torch.empty_like(q) if with_out else None
-        idx, res = loki_decode_step(q, x.k_cache, x.v_cache, lengths, starts, counts, out=out, **kw)
+        idx, res = run.step(q_hat=q, k_hat=x.k_cache, v_cache=x.v_cache, k_prefix=kp, lengths=lengths,
+                            starts=starts, counts=counts, width=K, out=out, return_indices=True)
         if with_out:
             assert res is out
             res = res.clone()  # the caller's buffer is the caller's to reuse
         kept.append((q, lengths, starts, counts, idx, res))
-    plans = [p for p in replay.plans.values() if p]
-    assert len(plans) == 1, "the signature should be recorded at its second call and replayed after"
+    plans = [p for p in run._plans.values() if p]
+    assert len(plans) == 1, "the signature should be recorded at its first call and replayed after"
     ptrs = {r.data_ptr() for *_, r in kept}
     assert with_out or len(ptrs) == len(kept), "replays must return fresh outputs"
     for q, lengths, starts, counts, idx, res in kept:
         want = loki_attention(q.float(), x.k_cache.float(), x.v_cache.float(), d=d, counts=counts.long(),
-                              lengths=lengths, starts=starts, gqa_select=mode)
+                              lengths=lengths, starts=starts, gqa_select=mode, aggregate="sum")
         assert not torch.isnan(res).any()
         torch.testing.assert_close(res.float(), want, rtol=2e-2 if dtype != torch.float32 else 1e-4,
                                    atol=2e-2 if dtype != torch.float32 else 1e-4)
@@ -554,12 +562,13 @@ def _check_replays(dev, B, HQ, HKV, S, D, d, K, mode, prefix, with_out, dtype, c
 @interp
 @pytest.mark.parametrize("mode,prefix,with_out", [("query", True, False), ("kv", False, True)])
 def test_decode_step_replay_changes_every_input_and_keeps_every_output(triton_device, mode, prefix, with_out):
-    """StepReplay: later calls of a signature replay the compiled kernels with the new query, lengths, starts
+    """DecodeRun: later calls of a signature replay the compiled kernels with the new query, lengths, starts
     and counts and fresh buffers; every output equals the reference of its own inputs."""
     plan, x, kp = _check_replays(triton_device, 2, 8, 2, 300, 64, 16, 75, mode, prefix, with_out, torch.float32)
     q = x.q
     counts = torch.ones(2, dtype=torch.int32, device=triton_device)
-    inputs = (q, x.k_cache, x.v_cache, kp, x.lengths, x.starts, counts, torch.empty_like(q) if with_out else None)
+    inputs = (q, x.k_cache, x.v_cache, kp, x.lengths, x.starts, counts, torch.empty_like(q) if with_out else None,
+              None)
     assert [len(a) for a in plan.bind(inputs, plan.new_buffers(), True)] == [len(t[2]) for t in plan.launches]
     # raw addresses (the direct launch) equal the tensor views' addresses
     bufs = plan.new_buffers()
@@ -570,28 +579,28 @@ def test_decode_step_replay_changes_every_input_and_keeps_every_output(triton_de
 
 
 @interp
-def test_decode_step_records_at_the_second_call_only(triton_device):
-    """A signature is recorded at its second call; a cache that grows every step (new shapes each call)
-    never pays for a recording; without a StepReplay nothing is recorded at all."""
-    from loki.kernels.decode import StepReplay, loki_decode_step
+def test_decode_run_records_each_signature_once_and_keeps_the_newest(triton_device):
+    """A signature is recorded at its first call and replayed after; a cache that grows every step (new shapes
+    each call) records each length once and keeps only the ``max_plans`` newest signatures."""
+    from loki.testing.decode import kernel_run
 
     B, HQ, HKV, D, d = 1, 4, 2, 64, 16
-    replay = StepReplay()
+    x = _inputs(B, HQ, HKV, 100, D, torch.float32, triton_device, seed=1)
+    run = kernel_run(x.q, x.k_cache, d=d, gqa_select="query", aggregate="sum")
+    run.max_plans = 3
     for S in (100, 101, 102, 103):  # growing cache: each signature once
         x = _inputs(B, HQ, HKV, S, D, torch.float32, triton_device, seed=S)
         counts = torch.full((B,), S // 4, dtype=torch.int32, device=triton_device)
-        loki_decode_step(x.q, x.k_cache, x.v_cache, x.lengths, x.starts, counts, d=d, k_max=S // 4,
-                         select_method="triton", replay=replay)
-    assert len(replay.plans) == 0 and len(replay.seen) == 4
+        run.step(q_hat=x.q, k_hat=x.k_cache, v_cache=x.v_cache, k_prefix=None, lengths=x.lengths, starts=x.starts,
+                 counts=counts, width=S // 4)
+    assert run.replays == 3 and [k[4][0][2] for k in run._plans] == [101, 102, 103]  # the oldest (100) went
     S = 110
     x = _inputs(B, HQ, HKV, S, D, torch.float32, triton_device, seed=S)
     counts = torch.full((B,), S // 4, dtype=torch.int32, device=triton_device)
-    for call in range(3):  # fixed shapes: normal path, then recorded, then replayed
-        loki_decode_step(x.q, x.k_cache, x.v_cache, x.lengths, x.starts, counts, d=d, k_max=S // 4,
-                         select_method="triton", replay=replay)
-        assert len(replay.plans) == (0 if call == 0 else 1)
-    replay.clear()
-    assert not replay.plans and not replay.seen
+    outs = [run.step(q_hat=x.q, k_hat=x.k_cache, v_cache=x.v_cache, k_prefix=None, lengths=x.lengths,
+                     starts=x.starts, counts=counts, width=S // 4) for _ in range(3)]
+    assert run.replays == 3 and [k[4][0][2] for k in run._plans][-1] == 110
+    assert all(torch.equal(o, outs[0]) for o in outs) and len({o.data_ptr() for o in outs}) == 3
 
 
 @gpu

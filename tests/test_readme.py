@@ -43,7 +43,9 @@ def _run_snippet(device: str):
 def _check(device: str):
     ns, printed = _run_snippet(device)
     model, tok, inputs = ns["model"], ns["tok"], ns["inputs"]
-    assert ns["cache"].layers[0].loki_static and printed
+    from loki.integrations.transformers import LokiStaticLayer
+
+    assert isinstance(ns["cache"].layers[0], LokiStaticLayer) and printed
     with torch.no_grad():
         dyn = model.generate(**inputs, max_new_tokens=32, do_sample=False)
     assert printed == tok.decode(dyn[0]), (printed, tok.decode(dyn[0]))

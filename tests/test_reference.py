@@ -66,7 +66,7 @@ def test_loki_full_budget_equals_dense(shape, seed, mode):
     qh, kh = rotate_query(x.q, P), rotate_keys(x.k_cache, P)
     ref = dense_attention(x.q, x.k_cache, x.v_cache, x.lengths, x.starts, compute_dtype=torch.float64)
     out = loki_attention(qh, kh, x.v_cache, d=shape.D, k=1.0, lengths=x.lengths, starts=x.starts,
-                         gqa_select=mode, compute_dtype=torch.float64)
+                         gqa_select=mode, compute_dtype=torch.float64, aggregate="sum")
     torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
 
 
@@ -76,7 +76,8 @@ def test_loki_with_full_dims_selects_exact_topk(shape, seed, mode):
     P = random_orthogonal(shape.HKV, shape.D, seed=seed, dtype=torch.float64)
     qh, kh = rotate_query(x.q, P), rotate_keys(x.k_cache, P)
     _, (idx, counts) = loki_attention(qh, kh, x.v_cache, d=shape.D, k=shape.k, lengths=x.lengths,
-                                      gqa_select=mode, compute_dtype=torch.float64, return_indices=True)
+                                      gqa_select=mode, compute_dtype=torch.float64, return_indices=True,
+                                      aggregate="sum")
     exact = exact_scores(x.q, x.k_cache, x.lengths, compute_dtype=torch.float64)
     if mode == "kv":
         exact = exact.view(shape.B, shape.HKV, -1, shape.S).sum(2)
@@ -102,9 +103,9 @@ def test_select_topk_invariants(shape, seed):
 def test_kv_selection_with_one_query_head_per_group_equals_query_selection(shape, seed):
     x = _inputs(shape, seed=seed, ragged=True)
     a, (ia, _) = loki_attention(x.q, x.k_cache, x.v_cache, d=shape.d, k=shape.k, lengths=x.lengths,
-                                gqa_select="query", compute_dtype=torch.float64, return_indices=True)
+                                gqa_select="query", compute_dtype=torch.float64, return_indices=True, aggregate="sum")
     b, (ib, _) = loki_attention(x.q, x.k_cache, x.v_cache, d=shape.d, k=shape.k, lengths=x.lengths,
-                                gqa_select="kv", compute_dtype=torch.float64, return_indices=True)
+                                gqa_select="kv", compute_dtype=torch.float64, return_indices=True, aggregate="sum")
     torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert torch.equal(ia, ib)
 
@@ -127,8 +128,9 @@ def test_padding_does_not_change_results(shape, seed, pad):
     torch.testing.assert_close(
         dense_attention(x.q, kp, vp, lengths, starts, **kw), dense_attention(x.q, x.k_cache, x.v_cache, **kw))
     torch.testing.assert_close(
-        loki_attention(x.q, kp, vp, d=shape.d, k=shape.k, lengths=lengths, starts=starts, **kw),
-        loki_attention(x.q, x.k_cache, x.v_cache, d=shape.d, k=shape.k, **kw))
+        loki_attention(x.q, kp, vp, d=shape.d, k=shape.k, lengths=lengths, starts=starts, gqa_select="query",
+                       aggregate="sum", **kw),
+        loki_attention(x.q, x.k_cache, x.v_cache, d=shape.d, k=shape.k, gqa_select="query", aggregate="sum", **kw))
     torch.testing.assert_close(
         sparq_attention(x.q, kp, vp, r=shape.d, k=shape.k, lengths=lengths, starts=starts, **kw),
         sparq_attention(x.q, x.k_cache, x.v_cache, r=shape.d, k=shape.k, **kw))
@@ -148,7 +150,7 @@ def test_low_precision_within_reference_error(B, HQ, HKV, S, D, mode, dtype):
     x = make_decode_inputs(B, HQ, HKV, S, D, dtype=dtype, ragged=True)
     k = max(1, S // 4)
     _, (idx, counts) = loki_attention(x.q, x.k_cache, x.v_cache, d=D // 4, k=k, lengths=x.lengths,
-                                      gqa_select=mode, return_indices=True)
+                                      gqa_select=mode, return_indices=True, aggregate="sum")
     q64, k64, v64 = x.q.double(), x.k_cache.double(), x.v_cache.double()
     ref64 = sparse_attention(q64, k64, v64, idx, counts, compute_dtype=torch.float64)
     out = sparse_attention(x.q, x.k_cache, x.v_cache, idx, counts)  # fp32 accumulation
@@ -201,11 +203,11 @@ def test_h2o_budget_is_recent_window_plus_heavy_hitters():
 
 def test_approx_scores_use_only_the_first_d_dims():
     x = make_decode_inputs(2, 4, 2, 64, 64, dtype=torch.float64)
-    s = approx_scores(x.q, x.k_cache, 16)
+    s = approx_scores(x.q, x.k_cache, 16, gqa_select="query", aggregate="sum")
     k2 = x.k_cache.clone()
     k2[..., 16:] = torch.randn_like(k2[..., 16:])
-    torch.testing.assert_close(approx_scores(x.q, k2, 16), s)
-    kv = approx_scores(x.q, x.k_cache, 16, gqa_select="kv")
+    torch.testing.assert_close(approx_scores(x.q, k2, 16, gqa_select="query", aggregate="sum"), s)
+    kv = approx_scores(x.q, x.k_cache, 16, gqa_select="kv", aggregate="sum")
     torch.testing.assert_close(kv, s.view(2, 2, 2, 64).sum(2))
 
 

@@ -80,7 +80,7 @@ def test_triton_backend_on_a_cpu_model_without_the_interpreter_is_refused(monkey
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match=r"backend='triton'.*TRITON_INTERPRET.*backend='torch'.*model is on cpu"):
         enable_loki(model, _basis(model), backend="triton")
-    assert getattr(model, "_loki_config", None) is None  # nothing was changed
+    assert getattr(model, "_loki", None) is None  # nothing was changed
     enable_loki(model, _basis(model), backend="auto")  # auto takes the PyTorch path on the CPU
 
 

@@ -114,11 +114,11 @@ def test_decode_attention_on_all_zero_keys_equals_the_torch_backend(triton_devic
     lengths = torch.tensor([64, 40], dtype=torch.int32)
     starts = torch.tensor([0, 3], dtype=torch.int32)
     ref, (ridx, counts) = decode_attention(q, k, v, d=8, k=8, lengths=lengths, starts=starts, backend="torch",
-                                           gqa_select=mode, return_indices=True)
+                                           gqa_select=mode, return_indices=True, aggregate="sum")
     dev = triton_device
     out, (idx, _) = decode_attention(q.to(dev), k.to(dev), v.to(dev), d=8, k=8, lengths=lengths.to(dev),
                                      starts=starts.to(dev), backend="triton", gqa_select=mode,
-                                     select_method=select_method, return_indices=True)
+                                     select_method=select_method, return_indices=True, aggregate="sum")
     _same_sets(idx.cpu(), ridx, counts)
     torch.testing.assert_close(out.cpu(), ref, atol=1e-5, rtol=1e-5)
 
@@ -126,9 +126,10 @@ def test_decode_attention_on_all_zero_keys_equals_the_torch_backend(triton_devic
 @interp
 def test_decode_attention_on_duplicated_keys_equals_the_torch_backend(triton_device):
     q, k, v = _integer_inputs(1, 4, 4, 200, 16, dup=8, seed=3)
-    ref = decode_attention(q, k, v, d=4, k=0.1, backend="torch")
+    ref = decode_attention(q, k, v, d=4, k=0.1, backend="torch", gqa_select="query", aggregate="sum")
     dev = triton_device
-    out = decode_attention(q.to(dev), k.to(dev), v.to(dev), d=4, k=0.1, backend="triton", select_method="triton")
+    out = decode_attention(q.to(dev), k.to(dev), v.to(dev), d=4, k=0.1, backend="triton", select_method="triton",
+                           gqa_select="query", aggregate="sum")
     torch.testing.assert_close(out.cpu(), ref, atol=1e-5, rtol=1e-5)
 
 
@@ -141,7 +142,8 @@ def test_empty_batch_behaves_the_same_on_both_backends(triton_device, select_met
     for backend in ("torch", "triton"):
         dev = triton_device if backend == "triton" else "cpu"
         outs[backend] = decode_attention(x.q.to(dev), x.k_cache.to(dev), x.v_cache.to(dev), d=4, k=4,
-                                         backend=backend, select_method=select_method)
+                                         backend=backend, select_method=select_method, gqa_select="query",
+                                         aggregate="sum")
     assert outs["torch"].shape == outs["triton"].shape == (0, 4, 16)
     assert outs["torch"].dtype == outs["triton"].dtype
     q, k, v = (t.to(triton_device) for t in (x.q, x.k_cache, x.v_cache))
@@ -164,8 +166,10 @@ def test_garbage_outside_the_valid_tokens_never_reaches_the_kernels_output(trito
     args = [t.to(dev) for t in (x.q, kc, vc)]
     pos = dict(lengths=lengths.to(dev), starts=starts.to(dev))
     for select_method in ("triton", "torch"):
-        out = decode_attention(*args, d=8, k=0.5, backend="triton", select_method=select_method, **pos)
-        ref = R.loki_attention(x.q, x.k_cache, x.v_cache, d=8, k=0.5, lengths=lengths, starts=starts)
+        out = decode_attention(*args, d=8, k=0.5, backend="triton", select_method=select_method, gqa_select="query",
+                               **pos)
+        ref = R.loki_attention(x.q, x.k_cache, x.v_cache, d=8, k=0.5, lengths=lengths, starts=starts,
+                               gqa_select="query", aggregate="sum")
         torch.testing.assert_close(out.cpu(), ref, atol=1e-4, rtol=1e-4)
     out = sparq_attention(*args, r=8, k=0.5, **pos)
     ref = R.sparq_attention(x.q, x.k_cache, x.v_cache, r=8, k=0.5, lengths=lengths, starts=starts)
@@ -178,9 +182,11 @@ def test_garbage_outside_the_valid_tokens_never_reaches_the_kernels_output(trito
 def test_bad_scale_is_refused_by_the_kernels(triton_device, scale):
     x = make_decode_inputs(1, 2, 2, 16, 16, device=triton_device)
     with pytest.raises(ValueError, match="scale=.* must be a finite number > 0"):
-        decode_attention(x.q, x.k_cache, x.v_cache, d=4, k=4, backend="triton", scale=scale)
+        decode_attention(x.q, x.k_cache, x.v_cache, d=4, k=4, backend="triton", scale=scale, gqa_select="query",
+                         aggregate="sum")
     with pytest.raises(ValueError, match="scale=.* must be a finite number > 0"):
-        decode_attention(x.q, x.k_cache, x.v_cache, d=4, k=4, backend="torch", scale=scale)
+        decode_attention(x.q, x.k_cache, x.v_cache, d=4, k=4, backend="torch", scale=scale, gqa_select="query",
+                         aggregate="sum")
     with pytest.raises(ValueError, match="scale=.* must be a finite number > 0"):
         sparq_attention(x.q, x.k_cache, x.v_cache, r=4, k=4, scale=scale)
     idx = torch.zeros(1, 2, 1, dtype=torch.int32, device=triton_device)
@@ -195,7 +201,8 @@ def test_bad_num_splits_is_refused_naming_it(num_splits):
     x = make_decode_inputs(1, 2, 2, 16, 16)
     idx = torch.zeros(1, 2, 1, dtype=torch.int32)
     with pytest.raises((ValueError, TypeError), match="num_splits"):
-        decode_attention(x.q, x.k_cache, x.v_cache, d=4, k=4, backend="triton", num_splits=num_splits)
+        decode_attention(x.q, x.k_cache, x.v_cache, d=4, k=4, backend="triton", num_splits=num_splits,
+                         gqa_select="query", aggregate="sum")
     with pytest.raises((ValueError, TypeError), match="num_splits"):
         sparse_attention(x.q, x.k_cache, x.v_cache, idx, torch.ones(1, dtype=torch.int32), num_splits=num_splits)
 
@@ -218,9 +225,11 @@ def test_bad_tile_sizes_and_empty_selection_are_named():
 @interp
 def test_split_counts_give_the_same_result(triton_device):
     x = make_decode_inputs(2, 4, 2, 64, 16, device=triton_device)
-    base = decode_attention(x.q, x.k_cache, x.v_cache, d=8, k=32, backend="triton", num_splits=1)
+    base = decode_attention(x.q, x.k_cache, x.v_cache, d=8, k=32, backend="triton", num_splits=1, gqa_select="query",
+                            aggregate="sum")
     for n in (2, 3, 64):
-        out = decode_attention(x.q, x.k_cache, x.v_cache, d=8, k=32, backend="triton", num_splits=n)
+        out = decode_attention(x.q, x.k_cache, x.v_cache, d=8, k=32, backend="triton", num_splits=n,
+                               gqa_select="query", aggregate="sum")
         torch.testing.assert_close(out, base, atol=1e-5, rtol=1e-5)
 
 
@@ -230,20 +239,20 @@ def test_triton_kernels_refuse_inputs_that_require_grad(triton_device):
     x = make_decode_inputs(1, 2, 2, 16, 16, device=triton_device)
     q = x.q.clone().requires_grad_()
     with pytest.raises(RuntimeError, match=r"q_hat requires grad.*no backward.*backend='torch'"):
-        decode_attention(q, x.k_cache, x.v_cache, d=4, k=4, backend="triton")
+        decode_attention(q, x.k_cache, x.v_cache, d=4, k=4, backend="triton", gqa_select="query", aggregate="sum")
     v = x.v_cache.clone().requires_grad_()
     with pytest.raises(RuntimeError, match=r"v_cache requires grad"):
-        decode_attention(x.q, x.k_cache, v, d=4, k=4, backend="triton")
+        decode_attention(x.q, x.k_cache, v, d=4, k=4, backend="triton", gqa_select="query", aggregate="sum")
     with pytest.raises(RuntimeError, match=r"q requires grad"):
         sparq_attention(q, x.k_cache, x.v_cache, r=4, k=4)
     with pytest.raises(RuntimeError, match=r"q_hat requires grad"):
-        approx_scores(q, x.k_cache, 4)
+        approx_scores(q, x.k_cache, 4, gqa_select="query", aggregate="sum")
     with pytest.raises(RuntimeError, match=r"q_hat requires grad"):
         sparse_attention(q, x.k_cache, x.v_cache, torch.zeros(1, 2, 1, dtype=torch.int32, device=triton_device),
                          torch.ones(1, dtype=torch.int32, device=triton_device))
     with torch.no_grad():  # no gradient wanted: fine
-        out = decode_attention(q, x.k_cache, x.v_cache, d=4, k=4, backend="triton")
-    ref = decode_attention(q, x.k_cache, x.v_cache, d=4, k=4, backend="torch")
+        out = decode_attention(q, x.k_cache, x.v_cache, d=4, k=4, backend="triton", gqa_select="query", aggregate="sum")
+    ref = decode_attention(q, x.k_cache, x.v_cache, d=4, k=4, backend="torch", gqa_select="query", aggregate="sum")
     assert ref.requires_grad
     torch.testing.assert_close(out, ref.detach(), atol=1e-5, rtol=1e-5)
 
@@ -252,11 +261,11 @@ def test_triton_kernels_refuse_inputs_that_require_grad(triton_device):
 def test_gpu_auto_backend_takes_the_differentiable_path_for_grad():
     x = make_decode_inputs(1, 4, 2, 256, 64, device="cuda")
     q = x.q.clone().requires_grad_()
-    out = decode_attention(q, x.k_cache, x.v_cache, d=16, k=32)
+    out = decode_attention(q, x.k_cache, x.v_cache, d=16, k=32, gqa_select="query", aggregate="sum")
     out.sum().backward()
     assert q.grad is not None and torch.isfinite(q.grad).all()
     with torch.no_grad():
-        fast = decode_attention(q, x.k_cache, x.v_cache, d=16, k=32)
+        fast = decode_attention(q, x.k_cache, x.v_cache, d=16, k=32, gqa_select="query", aggregate="sum")
     torch.testing.assert_close(fast, out.detach(), atol=1e-4, rtol=1e-4)
 
 
@@ -294,7 +303,8 @@ def test_fused_score_select_clamps_counts_above_k(triton_device):
     starts = torch.zeros(1, dtype=torch.int32, device=dev)
     buf = torch.full((2 * 4 + 32,), 7777, dtype=torch.int32, device=dev)
     idx = buf[:8].view(1, 2, 4)
-    scores, _ = score_select(q.to(dev), k.to(dev), 8, lengths, starts, torch.tensor([12], device=dev), 4, idx=idx)
+    scores, _ = score_select(q.to(dev), k.to(dev), 8, lengths, starts, torch.tensor([12], device=dev), 4, idx=idx,
+                             gqa_select="query", aggregate="sum")
     assert (buf[8:] == 7777).all()
     _same_sets(idx.cpu(), R.select_topk(scores.cpu(), torch.tensor([4])), torch.tensor([4]))
 

@@ -63,9 +63,9 @@ def test_all_zero_keys_select_the_first_tokens(method):
     lengths, starts = torch.tensor([32, 20]), torch.tensor([0, 5])
     kw = dict(k=6, lengths=lengths, starts=starts, return_indices=True)
     if method == "loki":
-        _, (idx, _) = R.loki_attention(x.q, k_cache, x.v_cache, d=8, **kw)
+        _, (idx, _) = R.loki_attention(x.q, k_cache, x.v_cache, d=8, gqa_select="query", aggregate="sum", **kw)
     elif method == "exact_topk":
-        _, (idx, _) = R.exact_topk_attention(x.q, k_cache, x.v_cache, **kw)
+        _, (idx, _) = R.exact_topk_attention(x.q, k_cache, x.v_cache, gqa_select="query", aggregate="sum", **kw)
     else:
         _, (idx, _) = R.sparq_attention(x.q, k_cache, x.v_cache, r=4, **kw)
     assert idx[0].tolist() == [list(range(6))] * 4
@@ -86,9 +86,9 @@ def _run(method, q, kc, vc, lengths, starts):
     if method == "dense":
         return R.dense_attention(q, kc, vc, lengths, starts)
     if method == "loki":
-        return R.loki_attention(q, kc, vc, d=8, k=0.5, **kw)
+        return R.loki_attention(q, kc, vc, d=8, k=0.5, gqa_select="query", aggregate="sum", **kw)
     if method == "exact_topk":
-        return R.exact_topk_attention(q, kc, vc, k=0.5, **kw)
+        return R.exact_topk_attention(q, kc, vc, k=0.5, gqa_select="query", aggregate="sum", **kw)
     if method == "pcaattn":
         return R.pcaattn_attention(q, kc, vc, d=8, **kw)
     if method == "sparq":
@@ -123,7 +123,7 @@ def test_empty_batch_gives_an_empty_output(method):
 def test_empty_batch_selection():
     assert R.select_topk(torch.zeros(0, 3, 8), torch.zeros(0, dtype=torch.long)).shape == (0, 3, 0)
     _, (idx, counts) = R.loki_attention(*(torch.zeros(0, 2, 8), torch.zeros(0, 2, 5, 8), torch.zeros(0, 2, 5, 8)),
-                                        d=2, k=2, return_indices=True)
+                                        d=2, k=2, return_indices=True, gqa_select="query", aggregate="sum")
     assert idx.shape[:2] == (0, 2) and counts.shape == (0,)
 
 
@@ -139,9 +139,9 @@ def test_bad_scale_is_refused_naming_it(method, scale):
         if method == "dense":
             R.dense_attention(x.q, x.k_cache, x.v_cache, scale=scale)
         elif method == "loki":
-            R.loki_attention(x.q, x.k_cache, x.v_cache, d=4, k=2, scale=scale)
+            R.loki_attention(x.q, x.k_cache, x.v_cache, d=4, k=2, scale=scale, gqa_select="query", aggregate="sum")
         elif method == "exact_topk":
-            R.exact_topk_attention(x.q, x.k_cache, x.v_cache, k=2, scale=scale)
+            R.exact_topk_attention(x.q, x.k_cache, x.v_cache, k=2, scale=scale, gqa_select="query", aggregate="sum")
         elif method == "pcaattn":
             R.pcaattn_attention(x.q, x.k_cache, x.v_cache, d=4, scale=scale)
         elif method == "sparq":
@@ -183,7 +183,7 @@ def test_empty_head_dim_or_heads_are_named():
     with pytest.raises(ValueError, match=r"at least one head \(HQ=0, HKV=0\)"):
         R.dense_attention(x.q[:, :0], x.k_cache[:, :0], x.v_cache[:, :0])
     with pytest.raises(ValueError, match=r"at least one head \(HQ=0, HKV=2\)"):
-        R.loki_attention(x.q[:, :0], x.k_cache, x.v_cache, d=4, k=2)
+        R.loki_attention(x.q[:, :0], x.k_cache, x.v_cache, d=4, k=2, gqa_select="query", aggregate="sum")
 
 
 @pytest.mark.parametrize("counts,error,match", [

@@ -236,7 +236,7 @@ def test_every_method_runs_end_to_end(tiny, tmp_path):
     impl = model.config._attn_implementation
     r = evaluate_retrieval(model, TOK, specs, bases, context_lens=(CTX,), samples=2, batch_size=2,
                            max_new_tokens=2, question_tokens=2, progress=False)
-    assert model.config._attn_implementation == impl and not hasattr(model, "_loki_config")
+    assert model.config._attn_implementation == impl and not hasattr(model, "_loki")
     json.dumps(r)
     names = [s.name for s in specs]
     assert {(c["task"], c["name"]) for c in r["cells"]} == {(t, n) for t in (*TASKS, "all") for n in names}

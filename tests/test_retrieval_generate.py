@@ -47,7 +47,7 @@ def test_generate_answers_every_task_and_scores_with_the_suite(tiny):
     model, bases = tiny
     impl = model.config._attn_implementation
     res = rg.generate_retrieval(model, TOK, _specs()[:1], bases, compile=False, backend="torch", **KW)
-    assert model.config._attn_implementation == impl and not hasattr(model, "_loki_config")
+    assert model.config._attn_implementation == impl and not hasattr(model, "_loki")
     json.dumps(res)
     assert set(res["samples"]) == {f"{t}/{CTX}/loki[query]" for t in TASKS}
     assert res["config"]["max_cache_len"] == CTX + 4 and not res["config"]["compiled"]
@@ -63,7 +63,7 @@ def test_generate_answers_every_task_and_scores_with_the_suite(tiny):
 def test_full_budget_answers_equal_dense_greedy_generation(tiny):
     """k = all through the static cache and generate: the tokens of dense greedy generation on the whole prompt
     (the dense prefix prefill, the sparse tail steps and generate's first step together are exact); k = 1 is not."""
-    from loki.integrations.transformers import disable_loki, enable_loki, loki_static_cache
+    from loki.integrations.transformers import disable_loki, enable_loki, loki_cache
 
     model, bases = tiny
     ids = torch.tensor([s.input_ids for s in make_samples("passkey", TOK, 512, 2, seed=4)])
@@ -72,7 +72,7 @@ def test_full_budget_answers_equal_dense_greedy_generation(tiny):
     for name, k in (("all", 1.0), ("one", 1)):  # a fraction 1.0 keeps every token, the count 1 one token
         enable_loki(model, bases["score"], k=k, d=0.25, backend="torch")
         try:
-            cache = loki_static_cache(model, max_cache_len=512 + 6, batch_size=2)
+            cache = loki_cache(model, static=True, max_cache_len=512 + 6, batch_size=2)
             got[name] = rg.generate_batch(model, TOK, ids, cache, question_tokens=5, max_new_tokens=6,
                                        prefill_chunk=100, stops={0})["tokens"]
         finally:
@@ -156,7 +156,7 @@ def test_triton_interpreter_agrees_with_the_engine(tiny, triton_device):
     """The Triton kernels (interpreter) in the static decode steps of the tail and of generate: the engine's
     answer tokens (a short prompt: the interpreter writes the prefill's keys one program per token)."""
     from loki.evaluation.retrieval import run_batch
-    from loki.integrations.transformers import disable_loki, enable_loki, loki_static_cache
+    from loki.integrations.transformers import disable_loki, enable_loki, loki_cache
 
     model, bases = tiny
     if triton_device.type == "cuda":
@@ -167,7 +167,7 @@ def test_triton_interpreter_agrees_with_the_engine(tiny, triton_device):
     enable_loki(model, bases["score"], k=spec.k, d=spec.d, gqa_select=spec.gqa_select, aggregate=spec.aggregate,
                 backend="triton")
     try:
-        cache = loki_static_cache(model, max_cache_len=27, batch_size=2)
+        cache = loki_cache(model, static=True, max_cache_len=27, batch_size=2)
         got = rg.generate_batch(model, TOK, ids, cache, question_tokens=3, max_new_tokens=3, stops={0})
     finally:
         disable_loki(model)

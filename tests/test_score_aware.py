@@ -83,7 +83,8 @@ def test_loki_with_a_score_basis_is_exact_at_full_dims():
     pq, pk, _ = score_aware_pair(st_q.second_moment()[0], st_k.covariance()[0])
     qh, kh = rotate_query(x.q, pq), rotate_keys(x.k_cache, pk)
     torch.testing.assert_close(exact_scores(qh, kh, x.lengths), exact_scores(x.q, x.k_cache, x.lengths))
-    out = loki_attention(qh, kh, x.v_cache, d=64, k=1.0, lengths=x.lengths, compute_dtype=torch.float64)
+    out = loki_attention(qh, kh, x.v_cache, d=64, k=1.0, lengths=x.lengths, compute_dtype=torch.float64,
+                         gqa_select="query", aggregate="sum")
     torch.testing.assert_close(out, dense_attention(x.q, x.k_cache, x.v_cache, x.lengths,
                                                     compute_dtype=torch.float64))
 

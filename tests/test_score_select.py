@@ -13,8 +13,9 @@ import torch
 
 import loki.reference as R
 from loki.kernels import make_key_prefix, score_select
-from loki.kernels.decode import DecodeTuning, StepReplay, loki_decode_step
+from loki.kernels.decode import DecodeTuning
 from loki.kernels.score_select import FUSED_DEFAULTS, score_select_fusable
+from loki.testing.decode import kernel_run, kernel_step
 from loki.testing.inputs import make_decode_inputs
 from loki.testing.invariants import check_selection
 
@@ -69,13 +70,14 @@ def test_decode_step_fused_equals_two_kernels(triton_device, mode):
                            left_pad=True, seed=7)
     counts = R.budget(0.25, x.lengths, x.starts, B, S, triton_device)
     K = int(counts.max())
-    kw = dict(d=d, k_max=K, gqa_select=mode, select_method="triton", replay=StepReplay())
-    for _step in range(3):  # the second call records a plan, the third replays it
+    runs = [kernel_run(x.q, x.k_cache, d=d, gqa_select=mode, aggregate="sum", tuning=DecodeTuning(fuse_select=f))
+            for f in (True, False)]
+    kw = dict(k_hat=x.k_cache, v_cache=x.v_cache, k_prefix=None, lengths=x.lengths, starts=x.starts, counts=counts,
+              width=K, return_indices=True)
+    for _step in range(3):  # the first call records a plan, the later ones replay it
         q = torch.randn_like(x.q)
-        i1, o1 = loki_decode_step(q, x.k_cache, x.v_cache, x.lengths, x.starts, counts,
-                                  tuning=DecodeTuning(fuse_select=True), **kw)
-        i2, o2 = loki_decode_step(q, x.k_cache, x.v_cache, x.lengths, x.starts, counts,
-                                  tuning=DecodeTuning(fuse_select=False), **kw)
+        i1, o1 = runs[0].step(q_hat=q, **kw)
+        i2, o2 = runs[1].step(q_hat=q, **kw)
         assert torch.equal(torch.sort(i1, -1).values, torch.sort(i2, -1).values)
         assert not torch.isnan(o1).any() and (o1 - o2).abs().max().item() < 1e-5
 
@@ -116,11 +118,11 @@ def _gpu_case(B, HQ, HKV, S, mode, seed=0):
 def test_gpu_fused_decode_step(B, HQ, HKV, S, mode):
     x, counts, K, kp = _gpu_case(B, HQ, HKV, S, mode, seed=S)
     s64 = R.approx_scores(x.q.double(), x.k_cache.double(), 32, x.lengths, x.starts, gqa_select=mode,
-                          compute_dtype=torch.float64)
+                          compute_dtype=torch.float64, aggregate="sum")
     slack = 1e-4 * s64[torch.isfinite(s64)].abs().max().item()
     for fuse in (True, False):
-        idx, out = loki_decode_step(x.q, x.k_cache, x.v_cache, x.lengths, x.starts, counts, d=32, k_max=K,
-                                    gqa_select=mode, k_prefix=kp, tuning=DecodeTuning(fuse_select=fuse))
+        idx, out = kernel_step(x.q, x.k_cache, x.v_cache, x.lengths, x.starts, counts, d=32, k_max=K,
+                               gqa_select=mode, k_prefix=kp, tuning=DecodeTuning(fuse_select=fuse))
         torch.cuda.synchronize()
         assert check_selection(idx, s64, counts, slack=slack) == idx.shape[0] * idx.shape[1]
         assert not torch.isnan(out).any()
@@ -137,16 +139,16 @@ def test_gpu_programmatic_dependent_launch(mode, HQ, HKV):
     import loki.kernels.launch as L
 
     x, counts, K, kp = _gpu_case(4, HQ, HKV, 4096, mode, seed=1)
-    kw = dict(d=32, k_max=K, gqa_select=mode, k_prefix=kp)
+    kw = dict(q_hat=x.q, k_hat=x.k_cache, v_cache=x.v_cache, k_prefix=kp, lengths=x.lengths, starts=x.starts,
+              counts=counts, width=K, return_indices=True)
     results = []
     old = L.PDL
     try:
         for flag in (False, True):
             L.PDL = flag
-            replay = StepReplay()
+            run = kernel_run(x.q, x.k_cache, d=32, gqa_select=mode, aggregate="sum")
             for _step in range(3):
-                results.append((flag, loki_decode_step(x.q, x.k_cache, x.v_cache, x.lengths, x.starts, counts,
-                                                       replay=replay, **kw)))
+                results.append((flag, run.step(**kw)))
             torch.cuda.synchronize()
     finally:
         L.PDL = old

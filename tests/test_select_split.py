@@ -201,25 +201,25 @@ def test_split_select_recorded_launches_replay(triton_device, poison, monkeypatc
 def test_decode_step_records_and_replays_the_split_select(triton_device, monkeypatch):
     """With the rule forced to the split select, the decode step's recorded plan holds its launches and every
     replay equals the reference attention of its own inputs."""
-    from loki.kernels.decode import StepReplay, loki_decode_step
     from loki.reference.methods import loki_attention
+    from loki.testing.decode import kernel_run
     from loki.testing.inputs import make_decode_inputs
 
     monkeypatch.setitem(split_mod.SPLIT_RULE, "min_s", 1)
     B, HQ, HKV, S, D, d, K = 1, 4, 2, 300, 32, 8, 75
     x = make_decode_inputs(B, HQ, HKV, S, D, dtype=torch.float32, device=triton_device, seed=4)
     counts = torch.full((B,), K, dtype=torch.int32, device=triton_device)
-    replay = StepReplay()
+    run = kernel_run(x.q, x.k_cache, d=d, gqa_select="query", aggregate="sum")
     g = torch.Generator().manual_seed(4)
     for _ in range(3):
         q = torch.randn(x.q.shape, generator=g).to(triton_device)
-        idx, res = loki_decode_step(q, x.k_cache, x.v_cache, x.lengths, x.starts, counts, d=d, k_max=K,
-                                    select_method="triton", replay=replay)
+        idx, res = run.step(q_hat=q, k_hat=x.k_cache, v_cache=x.v_cache, k_prefix=None, lengths=x.lengths,
+                            starts=x.starts, counts=counts, width=K, return_indices=True)
         want = loki_attention(q, x.k_cache, x.v_cache, d=d, counts=counts.long(), lengths=x.lengths,
-                              starts=x.starts)
+                              starts=x.starts, gqa_select="query", aggregate="sum")
         torch.testing.assert_close(res, want, rtol=1e-4, atol=1e-4)
         assert bool(((idx >= 0).sum(-1) == K).all())
-    plans = [p for p in replay.plans.values() if p]
+    plans = [p for p in run._plans.values() if p]
     assert len(plans) == 1
     assert "_split_compact_kernel" in [launch[0].__name__ for launch in plans[0].launches]
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from loki.kernels import approx_scores, decode_attention, make_key_prefix, plan_decode, score_select_softmax
-from loki.kernels.decode import DecodeTuning, StepReplay, loki_decode_step, selection_bound
+from loki.kernels.decode import DecodeTuning, selection_bound
 from loki.kernels.group_softmax import group_softmax_scores, lse_chunking
 from loki.kernels.launch import recording
 from loki.kernels.score_select import score_select_fusable
@@ -30,6 +30,7 @@ from loki.kernels.score_select_softmax import _score_select_softmax_kernel
 from loki.reference import aggregate_group_scores, loki_attention, sparse_attention
 from loki.reference.selection import approx_scores as approx_scores_reference
 from loki.reference.selection import budget, topk_indices
+from loki.testing.decode import kernel_run, kernel_step
 from loki.testing.inputs import make_decode_inputs
 from loki.testing.invariants import check_selection
 from loki.testing.tolerances import assert_close_to_reference
@@ -97,7 +98,7 @@ def check_near_reference(idx, ref_idx, counts, s64, slack, exact_sets=False):
 def check_step(x, d, k, aggregate, *, k_prefix=None, select_method="triton", exact_sets=False, fuse=None):
     """One Triton decode step with a softmax aggregate against the reference; returns the selected sets.
     ``fuse`` None: ``decode_attention`` (the default rule, ``score_select_fusable``: unfused at the interpreter's
-    sizes); True / False: ``loki_decode_step`` with ``DecodeTuning(fuse_select=fuse)``.  The fused kernel must run
+    sizes); True / False: ``launch_decode_step`` with ``DecodeTuning(fuse_select=fuse)``.  The fused kernel must run
     exactly when it is forced or the rule asks for it (with the Triton select)."""
     B, HQ, D = x.q.shape
     HKV, S = x.k_cache.shape[1:3]
@@ -111,10 +112,10 @@ def check_step(x, d, k, aggregate, *, k_prefix=None, select_method="triton", exa
                                                   k_prefix=k_prefix, return_indices=True)
         else:
             counts = budget(k, x.lengths, x.starts, B, S, x.q.device)
-            idx, out = loki_decode_step(x.q, x.k_cache, x.v_cache, x.lengths, x.starts, counts, d=d,
-                                        k_max=selection_bound(k, S), gqa_select="kv", aggregate=aggregate,
-                                        select_method=select_method, k_prefix=k_prefix,
-                                        tuning=DecodeTuning(fuse_select=fuse))
+            idx, out = kernel_step(x.q, x.k_cache, x.v_cache, x.lengths, x.starts, counts, d=d,
+                                   k_max=selection_bound(k, S), gqa_select="kv", aggregate=aggregate,
+                                   select_method=select_method, k_prefix=k_prefix,
+                                   tuning=DecodeTuning(fuse_select=fuse))
     assert _fused_launches(rec.launches) == int(fused and select_method == "triton")
     ref, (ref_idx, ref_counts) = loki_attention(x.q.float(), x.k_cache.float(), x.v_cache.float(), d=d, k=k,
                                                 lengths=x.lengths, starts=x.starts, gqa_select="kv",
@@ -147,7 +148,8 @@ GROUP_CASES = [
 def test_group_scores_equal_the_reference(triton_device, B, HQ, HKV, S, aggregate):
     """Default launch rule and forced small tiles, chunks and token blocks (every partial combined)."""
     x = make_decode_inputs(B, HQ, HKV, S, 16, ragged=True, left_pad=True, seed=S + HQ)
-    heads = approx_scores_reference(x.q, x.k_cache, 8, x.lengths, x.starts).contiguous()  # [B, HQ, S] fp32
+    heads = approx_scores_reference(x.q, x.k_cache, 8, x.lengths, x.starts, gqa_select="query",
+                                    aggregate="sum").contiguous()  # [B, HQ, S] fp32
     valid = torch.isfinite(heads[:, :1])
     want = aggregate_group_scores(heads.double(), HKV, aggregate, scale=0.3).masked_fill(~valid, -math.inf)
     lengths, starts = x.lengths.to(triton_device), x.starts.to(triton_device)
@@ -330,9 +332,9 @@ def test_default_rule_fuses_a_softmax_aggregate(triton_device, monkeypatch):
     wide = make_decode_inputs(1, 17, 1, 40, 16, ragged=True, left_pad=True, seed=5, device=triton_device)
     with recording() as rec:
         counts = budget(0.5, wide.lengths, wide.starts, 1, 40, triton_device)
-        loki_decode_step(wide.q, wide.k_cache, wide.v_cache, wide.lengths, wide.starts, counts, d=4, k_max=20,
-                         gqa_select="kv", aggregate="softmax-sum", select_method="triton",
-                         tuning=DecodeTuning(fuse_select=True))
+        kernel_step(wide.q, wide.k_cache, wide.v_cache, wide.lengths, wide.starts, counts, d=4, k_max=20,
+                    gqa_select="kv", aggregate="softmax-sum", select_method="triton",
+                    tuning=DecodeTuning(fuse_select=True))
     assert _fused_launches(rec.launches) == 0
     with pytest.raises(ValueError, match="16 query heads"):
         score_select_softmax(wide.q, wide.k_cache, 4, wide.lengths, wide.starts, counts, 20, aggregate="softmax-max")
@@ -393,7 +395,7 @@ def test_probabilities_spread_the_keys_of_crowded_log_probabilities(triton_devic
 
 
 # ----------------------------------------------------------------------------------------------------
-# recorded launches: StepReplay and plan_decode
+# recorded launches: DecodeRun.step and plan_decode
 def _new_positions(g, B, S):
     lengths = torch.randint(S // 2, S + 1, (B,), generator=g, dtype=torch.int32)
     starts = torch.stack([torch.randint(0, int(n) // 3 + 1, (1,), generator=g)[0] for n in lengths]).int()
@@ -411,7 +413,7 @@ def test_step_replay_and_plan_change_every_input(triton_device, aggregate, fuse)
     dev = triton_device
     x = make_decode_inputs(B, HQ, HKV, S, D, ragged=True, left_pad=True, seed=11, device=dev)
     g = torch.Generator().manual_seed(12)
-    replay = StepReplay()
+    run = kernel_run(x.q, x.k_cache, d=d, gqa_select="kv", aggregate=aggregate, tuning=DecodeTuning(fuse_select=fuse))
     plan = plan_decode(x.k_cache, x.v_cache, num_q_heads=HQ, d=d, k=0.3, gqa_select="kv", aggregate=aggregate)
     kept = []
     for _call in range(4):
@@ -419,13 +421,12 @@ def test_step_replay_and_plan_change_every_input(triton_device, aggregate, fuse)
         lengths, starts = _new_positions(g, B, S)
         counts = torch.minimum(lengths - starts, torch.randint(1, K + 1, (B,), generator=g, dtype=torch.int32))
         lengths, starts, counts = lengths.to(dev), starts.to(dev), counts.to(dev)
-        _, res = loki_decode_step(q, x.k_cache, x.v_cache, lengths, starts, counts, d=d, k_max=K,
-                                  gqa_select="kv", aggregate=aggregate, select_method="triton", replay=replay,
-                                  tuning=DecodeTuning(fuse_select=fuse))
+        res = run.step(q_hat=q, k_hat=x.k_cache, v_cache=x.v_cache, k_prefix=None, lengths=lengths, starts=starts,
+                       counts=counts, width=K)
         kept.append((q, lengths, starts, dict(counts=counts.long()), res))
         kept.append((q, lengths, starts, dict(k=0.3), plan.run(q, lengths, starts)))
-    plans = [p for p in replay.plans.values() if p]
-    assert len(plans) == 1 and plan._plan
+    plans = [p for p in run._plans.values() if p]
+    assert len(plans) == 1 and plan.replays == 1
     assert _fused_launches(plans[0].launches) == int(fuse is True)
     assert len({r.data_ptr() for *_, r in kept}) == len(kept)
     for q, lengths, starts, how_many, res in kept:
@@ -460,7 +461,7 @@ def test_gpu_decode_step(B, HQ, HKV, S, aggregate, dtype, fuse):
 @pytest.mark.parametrize("aggregate", AGGS)
 def test_gpu_op_replay_and_cuda_graph(aggregate):
     """torch.ops.loki.decode_step on CUDA (the kernels) against its CPU registration (the reference), a
-    StepReplay's replays and a captured CUDA graph replayed with new inputs."""
+    a DecodeRun's replays and a captured CUDA graph replayed with new inputs."""
     from loki.kernels.decode import selection_width
 
     B, HQ, HKV, S, D, d = 4, 32, 8, 4099, 128, 32
@@ -473,17 +474,19 @@ def test_gpu_op_replay_and_cuda_graph(aggregate):
     want = torch.ops.loki.decode_step(*(t.cpu().float() for t in (x.q, x.k_cache, x.v_cache)), None,
                                       *(t.cpu() for t in args[:3]), *args[3:])
     torch.testing.assert_close(got.float().cpu(), want, rtol=3e-2, atol=3e-2)
-    kw = dict(d=d, k_max=W, gqa_select="kv", aggregate=aggregate, select_method="triton", k_prefix=kp)
-    replay = StepReplay()
+    kw = dict(d=d, k_max=W, gqa_select="kv", aggregate=aggregate, select_method="triton", k_prefix=kp,
+              scale=1 / math.sqrt(D))
+    run = kernel_run(x.q, x.k_cache, d=d, gqa_select="kv", aggregate=aggregate)
     for _ in range(3):
-        _, res = loki_decode_step(x.q, x.k_cache, x.v_cache, x.lengths, x.starts, counts, replay=replay, **kw)
+        res = run.step(q_hat=x.q, k_hat=x.k_cache, v_cache=x.v_cache, k_prefix=kp, lengths=x.lengths,
+                       starts=x.starts, counts=counts, width=W)
         torch.testing.assert_close(res, got, rtol=0, atol=0)
     q = x.q.clone()
-    loki_decode_step(q, x.k_cache, x.v_cache, x.lengths, x.starts, counts, **kw)  # compile before capture
+    kernel_step(q, x.k_cache, x.v_cache, x.lengths, x.starts, counts, **kw)  # compile before capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        _, static_out = loki_decode_step(q, x.k_cache, x.v_cache, x.lengths, x.starts, counts, **kw)
+        _, static_out = kernel_step(q, x.k_cache, x.v_cache, x.lengths, x.starts, counts, **kw)
     q.copy_(torch.randn_like(q))
     graph.replay()
-    _, eager = loki_decode_step(q, x.k_cache, x.v_cache, x.lengths, x.starts, counts, **kw)
+    _, eager = kernel_step(q, x.k_cache, x.v_cache, x.lengths, x.starts, counts, **kw)
     torch.testing.assert_close(static_out, eager, rtol=0, atol=0)

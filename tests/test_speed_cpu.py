@@ -52,11 +52,11 @@ def one_thread():
 REFERENCE_METHODS = {
     "dense": lambda x: reference.dense_attention(x.q, x.k_cache, x.v_cache, x.lengths, x.starts),
     "exact_topk": lambda x: reference.exact_topk_attention(x.q, x.k_cache, x.v_cache, k=K_F, lengths=x.lengths,
-                                                           starts=x.starts),
+                                                           starts=x.starts, gqa_select="query", aggregate="sum"),
     "loki[query]": lambda x: reference.loki_attention(x.q, x.k_cache, x.v_cache, d=D_F, k=K_F, lengths=x.lengths,
-                                                      starts=x.starts),
+                                                      starts=x.starts, gqa_select="query", aggregate="sum"),
     "loki[kv]": lambda x: reference.loki_attention(x.q, x.k_cache, x.v_cache, d=D_F, k=K_F, lengths=x.lengths,
-                                                   starts=x.starts, gqa_select="kv"),
+                                                   starts=x.starts, gqa_select="kv", aggregate="sum"),
     "sparq": lambda x: reference.sparq_attention(x.q, x.k_cache, x.v_cache, r=int(D_F * D), k=K_F,
                                                  lengths=x.lengths, starts=x.starts),
 }
@@ -81,7 +81,8 @@ def test_teacher_forced_rows(benchmark, method):
     v = torch.randn(1, HKV, L, D, generator=g)
     starts = torch.zeros(1, L, dtype=torch.long)
     lengths = torch.arange(1, L + 1).unsqueeze(0)
-    out = benchmark(teacher_forced_rows, q, k, v, starts, lengths, method=method, k_budget=K_F, d=D_F)
+    out = benchmark(teacher_forced_rows, q, k, v, starts, lengths, method=method, k_budget=K_F, d=D_F,
+                    gqa_select="query", aggregate="sum")
     assert out.shape == (1, HQ, L, D)
 
 

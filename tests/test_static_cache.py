@@ -18,12 +18,13 @@ transformers = pytest.importorskip("transformers")
 from loki.basis import PCABasis  # noqa: E402
 from loki.integrations.transformers import (  # noqa: E402
     LokiError,
-    LokiStaticCacheLayer,
+    LokiStaticLayer,
     disable_loki,
     enable_loki,
-    loki_static_cache,
+    loki_cache,
+    state_of,
 )
-from loki.integrations.transformers import static as lt_static  # noqa: E402
+from loki.integrations.transformers import run as lt_run  # noqa: E402
 from loki.kernels import decode_attention, plan_decode  # noqa: E402
 from loki.kernels.ops import decode_step_op  # noqa: E402
 from loki.testing.decode import batch_inputs, decode_logits  # noqa: E402
@@ -61,14 +62,16 @@ def _cache_kw(model) -> str:
 
 
 def _spy_static(monkeypatch):
+    """Count the decode steps that run over a Loki static cache."""
     calls = []
-    real = lt_static.static_decode
+    real = lt_run.run_decode
 
-    def spy(*a, **k):
-        calls.append(1)
-        return real(*a, **k)
+    def spy(state, plan, *a, **k):
+        if plan.static:
+            calls.append(1)
+        return real(state, plan, *a, **k)
 
-    monkeypatch.setattr("loki.integrations.transformers.attention.static_decode", spy)
+    monkeypatch.setattr("loki.integrations.transformers.attention.run_decode", spy)
     return calls
 
 
@@ -94,10 +97,10 @@ def test_static_cache_generate_equals_dynamic(backend, dev, gqa_select, padded, 
         ids, mask = ids[:1], None
     dyn_tokens, dynamic = _generate_logits(model, ids, mask)
     calls = _spy_static(monkeypatch)
-    cache = loki_static_cache(model, max_cache_len=PROMPT + NEW + 3)
+    cache = loki_cache(model, static=True, max_cache_len=PROMPT + NEW + 3)
     tokens, static = _generate_logits(model, ids, mask, **{_cache_kw(model): cache})
     assert len(calls) == model.config.num_hidden_layers * (NEW - 1)  # every decode step took the static path
-    assert isinstance(cache.layers[0], LokiStaticCacheLayer)
+    assert isinstance(cache.layers[0], LokiStaticLayer)
     torch.testing.assert_close(static, dynamic, rtol=1e-5, atol=1e-5)
     assert torch.equal(tokens, dyn_tokens)
     calls.clear()
@@ -110,7 +113,7 @@ def test_static_cache_stores_rotated_keys_and_prefix():
     model = tiny_model(num_heads=4, num_kv_heads=2)
     basis = _basis(model)
     enable_loki(model, basis, k=0.5, d=0.25, backend="torch")
-    cache = loki_static_cache(model, max_cache_len=20, batch_size=1)
+    cache = loki_cache(model, static=True, max_cache_len=20, batch_size=1)
     layer = cache.layers[0]
     assert layer.keys.shape == (1, 2, 20, 16)
     k = torch.randn(1, 2, 5, 16)
@@ -123,7 +126,7 @@ def test_static_cache_stores_rotated_keys_and_prefix():
     # the same cache after disable_loki: keys back in their own coordinates, writes refused until re-enabled
     disable_loki(model)
     restored = cache.layers[0]
-    assert not isinstance(restored, LokiStaticCacheLayer)
+    assert not isinstance(restored, LokiStaticLayer)
     torch.testing.assert_close(restored.keys[:, :, :5], k, rtol=1e-4, atol=1e-4)
 
 
@@ -136,7 +139,7 @@ def test_full_budget_static_generation_equals_dense(padded):
         ids, mask = ids[:1], None
     tokens, expected = _generate_logits(ref, ids, mask)
     enable_loki(model, _basis(model), k=1.0, d=model.config.head_dim, backend="torch")
-    cache = loki_static_cache(model, max_cache_len=PROMPT + NEW)
+    cache = loki_cache(model, static=True, max_cache_len=PROMPT + NEW)
     got_tokens, got = _generate_logits(model, ids, mask, **{_cache_kw(model): cache})
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert torch.equal(got_tokens, tokens)
@@ -151,51 +154,52 @@ def test_compiled_fullgraph_static_decode_equals_eager(kind):
     for compiled in (False, True):
         model = tiny_model(num_heads=4, num_kv_heads=2)
         enable_loki(model, _basis(model), k=0.5, d=0.5, backend="torch")
-        cache = loki_static_cache(model, max_cache_len=PROMPT + 6)
+        cache = loki_cache(model, static=True, max_cache_len=PROMPT + 6)
         step = torch.compile(model.forward, fullgraph=True, backend="aot_eager") if compiled else None
         logits.append(decode_logits(model, batch, cache=cache, step=step))
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
 
 
 def test_reference_step_runs_eagerly_inside_a_compiled_step_and_warns_once(monkeypatch):
-    """The static step's PyTorch reference on CUDA (backend="torch", or "auto" while autograd records) is not
-    traced under torch.compile (Inductor does not compile it, and a refusal raised while tracing never reaches the
-    user: Dynamo breaks the graph on the raise and reruns the frame eagerly): it runs eagerly
-    (``rows.reference_outside_graph``), gives eager's result, and warns once per model."""
-    from loki.integrations.transformers.rows import reference_outside_graph
+    """The reference route on CUDA (backend="torch", or "auto" while autograd records) is not traced under
+    torch.compile (Inductor does not compile it, and a refusal raised while tracing never reaches the user: Dynamo
+    breaks the graph on the raise and reruns the frame eagerly): it runs eagerly (``run.reference_outside_graph``),
+    gives eager's result, and warns once per model."""
+    import loki.reference.dispatch as dispatch
+    from loki.integrations.transformers.run import reference_outside_graph
 
     torch._dynamo.reset()
     model = tiny_model(num_heads=4, num_kv_heads=2)
     enable_loki(model, _basis(model), k=0.5, d=0.5, backend="torch")
-    state = model._loki_config
+    state = state_of(model)
     x = make_decode_inputs(2, 4, 2, 24, 16, ragged=True, left_pad=True, seed=5)
     counts = torch.ceil((x.lengths - x.starts).double() * 0.5 - 1e-9).long()
-    P_q = torch.linalg.qr(torch.randn(2, 16, 16, generator=torch.Generator().manual_seed(2)))[0]  # per KV head
-    query = x.q[:, :, None]  # [B, HQ, 1, D]
-    args = (state, query, P_q, x.k_cache, x.v_cache, x.lengths, x.starts, counts, 8, 0.25)
+    kw = dict(k=0.5, d=8, lengths=x.lengths, starts=x.starts, gqa_select="kv", aggregate="softmax-max", scale=0.25,
+              counts=counts)
     traced = []
-    real = lt_static.loki_attention_reference
+    real = dispatch.loki_attention
 
-    def spy(*a, **kw):
+    def spy(*a, **k):
         traced.append(torch.compiler.is_compiling())
-        return real(*a, **kw)
+        return real(*a, **k)
 
-    monkeypatch.setattr(lt_static, "loki_attention_reference", spy)
-    expected = lt_static._reference_step(*args)
+    monkeypatch.setattr(dispatch, "loki_attention", spy)
+    expected = dispatch.decode_rows("loki", x.q, x.k_cache, x.v_cache, **kw)
 
-    def step(*a):
-        return reference_outside_graph(state, torch.compiler.is_compiling(), lt_static._reference_step, *a) * 1.0
+    def step(q, k, v):
+        return reference_outside_graph(state, torch.compiler.is_compiling(), dispatch.decode_rows, "loki", q, k, v,
+                                       **kw) * 1.0
 
     compiled = torch.compile(step, backend="eager")
     with pytest.warns(RuntimeWarning, match="runs the PyTorch reference .backend='torch'.*eagerly"):
-        got = compiled(*args)
+        got = compiled(x.q, x.k_cache, x.v_cache)
     torch.testing.assert_close(got, expected)
     assert traced == [False, False], traced  # called eagerly both times, never traced
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        torch.testing.assert_close(compiled(*args), expected)  # once per model
+        torch.testing.assert_close(compiled(x.q, x.k_cache, x.v_cache), expected)  # once per model
 
 
 def test_custom_op_registered_per_device_and_traceable():
@@ -206,48 +210,52 @@ def test_custom_op_registered_per_device_and_traceable():
     args = (x.q, x.k_cache, x.v_cache, None, x.lengths, x.starts, counts, 4, 16, "query", "sum", 0.25)
     out = decode_step_op(*args)
     ref = decode_attention(x.q, x.k_cache, x.v_cache, d=4, k=0.25, lengths=x.lengths, starts=x.starts,
-                           backend="torch", scale=0.25)
+                           backend="torch", scale=0.25, gqa_select="query", aggregate="sum")
     torch.testing.assert_close(out, ref)
     torch.library.opcheck(torch.ops.loki.decode_step.default, args,
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
     # other budgets through the same input: every token kept (counts = valid lengths) is dense attention
     full = (x.lengths - x.starts).long()
     dense = decode_attention(x.q, x.k_cache, x.v_cache, d=16, k=10_000, lengths=x.lengths, starts=x.starts,
-                             backend="torch")
+                             backend="torch", gqa_select="query", aggregate="sum")
     torch.testing.assert_close(decode_step_op(x.q, x.k_cache, x.v_cache, None, x.lengths, x.starts, full, 16, 48,
                                               "kv", "max", 0.25), dense)
 
 
-def test_step_metadata_from_the_2d_mask_and_the_cache():
+def test_step_plan_from_the_2d_mask_and_the_cache():
     """Ranges are built once per forward from the 2-D mask and the cache's write counter; holes are refused; a
     missing mask with a static cache sees only the written slots."""
-    from loki.integrations.transformers.metadata import build_forward_metadata
+    from loki.integrations.transformers.step import build_step_plan
+    from loki.settings import LokiSettings
+
+    def plan(k, **kw):
+        s = LokiSettings(k=k, backend="torch").resolve_shapes(num_q_heads=4, num_kv_heads=2, head_dim=16)
+        return build_step_plan(settings=s, device="cpu", needs_grad=False, **kw)
 
     mask = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])
-    meta = build_forward_metadata(k=0.5, B=2, L=1, device="cpu", cache=None, attention_mask=mask, windows=[None],
-                                  num_layers=1)
+    meta = plan(k=0.5, B=2, L=1, cache=None, attention_mask=mask, windows=[None], num_layers=1)
     g = meta.layer(0, 1)  # no cache: one key, the new token
     assert g.S == 1
     model = tiny_model(num_heads=4, num_kv_heads=2)
     enable_loki(model, _basis(model), k=0.5, d=0.5, backend="torch")
-    cache = loki_static_cache(model, max_cache_len=16, batch_size=1)
+    cache = loki_cache(model, static=True, max_cache_len=16, batch_size=1)
     with torch.no_grad():
         model(torch.randint(1, 256, (1, 5)), use_cache=True, **{_cache_kw(model): cache})
-    meta = build_forward_metadata(k=3, B=1, L=1, device="cpu", cache=cache, attention_mask=None,
+    meta = plan(k=3, B=1, L=1, cache=cache, attention_mask=None,
                                   windows=[None, None], num_layers=2)
     g = meta.layer(1, 16)
     assert g.dec_starts.tolist() == [0] and g.dec_lengths.tolist() == [6] and g.counts.tolist() == [3]
     assert g.width == 16
     holes = torch.tensor([[1, 1, 0, 1, 1, 1]])
     with pytest.raises(LokiError, match="contiguous"):
-        build_forward_metadata(k=3, B=1, L=1, device="cpu", cache=cache, attention_mask=holes, windows=[None, None],
+        plan(k=3, B=1, L=1, cache=cache, attention_mask=holes, windows=[None, None],
                                num_layers=2)
     left = torch.tensor([[0, 0, 1, 1, 1, 1]])
-    g = build_forward_metadata(k=0.5, B=1, L=1, device="cpu", cache=cache, attention_mask=left,
+    g = plan(k=0.5, B=1, L=1, cache=cache, attention_mask=left,
                                windows=[None, None], num_layers=2).layer(0, 16)
     assert g.dec_starts.tolist() == [2] and g.dec_lengths.tolist() == [6] and g.counts.tolist() == [2]
     with pytest.raises(LokiError, match="mask covers 4 tokens"):
-        build_forward_metadata(k=3, B=1, L=1, device="cpu", cache=cache, attention_mask=left[:, :4],
+        plan(k=3, B=1, L=1, cache=cache, attention_mask=left[:, :4],
                                windows=[None, None], num_layers=2)
 
 
@@ -255,15 +263,15 @@ def test_static_cache_arguments_and_h2o_refused():
     model = tiny_model(num_heads=4, num_kv_heads=2)
     enable_loki(model, _basis(model), k=0.5, d=0.5, backend="torch")
     with pytest.raises(ValueError, match="max_cache_len"):
-        loki_static_cache(model, max_cache_len=0)
+        loki_cache(model, static=True, max_cache_len=0)
     with pytest.raises(ValueError, match="batch_size"):
-        loki_static_cache(model, max_cache_len=8, batch_size=-1)
+        loki_cache(model, static=True, max_cache_len=8, batch_size=-1)
     enable_loki(model, None, k=0.5, d=0.5, method="h2o")
     with pytest.raises(LokiError, match="h2o"):
-        loki_static_cache(model, max_cache_len=8)
+        loki_cache(model, static=True, max_cache_len=8)
     disable_loki(model)
     with pytest.raises(LokiError, match="not enabled"):
-        loki_static_cache(model, max_cache_len=8)
+        loki_cache(model, static=True, max_cache_len=8)
 
 
 @pytest.mark.interpreter
@@ -272,20 +280,21 @@ def test_plan_decode_equals_decode_attention(gqa_select, k, triton_device):
     dev = triton_device
     x = make_decode_inputs(3, 4, 2, 120, 32, ragged=True, left_pad=True, seed=5, device=dev)
     prefix = x.k_cache[..., :8].contiguous()
-    plan = plan_decode(x.k_cache, x.v_cache, num_q_heads=4, d=8, k=k, k_prefix=prefix, gqa_select=gqa_select)
+    plan = plan_decode(x.k_cache, x.v_cache, num_q_heads=4, d=8, k=k, k_prefix=prefix, gqa_select=gqa_select,
+                       aggregate="sum")
     for it in range(4):  # the first run records, later ones replay
         q = x.q + 0.05 * it
         ref = decode_attention(q, x.k_cache, x.v_cache, d=8, k=k, lengths=x.lengths, starts=x.starts,
-                               backend="triton", gqa_select=gqa_select, k_prefix=prefix)
+                               backend="triton", gqa_select=gqa_select, k_prefix=prefix, aggregate="sum")
         out = plan.run(q, x.lengths, x.starts)
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-        assert plan._plan, "the plan should replay its recorded launches"
+        assert plan.replays == 1, "the plan should replay its recorded launches"
     # the cache may be written in place between runs: the plan reads the new values
     x.v_cache.mul_(2.0)
     torch.testing.assert_close(plan.run(x.q, x.lengths, x.starts),
                                decode_attention(x.q, x.k_cache, x.v_cache, d=8, k=k, lengths=x.lengths,
                                                 starts=x.starts, backend="triton", gqa_select=gqa_select,
-                                                k_prefix=prefix), rtol=1e-5, atol=1e-5)
+                                                k_prefix=prefix, aggregate="sum"), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.interpreter
@@ -293,12 +302,12 @@ def test_plan_decode_errors_name_the_argument(triton_device):
     dev = triton_device
     x = make_decode_inputs(2, 4, 2, 64, 16, seed=1, device=dev)
     with pytest.raises(ValueError, match="num_q_heads"):
-        plan_decode(x.k_cache, x.v_cache, num_q_heads=3, d=4, k=8)
+        plan_decode(x.k_cache, x.v_cache, num_q_heads=3, d=4, k=8, gqa_select="query", aggregate="sum")
     with pytest.raises(ValueError, match="k="):
-        plan_decode(x.k_cache, x.v_cache, num_q_heads=4, d=4, k=0)
+        plan_decode(x.k_cache, x.v_cache, num_q_heads=4, d=4, k=0, gqa_select="query", aggregate="sum")
     with pytest.raises(ValueError, match="gqa_select"):
-        plan_decode(x.k_cache, x.v_cache, num_q_heads=4, d=4, k=8, gqa_select="heads")
-    plan = plan_decode(x.k_cache, x.v_cache, num_q_heads=4, d=4, k=8)
+        plan_decode(x.k_cache, x.v_cache, num_q_heads=4, d=4, k=8, gqa_select="heads", aggregate="sum")
+    plan = plan_decode(x.k_cache, x.v_cache, num_q_heads=4, d=4, k=8, gqa_select="query", aggregate="sum")
     with pytest.raises(ValueError, match="q_hat"):
         plan.run(x.q[:1], x.lengths[:1])
     with pytest.raises(ValueError, match="lengths"):
@@ -323,7 +332,7 @@ def test_gpu_compiled_generate_on_static_cache_equals_dynamic(padded):
     if not padded:
         ids, mask = ids[:1], None
     tokens, dyn = _generate_logits(model, ids, mask)
-    cache = loki_static_cache(model, max_cache_len=40 + NEW)
+    cache = loki_cache(model, static=True, max_cache_len=40 + NEW)
     got_tokens, got = _generate_logits(model, ids, mask, **{_cache_kw(model): cache})
     torch.testing.assert_close(got, dyn, rtol=1e-4, atol=1e-4)
     assert torch.equal(got_tokens, tokens)
@@ -342,7 +351,7 @@ def test_gpu_compiled_static_bf16_logits_match_eager():
         model = tiny_model(num_layers=2, num_heads=8, num_kv_heads=2, head_dim=64).to("cuda", torch.bfloat16)
         if name == "loki":
             enable_loki(model, _basis(model), k=0.5, d=0.25)
-            make = lambda m=model: loki_static_cache(m, max_cache_len=48, batch_size=2)  # noqa: E731
+            make = lambda m=model: loki_cache(m, static=True, max_cache_len=48, batch_size=2)  # noqa: E731
         else:
             make = lambda m=model: transformers.StaticCache(config=m.config, max_cache_len=48)  # noqa: E731
         compiled = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
@@ -376,7 +385,7 @@ def test_gpu_compiled_static_step_with_autograd_on_runs_the_reference_eagerly():
     step_kw = dict(input_ids=ids[:, -1:], attention_mask=full, position_ids=pos[:, -1:] + 1, use_cache=True)
     logits = []
     for grad in (False, True):
-        cache = loki_static_cache(model, max_cache_len=48, batch_size=2)
+        cache = loki_cache(model, static=True, max_cache_len=48, batch_size=2)
         kw = {_cache_kw(model): cache}
         with torch.no_grad():
             model(ids, attention_mask=mask, position_ids=pos, use_cache=True, **kw)
@@ -423,7 +432,7 @@ def test_whole_graph_compilation_refuses_the_reference_on_cuda_by_name():
     """fast_path_perplexity / generate_retrieval compile whole graphs: backend='torch' on CUDA is refused before
     anything runs, naming the argument (its reference would run outside the graph); the CPU, where the reference
     is the custom op's registration, and the kernels' backends pass."""
-    from loki.integrations.transformers.rows import check_compiled_backend
+    from loki.integrations.transformers.run import check_compiled_backend
 
     with pytest.raises(ValueError, match=r"fast_path_perplexity\(compile=True\): backend='torch'.*compile=False"):
         check_compiled_backend("torch", "cuda", "fast_path_perplexity(compile=True)")
@@ -438,7 +447,7 @@ def test_compiled_graph_computes_ranges_once_for_all_layers():
     torch._dynamo.reset()
     model = tiny_model(num_layers=3, num_heads=4, num_kv_heads=2)
     enable_loki(model, _basis(model), k=0.5, d=0.5, backend="torch")
-    cache = loki_static_cache(model, max_cache_len=20, batch_size=1)
+    cache = loki_cache(model, static=True, max_cache_len=20, batch_size=1)
     ids = torch.randint(1, 256, (1, 8), generator=torch.Generator().manual_seed(0))
     graphs = []
 

@@ -82,9 +82,10 @@ def test_rows_equal_per_row_decode_references(method, kb, d, gqa, agg):
 @pytest.mark.parametrize("block_elements", [1, 300, 1 << 24])
 def test_blocks_of_rows_do_not_change_the_result(block_elements):
     q, k, v, starts, lengths = _inputs(L=29, S=29)
-    ref = teacher_forced_rows(q, k, v, starts, lengths, method="loki", k_budget=0.25, d=0.5)
+    ref = teacher_forced_rows(q, k, v, starts, lengths, method="loki", k_budget=0.25, d=0.5, gqa_select="query",
+                              aggregate="sum")
     got = teacher_forced_rows(q, k, v, starts, lengths, method="loki", k_budget=0.25, d=0.5,
-                              block_elements=block_elements)
+                              block_elements=block_elements, gqa_select="query", aggregate="sum")
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-6)
 
 
@@ -92,7 +93,8 @@ def test_rows_that_see_nothing_give_zeros():
     q, k, v, starts, lengths = _inputs(B=1, L=4, S=6, padded=False)
     starts[0, :2] = lengths[0, :2]  # rows 0 and 1 see no token (fully padded)
     for method in ("loki", "exact_topk", "dense", "sparq", "pcaattn"):
-        out = teacher_forced_rows(q, k, v, starts, lengths, method=method, k_budget=0.5, d=0.5)
+        out = teacher_forced_rows(q, k, v, starts, lengths, method=method, k_budget=0.5, d=0.5, gqa_select="query",
+                                  aggregate="sum")
         assert torch.isfinite(out).all()
         assert out[:, :, :2].abs().max() == 0 and out[:, :, 2:].abs().max() > 0
 
@@ -100,10 +102,10 @@ def test_rows_that_see_nothing_give_zeros():
 def test_fp64_inputs_keep_their_dtype_and_bf16_runs():
     q, k, v, starts, lengths = _inputs()
     out = teacher_forced_rows(q.double(), k.double(), v.double(), starts, lengths, method="loki", k_budget=0.25,
-                              d=0.25)
+                              d=0.25, gqa_select="query", aggregate="sum")
     assert out.dtype == torch.float64
     out = teacher_forced_rows(q.bfloat16(), k.bfloat16(), v.bfloat16(), starts, lengths, method="exact_topk",
-                              k_budget=0.25)
+                              k_budget=0.25, gqa_select="query", aggregate="sum")
     assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
 
 

@@ -42,7 +42,7 @@ def stage_sweep(x, kp, counts, K, d, mode, s_ref):
     """Scores + select as two kernels against the fused kernel over launch configurations (CUDA graph)."""
     from loki.bench.harness import time_ms_graph
     from loki.kernels import score_select, select_topk
-    from loki.kernels.approx_scores import _launch_approx_scores
+    from loki.kernels.approx_scores import launch_approx_scores
 
     B, HQ, _ = x.q.shape
     HKV, S = x.k_cache.shape[1], x.k_cache.shape[2]
@@ -62,7 +62,7 @@ def stage_sweep(x, kp, counts, K, d, mode, s_ref):
 
     def scores_fn(**kw):
         def fn():
-            _launch_approx_scores(x.q, kp, d, x.lengths, x.starts, scores if mode == "query" else None,
+            launch_approx_scores(x.q, kp, d, x.lengths, x.starts, scores if mode == "query" else None,
                                   None if mode == "query" else scores, "sum", **kw)
         return fn
 
@@ -74,11 +74,11 @@ def stage_sweep(x, kp, counts, K, d, mode, s_ref):
     run("select", lambda: select_topk(scores, counts, k_max=K, method="triton"))
     run("two kernels", two)
     run("fused", lambda: score_select(x.q, kp, d, x.lengths, x.starts, counts, K, gqa_select=mode,
-                                      scores=scores)[1])
+                                      scores=scores, aggregate="sum")[1])
     for w, bs, st in ((8, 256, 3), (16, 1024, 2), (8, 512, 3), (4, 512, 2)):
         run(f"fused w{w} bs{bs} st{st}", lambda w=w, bs=bs, st=st: score_select(
             x.q, kp, d, x.lengths, x.starts, counts, K, gqa_select=mode, scores=scores, num_warps=w, block_s=bs,
-            num_stages=st)[1])
+            num_stages=st, aggregate="sum")[1])
     return out
 
 
@@ -97,7 +97,8 @@ def main(argv=None) -> int:
     import loki.reference as R
     from loki.bench.harness import _sdpa_fn, make_bench_inputs, measure_copy_bandwidth, time_ms, time_ms_graph
     from loki.kernels import make_key_prefix
-    from loki.kernels.decode import DecodeTuning, StepReplay, loki_decode_step, selection_bound
+    from loki.kernels.decode import DecodeTuning, selection_bound
+    from loki.testing.decode import kernel_run
 
     copy = measure_copy_bandwidth()
     shapes = FUSION_SHAPES[:3] if args.quick else FUSION_SHAPES
@@ -113,8 +114,8 @@ def main(argv=None) -> int:
         kp = make_key_prefix(x.k_cache, d)
         H = HQ if mode == "query" else HKV
         floor = (B * HKV * S * d * 2 + B * H * K * 2 * D * 2) / (copy * 1e9) * 1e3
-        ref_out = R.loki_attention(x.q, x.k_cache, x.v_cache, d=d, k=0.25, gqa_select=mode)
-        s_ref = R.approx_scores(x.q, x.k_cache, d, gqa_select=mode)
+        ref_out = R.loki_attention(x.q, x.k_cache, x.v_cache, d=d, k=0.25, gqa_select=mode, aggregate="sum")
+        s_ref = R.approx_scores(x.q, x.k_cache, d, gqa_select=mode, aggregate="sum")
         sdpa, _ = _sdpa_fn(x.q, x.k_cache, x.v_cache, HQ != HKV)
         r = {"shape": name, "B": B, "HQ": HQ, "HKV": HKV, "S": S, "D": D, "d": d, "K": K, "mode": mode,
              "floor_ms": floor, "sdpa": time_ms(sdpa), "sdpa_graph": time_ms_graph(sdpa), "variants": {}}
@@ -133,15 +134,13 @@ def main(argv=None) -> int:
                 SEL.FEW_ROWS_REGISTER_COMPACT = 0
                 SA.ATTN_DEFAULTS["head"]["splits"]["min_splits_many"] = 4
             tuning = DecodeTuning(fuse_select=fuse, num_splits=num_splits)
-            replay = StepReplay()
+            run = kernel_run(x.q, x.k_cache, d=d, gqa_select=mode, aggregate="sum", tuning=tuning)
             try:
                 def step():
-                    return loki_decode_step(x.q, x.k_cache, x.v_cache, x.lengths, x.starts, counts, d=d, k_max=K,
-                                            gqa_select=mode, uniform=True, select_method="triton", k_prefix=kp,
-                                            tuning=tuning, replay=replay)
+                    return run.step(q_hat=x.q, k_hat=x.k_cache, v_cache=x.v_cache, k_prefix=kp, lengths=x.lengths,
+                                    starts=x.starts, counts=counts, width=K, return_indices=True)
                 os.environ["LOKI_POISON_OUTPUTS"] = "1"
-                idx, out = step()
-                step()  # the second call of a signature records the plan
+                idx, out = step()  # the first call of a signature records the plan
                 idx2, out2 = step()  # the recorded plan's replay
                 os.environ.pop("LOKI_POISON_OUTPUTS", None)
                 torch.cuda.synchronize()

@@ -28,7 +28,8 @@ def host_us(fn, n=200):
 def main() -> int:
     from loki.bench.harness import _sdpa_fn, make_bench_inputs, time_ms, time_ms_graph
     from loki.kernels import make_key_prefix
-    from loki.kernels.decode import DecodeTuning, StepReplay, loki_decode_step, selection_bound
+    from loki.kernels.decode import DecodeTuning, selection_bound
+    from loki.testing.decode import kernel_run, kernel_step
 
     rows = []
     for name in TARGET_SHAPES[:3]:
@@ -38,19 +39,19 @@ def main() -> int:
         counts = torch.full((B,), K, dtype=torch.int32, device="cuda")
         kp = make_key_prefix(x.k_cache, d)
         sdpa, _ = _sdpa_fn(x.q, x.k_cache, x.v_cache, HQ != HKV)
-        common = dict(d=d, k_max=K, gqa_select=mode, uniform=True, select_method="triton", k_prefix=kp)
+        common = dict(d=d, k_max=K, gqa_select=mode, aggregate="sum", uniform=True, select_method="triton",
+                      k_prefix=kp)
         noplan = DecodeTuning(use_plan=False)
 
         def old(x=x, counts=counts, common=common, noplan=noplan):
-            return loki_decode_step(x.q, x.k_cache, x.v_cache, x.lengths, x.starts, counts, tuning=noplan,
-                                    **common)
+            return kernel_step(x.q, x.k_cache, x.v_cache, x.lengths, x.starts, counts, tuning=noplan, **common)
 
-        replay = StepReplay()
+        run = kernel_run(x.q, x.k_cache, d=d, gqa_select=mode, aggregate="sum")
 
-        def new(x=x, counts=counts, common=common, replay=replay):
-            return loki_decode_step(x.q, x.k_cache, x.v_cache, x.lengths, x.starts, counts, replay=replay, **common)
-        a, b = old()[1], new()[1]
-        new()  # the second call of a signature records the plan; the next ones replay it
+        def new(x=x, counts=counts, run=run, kp=kp, K=K):
+            return run.step(q_hat=x.q, k_hat=x.k_cache, v_cache=x.v_cache, k_prefix=kp, lengths=x.lengths,
+                            starts=x.starts, counts=counts, width=K, return_indices=True)
+        a, b = old()[1], new()[1]  # the first call of a signature records the plan; the next ones replay it
         a2, b2 = old()[1], new()[1]
         torch.cuda.synchronize()
         same = bool(torch.equal(a, b) and torch.equal(a2, b2))

@@ -120,7 +120,7 @@ def run_config(name, B, HQ, HKV, S, *, layers, steps, gqa_select, warmup=32):
     # Loki with the library's defaults on a copy of the same cache
     basis = PCABasis.random(layers, HKV, D, seed=1)
     enable_loki(model, basis, k=0.25, d=0.25, gqa_select=gqa_select)
-    out["aggregate"] = model._loki_config.config.aggregate  # the default: softmax-max for a shared selection
+    out["aggregate"] = model._loki.settings.aggregate.value  # the default: softmax-max for a shared selection
     cache = copy.deepcopy(prefill)
     before_warm = _COMPILES[0]
     # warm-up: the first step converts the cache (rotation, key prefix); Triton specialises integer arguments

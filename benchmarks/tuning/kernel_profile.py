@@ -3,7 +3,8 @@
     PYTHONPATH=. python3 -m benchmarks.tuning.kernel_profile [--reps 20] [--out kernels-profile.json]
 
 Cases (bf16 caches, d = 32 of D = 128, Llama-3-8B attention dims GQA 32/8, one selection per KV group):
-the split select alone on random fp32 scores (8 x 131072 and 64 x 32768, top-2048), and ``loki_decode_step``
+the split select alone on random fp32 scores (8 x 131072 and 64 x 32768,
+                                              top-2048), and the decode step (``DecodeRun.step``)
 at B=16 S=8192 k=2048 (k_f 0.25) with the raw-sum and softmax-max aggregates and at B=1 S=131072 and B=8
 S=32768 (k=2048).  ``PROFILE_ONLY=<text>`` profiles only the cases whose name contains it.
 Each case runs ``--reps`` times under the profiler after a warm-up; per kernel name: mean device us per call
@@ -48,7 +49,7 @@ def profile(fn, reps: int) -> dict:
 def cases(dev):
     from loki.bench.harness import make_bench_inputs
     from loki.kernels import make_key_prefix, select_topk_split
-    from loki.kernels.decode import StepReplay, loki_decode_step
+    from loki.testing.decode import kernel_run
 
     for B, H, S, k in ((1, 8, 131072, 2048), (8, 8, 32768, 2048)):
         scores = torch.randn(B, H, S, device=dev)
@@ -59,11 +60,11 @@ def cases(dev):
         x = make_bench_inputs(B, 32, 8, S, 128, device=dev, dtype=torch.bfloat16)
         kp = make_key_prefix(x.k_cache, 32)
         counts = torch.full((B,), k, dtype=torch.int32, device=dev)
-        replay = StepReplay()
+        run = kernel_run(x.q, x.k_cache, d=32, gqa_select="kv", aggregate=agg)
 
-        def step(x=x, kp=kp, counts=counts, k=k, agg=agg, replay=replay):
-            return loki_decode_step(x.q, x.k_cache, x.v_cache, x.lengths, x.starts, counts, d=32, k_max=k,
-                                    gqa_select="kv", aggregate=agg, uniform=True, k_prefix=kp, replay=replay)
+        def step(x=x, kp=kp, counts=counts, k=k, run=run):
+            return run.step(q_hat=x.q, k_hat=x.k_cache, v_cache=x.v_cache, k_prefix=kp, lengths=x.lengths,
+                            starts=x.starts, counts=counts, width=k, return_indices=True)
         yield f"decode step kv:{agg} B={B} S={S} k={k}", step
         if agg == "softmax-max" and S <= 8192:
             from loki.kernels.score_select_softmax import score_select_softmax

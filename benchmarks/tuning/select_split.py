@@ -112,12 +112,17 @@ def bench_selects(budget_end: float, shapes, dev, smoke=False) -> list[dict]:
     return rows
 
 
-def _step_fn(x, counts, d, k, kp, method, replay):
-    from loki.kernels.decode import loki_decode_step
+def _step_fn(x, counts, d, k, kp, method, run):
+    from loki.testing.decode import kernel_step
 
-    def step():
-        return loki_decode_step(x.q, x.k_cache, x.v_cache, x.lengths, x.starts, counts, d=d, k_max=k,
-                                gqa_select="kv", uniform=True, select_method=method, k_prefix=kp, replay=replay)
+    if method == "triton":  # the recorded and replayed step
+        def step():
+            return run.step(q_hat=x.q, k_hat=x.k_cache, v_cache=x.v_cache, k_prefix=kp, lengths=x.lengths,
+                            starts=x.starts, counts=counts, width=k, return_indices=True)
+    else:
+        def step():
+            return kernel_step(x.q, x.k_cache, x.v_cache, x.lengths, x.starts, counts, d=d, k_max=k,
+                               gqa_select="kv", aggregate="sum", uniform=True, select_method=method, k_prefix=kp)
     return step
 
 
@@ -125,8 +130,8 @@ def bench_steps(budget_end: float, shapes, dev, smoke=False) -> list[dict]:
     import loki.kernels.select_split as split_mod
     from loki.bench.harness import make_bench_inputs
     from loki.kernels import make_key_prefix
-    from loki.kernels.decode import StepReplay
     from loki.kernels.select import TRITON_SELECT_MAX_S
+    from loki.testing.decode import kernel_run
 
     rows = []
     for name, B, HQ, HKV, S, D, k in shapes:
@@ -145,13 +150,12 @@ def bench_steps(budget_end: float, shapes, dev, smoke=False) -> list[dict]:
             saved = split_mod.SPLIT_RULE["min_s"]
             split_mod.SPLIT_RULE["min_s"] = min_s
             try:
-                replay = StepReplay()
-                step = _step_fn(x, counts, d, k, kp, method, replay)
-                for _ in range(3):  # normal, recorded, replayed
+                run = kernel_run(x.q, x.k_cache, d=d, gqa_select="kv", aggregate="sum")
+                step = _step_fn(x, counts, d, k, kp, method, run)
+                for _ in range(3):  # recorded, replayed
                     idx, res = step()
                 outs[label] = (idx.long().sort(-1).values, res.float())
-                r = dict(shape=name, rows=B * HKV, S=S, k=k, provider=label,
-                         planned=any(bool(p) for p in replay.plans.values()))
+                r = dict(shape=name, rows=B * HKV, S=S, k=k, provider=label, planned=run.replays > 0)
                 r.update(_times(step, smoke))
             finally:
                 split_mod.SPLIT_RULE["min_s"] = saved

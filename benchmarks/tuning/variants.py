@@ -77,8 +77,9 @@ def _valid_topk(idx, scores, K):
 
 def run_shape(name, model, B, S, mode, copy_gbps, rows, dev="cuda"):
     from loki.kernels import make_key_prefix, select_topk, sparse_attention, sparse_attention_reference
-    from loki.kernels.approx_scores import _launch_approx_scores
-    from loki.kernels.decode import DecodeTuning, loki_decode_step
+    from loki.kernels.approx_scores import launch_approx_scores
+    from loki.kernels.decode import DecodeTuning
+    from loki.testing.decode import kernel_step
 
     HQ, HKV, D = harness.MODELS[model]
     x = harness.make_bench_inputs(B, HQ, HKV, S, D, device=dev)
@@ -114,15 +115,15 @@ def run_shape(name, model, B, S, mode, copy_gbps, rows, dev="cuda"):
     scores = torch.empty(B, H, S, dtype=torch.float32, device=dev)
     ho, ao = (scores, None) if mode == "query" else (None, scores)
     sbytes = B * HKV * S * d * es
-    _launch_approx_scores(q, kc, d, x.lengths, x.starts, ho, ao, "sum")
+    launch_approx_scores(q, kc, d, x.lengths, x.starts, ho, ao, "sum")
     ref_scores = scores.clone()
-    add("scores", "strided k_hat", lambda: _launch_approx_scores(q, kc, d, x.lengths, x.starts, ho, ao, "sum"),
+    add("scores", "strided k_hat", lambda: launch_approx_scores(q, kc, d, x.lengths, x.starts, ho, ao, "sum"),
         sbytes)
     for bs, nw in SCORES_VARIANTS:
         scores.fill_(float("nan"))
-        _launch_approx_scores(q, kp, d, x.lengths, x.starts, ho, ao, "sum", block_s=bs, num_warps=nw)
+        launch_approx_scores(q, kp, d, x.lengths, x.starts, ho, ao, "sum", block_s=bs, num_warps=nw)
         ok = bool(torch.allclose(scores, ref_scores, rtol=1e-5, atol=1e-5))
-        add("scores", f"k_prefix bs={bs} w={nw}", lambda bs=bs, nw=nw: _launch_approx_scores(
+        add("scores", f"k_prefix bs={bs} w={nw}", lambda bs=bs, nw=nw: launch_approx_scores(
             q, kp, d, x.lengths, x.starts, ho, ao, "sum", block_s=bs, num_warps=nw), sbytes, ok=ok)
     scores.copy_(ref_scores)
     # ---- select
@@ -159,23 +160,23 @@ def run_shape(name, model, B, S, mode, copy_gbps, rows, dev="cuda"):
             add("attention", tag, lambda ns=ns, kw=kw: sparse_attention(q, kc, vc, idx, counts, num_splits=ns, **kw),
                 abytes, ok=ok)
     # ---- full pipeline
-    common = dict(d=d, k_max=K, gqa_select=mode, uniform=True)
-    res["new_noprefix"] = add("total", "new, no k_prefix", lambda: loki_decode_step(
+    common = dict(d=d, k_max=K, gqa_select=mode, aggregate="sum", uniform=True)
+    res["new_noprefix"] = add("total", "new, no k_prefix", lambda: kernel_step(
         q, kc, vc, x.lengths, x.starts, counts, **common), floor_bytes)
-    res["new"] = add("total", "new, k_prefix", lambda: loki_decode_step(
+    res["new"] = add("total", "new, k_prefix", lambda: kernel_step(
         q, kc, vc, x.lengths, x.starts, counts, k_prefix=kp, **common), floor_bytes)
     for name_, opts in (TOTAL_VARIANTS_Q if mode == "query" else TOTAL_VARIANTS_KV):
         tuned = DecodeTuning(attn_options=opts)
-        res[name_] = add("total", f"new, k_prefix, {name_}", lambda tuned=tuned: loki_decode_step(
+        res[name_] = add("total", f"new, k_prefix, {name_}", lambda tuned=tuned: kernel_step(
             q, kc, vc, x.lengths, x.starts, counts, k_prefix=kp, tuning=tuned, **common), floor_bytes)
         try:
-            res["graph_" + name_] = harness.time_ms_graph(lambda tuned=tuned: loki_decode_step(
+            res["graph_" + name_] = harness.time_ms_graph(lambda tuned=tuned: kernel_step(
                 q, kc, vc, x.lengths, x.starts, counts, k_prefix=kp, tuning=tuned, **common))
         except Exception as e:  # noqa: BLE001
             print("  graph ERROR", type(e).__name__, str(e)[:200])
     try:
         res["graph_sdpa"] = harness.time_ms_graph(sdpa)
-        res["graph_new"] = harness.time_ms_graph(lambda: loki_decode_step(
+        res["graph_new"] = harness.time_ms_graph(lambda: kernel_step(
             q, kc, vc, x.lengths, x.starts, counts, k_prefix=kp, **common))
     except Exception as e:  # noqa: BLE001
         print("  graph ERROR", type(e).__name__, str(e)[:200])
@@ -185,11 +186,11 @@ def run_shape(name, model, B, S, mode, copy_gbps, rows, dev="cuda"):
         n = 200
         t0 = time.perf_counter()
         for _ in range(n):
-            loki_decode_step(q, kc, vc, x.lengths, x.starts, counts, k_prefix=kp, **common)
+            kernel_step(q, kc, vc, x.lengths, x.starts, counts, k_prefix=kp, **common)
         torch.cuda.synchronize()
         res["host_us_per_call"] = (time.perf_counter() - t0) / n * 1e6
         print(f"  host+gpu per back-to-back call: {res['host_us_per_call']:.1f} us")
-    out = loki_decode_step(q, kc, vc, x.lengths, x.starts, counts, k_prefix=kp, **common)[1]
+    out = kernel_step(q, kc, vc, x.lengths, x.starts, counts, k_prefix=kp, **common)[1]
     idx2 = select_topk(scores, counts, k_max=K, method="triton")
     ref2 = sparse_attention_reference(q, kc, vc, idx2.long(), counts)
     res["pipeline_err"] = (out.float() - ref2.float()).abs().max().item()
@@ -199,7 +200,7 @@ def run_shape(name, model, B, S, mode, copy_gbps, rows, dev="cuda"):
 def l2_granularity_experiment(rows):
     """Strided scores and the attention gathers under cuCtxSetLimit(MAX_L2_FETCH_GRANULARITY) 32/64/128."""
     from loki.kernels import select_topk, sparse_attention
-    from loki.kernels.approx_scores import _launch_approx_scores
+    from loki.kernels.approx_scores import launch_approx_scores
 
     try:
         cuda = ctypes.CDLL("libcuda.so.1")
@@ -210,7 +211,7 @@ def l2_granularity_experiment(rows):
     B, S = 16, 4096
     x = harness.make_bench_inputs(B, HQ, HKV, S, D)
     scores = torch.empty(B, HQ, S, device="cuda")
-    _launch_approx_scores(x.q, x.k_cache, 32, x.lengths, x.starts, scores, None, "sum")
+    launch_approx_scores(x.q, x.k_cache, 32, x.lengths, x.starts, scores, None, "sum")
     counts = torch.full((B,), S // 4, dtype=torch.int32, device="cuda")
     idx = select_topk(scores, counts, k_max=S // 4, method="triton")
     val = ctypes.c_size_t(0)
@@ -219,7 +220,7 @@ def l2_granularity_experiment(rows):
     for g in (32, 64, 128, default):
         rc = cuda.cuCtxSetLimit(ctypes.c_int(5), ctypes.c_size_t(g))
         cuda.cuCtxGetLimit(ctypes.byref(val), ctypes.c_int(5))
-        t_s = _t(lambda: _launch_approx_scores(x.q, x.k_cache, 32, x.lengths, x.starts, scores, None, "sum"))
+        t_s = _t(lambda: launch_approx_scores(x.q, x.k_cache, 32, x.lengths, x.starts, scores, None, "sum"))
         t_a = _t(lambda: sparse_attention(x.q, x.k_cache, x.v_cache, idx, counts))
         rows.append(dict(shape="mha-B16-S4096", stage="l2-granularity", variant=f"set {g} rc={rc} now={val.value}",
                          scores_ms=t_s, attention_ms=t_a))

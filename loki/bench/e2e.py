@@ -5,7 +5,7 @@ over a long KV cache, four ways:
 * ``sdpa_compiled``: SDPA with a transformers ``StaticCache``, the forward compiled with
   ``torch.compile(mode="reduce-overhead", fullgraph=True)`` (CUDA graphs);
 * ``loki_eager``: Loki (``enable_loki``) on a ``DynamicCache`` whose layers rotate keys on write;
-* ``loki_compiled``: Loki on a ``LokiStaticCache`` (preallocated, key prefix kept), compiled the same way.
+* ``loki_compiled``: Loki on a static ``loki_cache`` (preallocated, key prefix kept), compiled the same way.
 
 Loki runs in the default configuration, the one the accuracy suite reports and gates: on a GQA model
 (``llama3-8b``) one selection per KV group with each query head's approximate scores softmax-normalised before the
@@ -44,7 +44,7 @@ import torch
 
 from loki._checks import budget_counts, check_budget, resolve_d
 from loki._hf import cache_keyword
-from loki.integrations.transformers.enable import default_gqa_mode
+from loki.settings import LokiSettings
 
 from .e2e_cache import PeakMemory, _Clock, _dims, _free, fill_cache, make_cache, rewind, sdpa_context
 from .e2e_cache import _native_gqa as _native_gqa  # re-exported: scripts import it from here
@@ -233,7 +233,7 @@ def run_path(model, path: str, *, B: int, S: int, steps: int, device, dtype, bas
     paths let ``generate`` compile its decode step as it does for a static cache, after the forward's compiled
     graphs are dropped): ``generate_ms_per_token`` and the fields beside it, ``generate_peak_memory_gib``, or
     ``generate_error`` when the calls fail (the forward's numbers stay)."""
-    from loki.integrations.transformers import disable_loki, enable_loki
+    from loki.integrations.transformers import disable_loki, enable_loki, state_of
 
     dev = torch.device(device)
     static = path.endswith("_compiled")
@@ -245,8 +245,8 @@ def run_path(model, path: str, *, B: int, S: int, steps: int, device, dtype, bas
     ran = {}
     if path.startswith("loki"):
         enable_loki(model, basis, k=k_f, d=d_f, gqa_select=gqa_select, aggregate=aggregate)
-        c = model._loki_config.config  # the settings enable_loki resolved: what runs
-        ran = {"gqa_select": c.gqa_select, "aggregate": c.aggregate}
+        c = state_of(model).settings  # the settings enable_loki resolved: what runs
+        ran = {"gqa_select": c.gqa_select.value, "aggregate": c.aggregate.value}
     else:
         disable_loki(model)
     cache = fn = out = None
@@ -334,9 +334,9 @@ def run_path(model, path: str, *, B: int, S: int, steps: int, device, dtype, bas
 
 def _loki_import_error() -> str | None:
     try:
-        from loki.integrations.transformers import LokiStaticCache  # noqa: F401
+        from loki.integrations.transformers import loki_cache  # noqa: F401
     except ImportError as exc:
-        return f"LokiStaticCache is not available in this checkout ({exc})"
+        return f"loki_cache is not available in this checkout ({exc})"
     return None
 
 
@@ -368,7 +368,8 @@ def run_grid(grid, *, device="cuda", dtype=torch.bfloat16, models=None, paths=PA
     for name in dict.fromkeys(s.model for s in grid):
         config = llama_config(models[name])
         L, HQ, HKV, D = _dims(config)
-        mode, agg = default_gqa_mode(config, "loki", gqa_select, aggregate)  # as enable_loki resolves "auto"
+        resolved = LokiSettings(gqa_select=gqa_select, aggregate=aggregate, backend="torch").resolve(config)
+        mode, agg = resolved.gqa_select.value, resolved.aggregate.value  # as enable_loki resolves "auto"
         t0 = time.perf_counter()
         model = build_model(config, dev, dtype)
         build_s = time.perf_counter() - t0

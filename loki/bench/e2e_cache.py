@@ -59,8 +59,8 @@ def rewind(cache, n0: int) -> None:
 
 def make_cache(model, path: str, B: int, S: int):
     """The cache of ``path``: a ``DynamicCache`` (``sdpa_eager``), Loki's dynamic cache (``loki_eager``), a
-    transformers ``StaticCache`` of S tokens (``sdpa_compiled``) or a ``LokiStaticCache`` of S tokens allocated
-    for batch B (``loki_compiled``)."""
+    transformers ``StaticCache`` of S tokens (``sdpa_compiled``) or a Loki static cache (``loki_cache(static=True)``)
+    of S tokens allocated for batch B (``loki_compiled``)."""
     if path == "sdpa_eager":
         from transformers import DynamicCache
 
@@ -73,9 +73,9 @@ def make_cache(model, path: str, B: int, S: int):
         from transformers import StaticCache
 
         return StaticCache(config=model.config, max_cache_len=S)
-    from loki.integrations.transformers import LokiStaticCache
+    from loki.integrations.transformers import loki_cache
 
-    return LokiStaticCache(model, max_cache_len=S, batch_size=B)
+    return loki_cache(model, static=True, max_cache_len=S, batch_size=B)
 
 
 def sdpa_context(backend: str):

@@ -172,9 +172,11 @@ def bench_config(cfg: BenchConfig, *, copy_gbps: float, providers=None, gqa_sele
                  use_graphs: bool = True) -> dict:
     """Time every provider on one configuration; returns a dict of rows (ms, GB/s, % of copy, speed-up)."""
     from loki.kernels import make_key_prefix, select_topk, sparq_attention, sparq_prepare, sparse_attention
-    from loki.kernels.approx_scores import _launch_approx_scores
-    from loki.kernels.decode import DecodeTuning, StepReplay, loki_decode_step, selection_bound
+    from loki.kernels.approx_scores import launch_approx_scores
+    from loki.kernels.decode import launch_decode_step, selection_bound
+    from loki.kernels.plan import DecodeRun
     from loki.reference import loki_attention
+    from loki.settings import LokiSettings
 
     dtype = getattr(torch, cfg.dtype)
     HQ, HKV, D = cfg.shape
@@ -215,30 +217,30 @@ def bench_config(cfg: BenchConfig, *, copy_gbps: float, providers=None, gqa_sele
     rows["sdpa"]["backend"] = backend
     if "eager" in want:
         add("eager", _eager_fn(q, kc, vc), dense_bytes)
-    common = dict(d=d, k_max=K, gqa_select=mode, uniform=True)
-    noplan = DecodeTuning(use_plan=False)
-    replay = StepReplay()  # the recorded launches of the "loki" provider, replayed from its third call on
+    # the kernel benchmark times raw-sum shared selections (its recorded history is of that setting)
+    common = dict(q_hat=q, k_hat=kc, v_cache=vc, lengths=x.lengths, starts=x.starts, counts=counts)
+    step_kw = dict(common, d=d, width=K, gqa_select=mode, aggregate="sum", scale=None, uniform=True)
+    settings = LokiSettings(k=cfg.k_f, d=d, gqa_select=mode, aggregate="sum", backend="triton").resolve_shapes(
+        num_q_heads=HQ, num_kv_heads=HKV, head_dim=D)
+    run = DecodeRun(settings, scale=1.0 / math.sqrt(D))  # the "loki" provider: recorded once, replayed after
     if "loki" in want:
-        add("loki", lambda: loki_decode_step(q, kc, vc, x.lengths, x.starts, counts, select_method="triton",
-                                             k_prefix=kp, replay=replay, **common), loki_bytes)
+        add("loki", lambda: run.step(k_prefix=kp, width=K, **common), loki_bytes)
     if "loki_noplan" in want:  # the same step through Triton's normal launch path (no recorded plan)
-        add("loki_noplan", lambda: loki_decode_step(q, kc, vc, x.lengths, x.starts, counts, select_method="triton",
-                                                    k_prefix=kp, tuning=noplan, **common), loki_bytes)
+        add("loki_noplan", lambda: launch_decode_step(k_prefix=kp, select_method="triton", **step_kw), loki_bytes)
     if "loki_noprefix" in want:
-        add("loki_noprefix", lambda: loki_decode_step(q, kc, vc, x.lengths, x.starts, counts,
-                                                      select_method="triton", **common), loki_bytes)
+        add("loki_noprefix", lambda: launch_decode_step(k_prefix=None, select_method="triton", **step_kw),
+            loki_bytes)
     if "loki_topk" in want:
-        add("loki_topk", lambda: loki_decode_step(q, kc, vc, x.lengths, x.starts, counts,
-                                                  select_method="torch", k_prefix=kp, **common), loki_bytes)
+        add("loki_topk", lambda: launch_decode_step(k_prefix=kp, select_method="torch", **step_kw), loki_bytes)
     if "stages" in want:
         # the stages of the "loki" provider, one at a time
         scores = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
         ho, ao = (scores, None) if mode == "query" else (None, scores)
-        add("stage_scores", lambda: _launch_approx_scores(q, kp, d, x.lengths, x.starts, ho, ao, "sum"),
+        add("stage_scores", lambda: launch_approx_scores(q, kp, d, x.lengths, x.starts, ho, ao, "sum"),
             B * HKV * S * d * es)
-        add("stage_scores_strided", lambda: _launch_approx_scores(q, kc, d, x.lengths, x.starts, ho, ao, "sum"),
+        add("stage_scores_strided", lambda: launch_approx_scores(q, kc, d, x.lengths, x.starts, ho, ao, "sum"),
             B * HKV * S * d * es, graph=False)
-        _launch_approx_scores(q, kp, d, x.lengths, x.starts, ho, ao, "sum")
+        launch_approx_scores(q, kp, d, x.lengths, x.starts, ho, ao, "sum")
         add("stage_select_triton", lambda: select_topk(scores, counts, k_max=K, method="triton"), None)
         add("stage_select_topk", lambda: select_topk(scores, counts, k_max=K, method="torch", uniform=True), None,
             graph=False)
@@ -251,7 +253,8 @@ def bench_config(cfg: BenchConfig, *, copy_gbps: float, providers=None, gqa_sele
                                              lengths=x.lengths, starts=x.starts),
             B * HQ * S * d * es + 2 * B * HQ * K * D * es, graph=False)
     if "loki_torch" in want:
-        add("loki_torch", lambda: loki_attention(q, kc, vc, d=d, k=K, gqa_select=mode), loki_bytes, graph=False)
+        add("loki_torch", lambda: loki_attention(q, kc, vc, d=d, k=K, gqa_select=mode, aggregate="sum"), loki_bytes,
+            graph=False)
     base = rows["sdpa"].get("ms")
     gbase = rows["sdpa"].get("graph_ms")
     for r in rows.values():

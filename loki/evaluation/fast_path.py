@@ -2,7 +2,7 @@
 end-to-end benchmark runs it, beside the evaluation engine's on the same windows.
 
 :func:`fast_path_perplexity` enables Loki with ``backend="auto"`` (the Triton kernels on CUDA, the PyTorch
-reference on the CPU), preallocates a :func:`~loki.integrations.transformers.loki_static_cache` for the windows,
+reference on the CPU), preallocates a :func:`~loki.integrations.transformers.loki_cache` for the windows,
 prefills the first token of every window alone, then feeds the true next token one step at a time (teacher
 forcing) through ``model.forward``, compiled with ``torch.compile(mode="reduce-overhead", fullgraph=True)`` on
 CUDA (CUDA graphs), and accumulates the NLL of every next token from each step's logits.  Row ``t`` of a window
@@ -58,7 +58,7 @@ def fast_path_perplexity(model, windows: torch.Tensor, basis, *, k: int | float 
     The model is left with Loki disabled."""
     from tqdm.auto import tqdm
 
-    from loki.integrations.transformers import disable_loki, enable_loki, loki_static_cache
+    from loki.integrations.transformers import disable_loki, enable_loki, loki_cache
 
     if not isinstance(windows, torch.Tensor) or windows.dim() != 2 or windows.shape[1] < 2:
         raise ValueError(f"windows must be [N, T] token ids with T >= 2, got {getattr(windows, 'shape', windows)}")
@@ -70,7 +70,7 @@ def fast_path_perplexity(model, windows: torch.Tensor, basis, *, k: int | float 
         raise ValueError(f"compile=True records CUDA graphs and needs a model on CUDA (it is on {dev}); pass "
                          "compile=False")
     if compile:
-        from loki.integrations.transformers.rows import check_compiled_backend
+        from loki.integrations.transformers.run import check_compiled_backend
 
         check_compiled_backend(backend, dev, "fast_path_perplexity(compile=True)")
     if compile and attention_mask == "grow":
@@ -89,7 +89,7 @@ def fast_path_perplexity(model, windows: torch.Tensor, basis, *, k: int | float 
     enable_loki(model, basis, k=k, d=d, gqa_select=gqa_select, aggregate=aggregate, backend=backend)
     step = fn = cache = None
     try:
-        cache = loki_static_cache(model, max_cache_len=T, batch_size=N)
+        cache = loki_cache(model, static=True, max_cache_len=T, batch_size=N)
         kw_cache = cache_keyword(model)
         with_cache_position = "cache_position" in inspect.signature(model.forward).parameters
         fn = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True) if compile else model.forward
@@ -127,9 +127,10 @@ def fast_path_perplexity(model, windows: torch.Tensor, basis, *, k: int | float 
 
 def _resolve(model, gqa_select: str, aggregate: str) -> tuple[str, str]:
     """(gqa_select, aggregate) checked, with "auto" resolved for ``model`` as ``enable_loki`` resolves it."""
-    from loki.integrations.transformers.enable import default_gqa_mode
+    from loki.settings import LokiSettings
 
-    return default_gqa_mode(model.config, "loki", gqa_select, aggregate)
+    r = LokiSettings(gqa_select=gqa_select, aggregate=aggregate, backend="torch").resolve(model.config)
+    return r.gqa_select.value, r.aggregate.value
 
 
 def fast_path_section(model, windows: torch.Tensor, basis, *, basis_name: str, k: int | float, d: int | float,

@@ -1,7 +1,7 @@
 """The retrieval suite through ``generate`` on the fast path, beside the evaluation engine's answers.
 
 :func:`generate_retrieval` answers the suite's tasks (:mod:`loki.evaluation.retrieval_tasks`, the same seeded
-samples) with ``model.generate`` over a :func:`~loki.integrations.transformers.loki_static_cache`, the path the
+samples) with ``model.generate`` over a :func:`~loki.integrations.transformers.loki_cache`, the path the
 speed benchmarks time, following the engine's protocol (:mod:`loki.evaluation.retrieval`) step for step so that
 the two accuracies compare sample by sample:
 
@@ -149,7 +149,7 @@ def generate_retrieval(model, tokenizer, specs: list[MethodSpec], bases: dict, *
     and ``timing``."""
     from tqdm.auto import tqdm
 
-    from loki.integrations.transformers import disable_loki, enable_loki, loki_static_cache
+    from loki.integrations.transformers import disable_loki, enable_loki, loki_cache
 
     for s in specs:
         if s.method != "loki":
@@ -164,7 +164,7 @@ def generate_retrieval(model, tokenizer, specs: list[MethodSpec], bases: dict, *
         raise ValueError(f"compile=True records CUDA graphs and needs a model on CUDA (it is on {dev}); pass "
                          "compile=False")
     if compile:
-        from loki.integrations.transformers.rows import check_compiled_backend
+        from loki.integrations.transformers.run import check_compiled_backend
 
         check_compiled_backend(backend, dev, f"generate_retrieval(compile={compile!r})")
     if dtype is not None:
@@ -201,7 +201,7 @@ def generate_retrieval(model, tokenizer, specs: list[MethodSpec], bases: dict, *
                         ids = torch.tensor([x.input_ids for x in batch], dtype=torch.long)
                         B = len(batch)
                         if B not in caches:
-                            caches[B] = loki_static_cache(model, max_cache_len=S, batch_size=B)
+                            caches[B] = loki_cache(model, static=True, max_cache_len=S, batch_size=B)
                         t0 = time.perf_counter()
                         res = generate_batch(model, tokenizer, ids, caches[B], question_tokens=question_tokens,
                                              max_new_tokens=budgets[task], prefill_chunk=prefill_chunk, step=step,

@@ -170,13 +170,14 @@ def profile_options(name: str, **overrides) -> SuiteOptions:
 
 def resolve_gqa(opts: SuiteOptions, config) -> SuiteOptions:
     """``opts`` with the default configuration's GQA mode resolved for the model of ``config``: "auto" as
-    ``enable_loki`` resolves it for method "loki" (:func:`~loki.integrations.transformers.enable.default_gqa_mode`:
-    "kv" on a GQA model, else "query")."""
-    from loki.integrations.transformers.enable import default_gqa_mode
+    ``enable_loki`` resolves it for method "loki" (:meth:`loki.LokiSettings.resolve`: "kv" on a GQA model, else
+    "query")."""
+    from loki.settings import LokiSettings
 
-    if opts.kv_aggregate not in GQA_AGGREGATES:  # gqa_select is checked by default_gqa_mode
+    if opts.kv_aggregate not in GQA_AGGREGATES:  # gqa_select is checked by LokiSettings
         raise ValueError(f"kv_aggregate must be one of {GQA_AGGREGATES}, got {opts.kv_aggregate!r}")
-    return replace(opts, gqa_select=default_gqa_mode(config, "loki", opts.gqa_select, opts.kv_aggregate)[0])
+    mode = LokiSettings(gqa_select=opts.gqa_select, aggregate=opts.kv_aggregate, backend="torch").resolve(config)
+    return replace(opts, gqa_select=mode.gqa_select.value)
 
 
 def suite_methods(opts: SuiteOptions, head_dim: int, T: int, k: float) -> list[MethodSpec]:

@@ -44,7 +44,7 @@ from lm_eval.models.huggingface import HFLM
 
 from loki.embedded import DEFAULT_MODEL_NAME, cache_root, default_model_dir
 
-from .transformers import enable_loki
+from .transformers import enable_loki, state_of
 
 __all__ = [
     "LokiLM",
@@ -117,9 +117,9 @@ class LokiLM(HFLM):
             self.model, basis, k=k, d=d, method=method, gqa_select=gqa_select, aggregate=aggregate,
             backend=backend, semantics=semantics, h2o_recent_fraction=h2o_recent_fraction,
         )
-        cfg = self.model._loki_config.config  # "auto" resolved by enable_loki
-        self.loki_settings = dict(k=k, d=d, method=method, gqa_select=cfg.gqa_select, aggregate=cfg.aggregate,
-                                  semantics=semantics, backend=backend)
+        cfg = state_of(self.model).settings  # "auto" resolved by enable_loki
+        self.loki_settings = dict(k=k, d=d, method=method, gqa_select=cfg.gqa_select.value,
+                                  aggregate=cfg.aggregate.value, semantics=semantics, backend=backend)
 
 
 if __name__ != "__main__":  # run as ``python -m loki.integrations.lm_eval`` this file is also imported under its

@@ -9,9 +9,10 @@
 - ``sparse_attention``: exact attention over the selected rows, flash-decoding splits (lines 6-7);
 - ``sparq_attention``: the SparQ-style baseline kernels the paper compares against;
 - ``decode_attention``: the whole Loki decode step (validated; the PyTorch reference or the kernels), and
-  ``loki_decode_step``: the kernels of a step on validated inputs, the integration's hot loop
-  (``DecodeTuning``: launch choices for tuning; ``StepReplay``: the caller's record of launches to replay);
-- ``plan_decode``: validate once, then ``DecodeRun.run`` many times with ~no host work (the cheap eager entry);
+  ``launch_decode_step``: the one launch sequence of a step on validated inputs (``DecodeTuning``: launch
+  choices for tuning);
+- ``plan_decode``: validate once, then ``DecodeRun.run`` many times with ~no host work: the kernels' one
+  record-and-replay object, which the transformers integration runs too;
 - ``decode_step_op`` (``torch.ops.loki.decode_step``): the step as a torch custom op, for ``torch.compile``
   (the kernels on CUDA, the PyTorch reference on the CPU);
 - ``write_rotated`` (``torch.ops.loki.write_rotated``): new tokens rotated and written into a static cache, bounds
@@ -24,13 +25,12 @@ Importing this package compiles nothing and probes no device; kernels are built 
 from .approx_scores import approx_scores, approx_scores_reference, make_key_prefix
 from .cache_write import write_rotated
 from .decode import (
-    BACKENDS,
     DecodeTuning,
-    StepReplay,
     decode_attention,
+    launch_decode_step,
     loki_attention_reference,
-    loki_decode_step,
     selection_bound,
+    selection_width,
 )
 from .group_softmax import group_softmax_scores
 from .ops import decode_step_op
@@ -44,9 +44,7 @@ from .sparq import sparq_attention, sparq_attention_reference, sparq_prepare
 from .sparse_attention import sparse_attention, sparse_attention_reference
 
 __all__ = [
-    "BACKENDS",
     "SELECT_METHODS",
-    "StepReplay",
     "DecodeRun",
     "DecodeTuning",
     "approx_scores",
@@ -55,7 +53,7 @@ __all__ = [
     "decode_step_op",
     "group_softmax_scores",
     "loki_attention_reference",
-    "loki_decode_step",
+    "launch_decode_step",
     "make_key_prefix",
     "plan_decode",
     "rotate_query_op",
@@ -65,6 +63,7 @@ __all__ = [
     "score_select",
     "score_select_softmax",
     "selection_bound",
+    "selection_width",
     "sparq_attention",
     "sparq_attention_reference",
     "sparq_prepare",

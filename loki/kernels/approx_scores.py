@@ -30,7 +30,7 @@ from loki.reference.selection import GQA_SELECT_MODES, check_kernel_aggregate
 from loki.reference.selection import approx_scores as approx_scores_reference
 
 from ._common import check_triton_device, interpreter_tile, interpreting, key_block
-from .group_softmax import SOFTMAX_AGGREGATES, _launch_group_softmax
+from .group_softmax import SOFTMAX_AGGREGATES, launch_group_softmax
 from .launch import launch, new_output, pdl
 
 __all__ = ["approx_scores", "approx_scores_reference", "make_key_prefix"]
@@ -95,12 +95,12 @@ def _approx_scores_kernel(
             tl.store(agg_ptr + b * stride_ab + h * stride_ah + offs_s, agg, mask=in_range)
 
 
-def _launch_softmax_group_scores(q_hat, k_src, dd, lengths, starts, heads_out, agg_out, HKV, aggregate, scale,
+def launch_softmax_group_scores(q_hat, k_src, dd, lengths, starts, heads_out, agg_out, HKV, aggregate, scale,
                                  block_s=None):
     """A softmax ``aggregate`` of a "kv" selection, unfused: the per-query-head scores into ``heads_out`` [B, HQ, S],
     then the group's probability scores into ``agg_out`` [B, HKV, S] (``group_softmax.py``; two launches)."""
-    _launch_approx_scores(q_hat, k_src, dd, lengths, starts, heads_out, None, "sum", block_s)
-    _launch_group_softmax(heads_out, lengths, starts, agg_out, HKV, aggregate, scale)
+    launch_approx_scores(q_hat, k_src, dd, lengths, starts, heads_out, None, "sum", block_s)
+    launch_group_softmax(heads_out, lengths, starts, agg_out, HKV, aggregate, scale)
 
 
 def make_key_prefix(k_hat: torch.Tensor, d: int) -> torch.Tensor:
@@ -110,7 +110,7 @@ def make_key_prefix(k_hat: torch.Tensor, d: int) -> torch.Tensor:
     return k_hat[..., :d].contiguous()
 
 
-def _check_key_prefix(k_prefix: torch.Tensor, k_hat: torch.Tensor, dd: int) -> torch.Tensor:
+def check_key_prefix(k_prefix: torch.Tensor, k_hat: torch.Tensor, dd: int) -> torch.Tensor:
     B, HKV, S, _ = k_hat.shape
     if (k_prefix.dim() != 4 or tuple(k_prefix.shape[:3]) != (B, HKV, S) or not dd <= k_prefix.shape[3]
             or k_prefix.dtype != k_hat.dtype or k_prefix.device != k_hat.device):
@@ -119,7 +119,7 @@ def _check_key_prefix(k_prefix: torch.Tensor, k_hat: torch.Tensor, dd: int) -> t
     return k_prefix if k_prefix.stride(-1) == 1 else k_prefix.contiguous()
 
 
-def _launch_approx_scores(q_hat, k_hat, dd, lengths, starts, heads_out, agg_out, aggregate, block_s=None,
+def launch_approx_scores(q_hat, k_hat, dd, lengths, starts, heads_out, agg_out, aggregate, block_s=None,
                           num_warps=None):
     """Launch the scores kernel; ``k_hat`` is the full [B, HKV, S, D] keys or a prefix buffer [.., dp]."""
     if aggregate not in ("sum", "max"):  # the kernel sums unless told "max": never another aggregate silently
@@ -157,8 +157,8 @@ def approx_scores(
     lengths: torch.Tensor | None = None,
     starts: torch.Tensor | None = None,
     *,
-    gqa_select: str = "query",
-    aggregate: str = "sum",
+    gqa_select: str,
+    aggregate: str,
     return_both: bool = False,
     out: torch.Tensor | None = None,
     block_s: int | None = None,
@@ -204,13 +204,13 @@ def approx_scores(
     for t, H in ((heads_out, HQ), (agg_out, HKV)):
         if t is not None and (t.shape != (B, H, S) or t.dtype != torch.float32 or t.stride(-1) != 1):
             raise ValueError(f"out must be a contiguous fp32 tensor of shape [B, H, S]=[{B}, {H}, {S}]")
-    k_src = k_hat if k_prefix is None else _check_key_prefix(k_prefix, k_hat, dd)
+    k_src = k_hat if k_prefix is None else check_key_prefix(k_prefix, k_hat, dd)
     if softmax and agg_out is not None:  # per-query-head scores, then the group's softmax aggregate
-        _launch_softmax_group_scores(q_hat, k_src, dd, lengths, starts, heads_out, agg_out, HKV, aggregate, scale,
+        launch_softmax_group_scores(q_hat, k_src, dd, lengths, starts, heads_out, agg_out, HKV, aggregate, scale,
                                      block_s)
         agg_out.clamp_(min=0).log_()  # the kernel's probabilities (-inf: invalid) -> the reference's log values
     else:
-        _launch_approx_scores(q_hat, k_src, dd, lengths, starts, heads_out, agg_out, aggregate, block_s)
+        launch_approx_scores(q_hat, k_src, dd, lengths, starts, heads_out, agg_out, aggregate, block_s)
     if return_both:
         return heads_out, agg_out
     return heads_out if gqa_select == "query" else agg_out

@@ -49,6 +49,7 @@ from __future__ import annotations
 import torch
 
 from loki._triton import tl, triton
+from loki.settings import SOFTMAX_AGGREGATES as _SOFTMAX
 
 from ._common import interpreter_tile, interpreting, num_sms
 from .launch import launch, new_output, pdl
@@ -57,7 +58,7 @@ __all__ = ["GROUP_SOFTMAX_DEFAULTS", "SOFTMAX_AGGREGATES", "group_softmax_scores
 
 #: The aggregates computed here (the others of ``loki.reference.GQA_AGGREGATES`` the kernels implement, "sum"
 #: and "max", come straight out of the approximate-scores kernel).
-SOFTMAX_AGGREGATES = ("softmax-sum", "softmax-max")
+SOFTMAX_AGGREGATES = tuple(sorted(a.value for a in _SOFTMAX))
 
 #: Launch rules (to be tuned on a GPU): ``block`` tokens per step of the partial reduction, at least
 #: ``programs_per_sm`` programs per multiprocessor (rows x chunks) unless the rows are too short, at most
@@ -177,7 +178,7 @@ def lse_chunking(rows: int, S: int, device, *, block: int | None = None,
     return block, chunk, triton.cdiv(S, chunk)
 
 
-def _launch_group_softmax(heads, lengths, starts, agg, HKV: int, aggregate: str, scale: float, *,
+def launch_group_softmax(heads, lengths, starts, agg, HKV: int, aggregate: str, scale: float, *,
                           block: int | None = None, num_chunks: int | None = None, block_t: int | None = None):
     """Write the group scores ``agg`` [B, HKV, S] (last dim contiguous) of ``aggregate`` from ``heads``
     [B, HQ, S] fp32 (last dim contiguous): two launches, the partials from ``new_output``."""
@@ -232,5 +233,5 @@ def group_softmax_scores(scores: torch.Tensor, HKV: int, aggregate: str, lengths
         raise ValueError(f"out must be an fp32 tensor [B, HKV, S]=[{B}, {HKV}, {S}], last dim contiguous")
     if B == 0 or S == 0:
         return out
-    return _launch_group_softmax(scores, lengths, starts, out, HKV, aggregate, scale, block=block,
+    return launch_group_softmax(scores, lengths, starts, out, HKV, aggregate, scale, block=block,
                                  num_chunks=num_chunks, block_t=block_t)

@@ -1,10 +1,11 @@
 """Host-side launch path of the decode step: every Triton launch of the kernels goes through ``launch``,
-and ``DecodePlan`` replays a recorded step with the compiled kernels called directly.
+and ``DecodePlan`` replays a recorded step with the compiled kernels called directly (the mechanism under
+:class:`~loki.kernels.plan.DecodeRun`, the kernels' one replay object).
 
 Why: Triton's ``kernel[grid](...)`` binds ~30 arguments, computes a specialization key and looks the
 compiled kernel up on every call (25-40 us of host time per launch in triton 3.6); at small batch the
 4-launch decode step is host-bound (docs/kernels.md).  A ``DecodePlan`` is recorded once per argument
-signature (shapes, strides, dtypes, pointer alignment, scalar options; the decode step records at a
+signature (shapes, strides, dtypes, pointer alignment, scalar options; ``DecodeRun`` records at a
 signature's second call): that call launches normally and records each launch's compiled kernel, grid and
 argument list; later calls allocate the per-call
 buffers (one ``torch.empty`` each, NaN-filled with ``LOKI_POISON_OUTPUTS=1``), patch the pointers of
@@ -123,6 +124,7 @@ class DecodePlan:
     """
 
     def __init__(self, launches, inputs, buffers):
+        self.ret = self.ret_idx = None  # the buffers the step returns: its output and selection (set by the recorder)
         self.ok = all(interpreting() or (rec[4] is not None and hasattr(rec[4], "packed_metadata")
                                          and hasattr(rec[4], "function")) for rec in launches)
         self.buffers = [(tuple(b.shape), b.dtype, b.device) for b in buffers]

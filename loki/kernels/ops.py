@@ -2,7 +2,7 @@
 under ``torch.compile(fullgraph=True)`` and is captured in CUDA graphs (mode "reduce-overhead"): dynamo sees one
 opaque op whose output shape comes from a fake implementation.
 
-Registered per device: on CUDA the op runs the Triton kernels (``loki_decode_step``), on the CPU the PyTorch
+Registered per device: on CUDA the op runs the Triton kernels (``launch_decode_step``), on the CPU the PyTorch
 reference (``loki.reference.loki_attention``); both take the same single budget input, ``counts`` (the tokens
 each sequence attends, computed once per forward by the caller with ``loki._checks.budget_counts``).
 Registering the op (importing this module) probes no device and compiles nothing.
@@ -42,11 +42,11 @@ def decode_step_op(
     starts[b]``; width: an int bound on every count (``loki.kernels.decode.selection_width``).  Returns
     out [B, HQ, D] in q_hat's dtype.  CUDA: the Triton kernels.
     """
-    from .decode import loki_decode_step  # the kernels' modules import this one: imported at the first call
+    from .decode import launch_decode_step  # the kernels' modules import this one: imported at the first call
 
-    _, out = loki_decode_step(q_hat, k_hat, v_cache, lengths, starts, counts, d=d, k_max=width,
-                              gqa_select=gqa_select, aggregate=aggregate, scale=scale, select_method="triton",
-                              k_prefix=k_prefix)
+    _, out = launch_decode_step(q_hat=q_hat, k_hat=k_hat, v_cache=v_cache, k_prefix=k_prefix, lengths=lengths,
+                                starts=starts, counts=counts, d=d, width=width, gqa_select=gqa_select,
+                                aggregate=aggregate, scale=scale)
     return out if out.dtype == q_hat.dtype else out.to(q_hat.dtype)
 
 

@@ -1,15 +1,19 @@
-"""A cheap eager entry point to the decode step: validate once (``plan_decode``), run many times
-(``DecodeRun.run``), as FlashInfer's plan/run.
+"""Plan once, run many: :func:`plan_decode` checks a decode setting and a KV cache once and returns a
+:class:`DecodeRun`, which runs the step's kernels with as little host work as possible (FlashInfer's plan/run).
 
 ``decode_attention`` checks every argument on every call and resolves the per-sequence budgets with a few torch
-ops: 0.2-0.3 ms of host time per call, more than the kernels take at small batch.  A plan is made for one KV
-cache (keys in the basis, values, optional key prefix, all of fixed shape and address, such as a static cache
-preallocated to its maximum length) and one setting (d, k, GQA mode, scale); every check happens there.  Its
-first ``run`` launches the step normally while recording the launches (the budgets of each sequence come from a
-one-program Triton kernel, so the step is launches only); every later ``run`` patches the addresses of the
-query, lengths and starts into the recorded argument lists and calls the compiled kernels directly, with the
-plan's own scratch buffers: one allocation (the output), no other torch op, no host sync.  Every run returns a
-new output tensor, unless ``out=`` was given to ``plan_decode`` (then every run writes that buffer).
+ops: 0.2-0.3 ms of host time per call, more than the kernels take at small batch.  A :class:`DecodeRun` holds one
+setting (query heads, d, k, GQA mode, aggregate, scale).  The first call with an argument signature (shapes,
+strides, dtypes, 16-byte alignment; not the addresses) launches the step
+(:func:`~loki.kernels.decode.launch_decode_step`) while recording the launches
+(:class:`~loki.kernels.launch.DecodePlan`); every later call with that signature replays the recording: the
+compiled kernels are called directly with the new inputs' addresses and fresh per-call buffers, no other torch op,
+no host sync.  It keeps the ``max_plans`` newest signatures (a dynamic cache's length changes every step: its
+layers share the step's recording).  This is the only replay mechanism of the kernels: the transformers
+integration runs the ``DecodeRun`` of its enabled model (:meth:`DecodeRun.step`, the caches and budgets of each
+call passed in), ``plan_decode`` binds one cache for direct users (:meth:`DecodeRun.run`, the budgets computed on
+the device by a one-program kernel), and nothing is recorded or replayed while a CUDA graph is being captured (a
+compiled step runs the ``loki::decode_step`` op instead).
 
 Shape letters: B batch, HQ query heads, HKV key/value heads, S cache length, D head dim.
 """
@@ -18,13 +22,13 @@ from __future__ import annotations
 
 import torch
 
-from loki._checks import check_budget, check_decode_inputs, check_no_grad, resolve_d, resolve_scale
+from loki._checks import check_budget, check_decode_inputs, check_no_grad, resolve_scale
 from loki._triton import tl, triton
-from loki.reference.selection import GQA_SELECT_MODES, check_kernel_aggregate
+from loki.settings import LokiSettings, ResolvedSettings
 
 from . import launch as _launch
 from ._common import check_triton_device
-from .approx_scores import _check_key_prefix
+from .approx_scores import check_key_prefix
 
 __all__ = ["DecodeRun", "plan_decode"]
 
@@ -56,105 +60,114 @@ def _budget_kernel(lengths_ptr, starts_ptr, frac_ptr, counts_ptr, B, K_COUNT, IS
 
 
 class DecodeRun:
-    """A decode step planned for one KV cache and one setting (made by :func:`plan_decode`).
+    """Decode steps of one resolved setting (made by :func:`plan_decode`, or by the transformers integration for
+    its enabled model).
 
-    ``run(q_hat, lengths, starts=None)`` -> out [B, HQ, D] (a new tensor per run, or the ``out`` given to
-    ``plan_decode``).  q_hat must have the planned
-    shape, dtype, device and strides; lengths and starts ([B] int32 or int64, on the device) must satisfy
-    ``0 <= starts[b] < lengths[b] <= S`` (not checked: the kernels trust them to bound their reads).
+    ``run(q_hat, lengths, starts=None)`` -> out [B, HQ, D]: the cache bound by :func:`plan_decode`, the budgets
+    computed from ``k`` on the device (a new output tensor per run, or the ``out`` given to ``plan_decode``).
+    ``step(q_hat=..., k_hat=..., v_cache=..., k_prefix=..., lengths=..., starts=..., counts=..., width=...)`` -> out:
+    caches and budgets passed in (the integration's hot loop: ``counts`` from the step plan).  Both record a
+    signature's launches at its first call and replay them from the second (see the module docstring).
+    lengths and starts ([B] int32 or int64, on the device) must satisfy ``0 <= starts[b] < lengths[b] <= S``
+    (not checked: the kernels trust them to bound their reads).
     """
 
-    def __init__(self, k_hat, v_cache, k_prefix, q_shape, d, k, K, gqa_select, aggregate, scale, out):
-        self.k_hat, self.v_cache, self.k_prefix = k_hat, v_cache, k_prefix
-        self.q_shape, self.d, self.k, self.k_max = tuple(q_shape), d, k, K
-        self.gqa_select, self.aggregate, self.scale = gqa_select, aggregate, scale
-        self.out = out
-        dev = k_hat.device
-        self.k_count, frac = k_arguments(k)
-        self._frac = torch.tensor([max(frac, 0.0)], dtype=torch.float64, device=dev)
-        self._zeros = torch.zeros(q_shape[0], dtype=torch.int32, device=dev)
-        self._sig = None  # (q strides, q alignment, lengths/starts dtype, their alignment) of the recording
-        self._plan = None  # the recorded launches (launch.DecodePlan), False if they cannot be replayed
-        self._buffers = None
-        self._bound = None
+    def __init__(self, settings: ResolvedSettings, *, scale: float, tuning=None, bound=None, max_plans: int = 16):
+        from .decode import _DEFAULT_TUNING
 
-    # -- the normal launch path (first run, and any run whose plan cannot replay) --
-    def _launch_all(self, q_hat, lengths, starts, counts):
-        from .decode import _decode_step_launches
+        self.settings = settings
+        self.scale = float(scale)
+        self.tuning = _DEFAULT_TUNING if tuning is None else tuning
+        self.max_plans = max_plans
+        self._plans: dict = {}  # signature -> DecodePlan, or False where the launches cannot be replayed
+        # (k_hat, v_cache, k_prefix, out, q_shape) of plan_decode's cache, None for step()
+        self._bound = bound
+        if bound is not None:
+            dev = bound[0].device
+            self._k_count, frac = k_arguments(settings.k)
+            self._frac = torch.tensor([max(frac, 0.0)], dtype=torch.float64, device=dev)
+            self._zeros = torch.zeros(bound[4][0], dtype=torch.int32, device=dev)
 
-        B = q_hat.shape[0]
-        _launch.launch(_budget_kernel, (1,), [lengths, starts, self._frac, counts, B, max(self.k_count, 1),
-                                              self.k_count <= 0, triton.next_power_of_2(max(B, 1))],
-                       dict(num_warps=1))
-        return _decode_step_launches(q_hat, self.k_hat, self.v_cache, lengths, starts, counts, self.d, self.k_max,
-                                     self.gqa_select, self.aggregate, self.scale, "triton", False, self.out, None,
-                                     self.k_prefix, True, None, None)
+    # -- the launches of one step (recorded and replayed as a whole) --
+    def _launches(self, inputs, width: int, with_budget: bool):
+        from .decode import launch_decode_step
 
-    def _signature(self, q_hat, lengths, starts):
-        return (q_hat.shape, q_hat.stride(), q_hat.dtype, q_hat.device, q_hat.data_ptr() & 15,
-                lengths.shape, lengths.dtype, lengths.data_ptr() & 15, starts.dtype, starts.data_ptr() & 15)
+        q_hat, k_hat, v_cache, k_prefix, lengths, starts, counts, out, _ = inputs
+        if with_budget:
+            counts = _launch.new_output((q_hat.shape[0],), torch.int64, q_hat.device)
+            B = q_hat.shape[0]
+            _launch.launch(_budget_kernel, (1,), [lengths, starts, self._frac, counts, B, max(self._k_count, 1),
+                                                  self._k_count <= 0, triton.next_power_of_2(max(B, 1))],
+                           dict(num_warps=1))
+        return launch_decode_step(
+            q_hat=q_hat, k_hat=k_hat, v_cache=v_cache, k_prefix=k_prefix, lengths=lengths, starts=starts,
+            counts=counts, d=self.settings.d, width=width, scale=self.scale, select_method="triton", out=out,
+            tuning=self.tuning, **self.settings.kernel_args())
+
+    def _call(self, inputs, width: int, with_budget: bool):
+        """Launch, record or replay the step on ``inputs`` (q_hat, k_hat, v_cache, k_prefix, lengths, starts, counts,
+        out, and the budget kernel's fraction for ``run``).  Returns ``(idx, out)``."""
+        from .select import TRITON_SELECT_MAX_S
+
+        q_hat, k_hat, out = inputs[0], inputs[1], inputs[7]
+        t = self.tuning
+        if (not t.use_plan or t.attn_options is not None or k_hat.shape[2] > TRITON_SELECT_MAX_S
+                or (q_hat.is_cuda and torch.cuda.is_current_stream_capturing())):
+            return self._launches(inputs, width, with_budget)
+        key = (width, with_budget, _launch.PDL, *(_launch.tensor_key(x) for x in inputs))
+        plan = self._plans.get(key)
+        if plan:
+            bufs = plan(inputs)
+            return bufs[plan.ret_idx], (out if plan.ret is None else bufs[plan.ret])
+        if plan is False:
+            return self._launches(inputs, width, with_budget)
+        if len(self._plans) >= self.max_plans:  # the oldest signature goes (a dynamic cache's length moves on)
+            self._plans.pop(next(iter(self._plans)))
+        with _launch.recording() as rec:
+            idx, res = self._launches(inputs, width, with_budget)
+        plan = _launch.DecodePlan(rec.launches, inputs, rec.buffers)
+        plan.ret = next((j for j, b in enumerate(rec.buffers) if b is res), None)
+        plan.ret_idx = next((j for j, b in enumerate(rec.buffers) if b is idx), None)
+        if plan.ret_idx is None or (plan.ret is None and res is not out):
+            plan.ok = False
+        self._plans[key] = plan if plan.ok else False
+        return idx, res
+
+    @property
+    def replays(self) -> int:
+        """The signatures whose recorded launches this run replays."""
+        return sum(1 for p in self._plans.values() if p)
+
+    def step(self, *, q_hat, k_hat, v_cache, k_prefix, lengths, starts, counts, width: int,
+             out: torch.Tensor | None = None, return_indices: bool = False):
+        """One step over a cache given per call (validated by the caller; ``counts`` [B] from
+        ``loki._checks.budget_counts``, ``width`` >= max(counts)).  Returns out [B, HQ, D] (``out`` itself when
+        given), and the selection ``idx [B, H, width]`` first when ``return_indices``."""
+        idx, res = self._call((q_hat, k_hat, v_cache, k_prefix, lengths, starts, counts, out, None), width, False)
+        return (idx, res) if return_indices else res
 
     def run(self, q_hat: torch.Tensor, lengths: torch.Tensor, starts: torch.Tensor | None = None) -> torch.Tensor:
+        """One step over the cache planned by :func:`plan_decode`.  Returns out [B, HQ, D]."""
+        if self._bound is None:
+            raise ValueError("this DecodeRun has no cache of its own (it was not made by plan_decode): use step()")
+        k_hat, v_cache, k_prefix, out, q_shape = self._bound
         if starts is None:
             starts = self._zeros
-        sig = self._signature(q_hat, lengths, starts)
-        if self._plan:
-            if sig != self._sig:
-                raise ValueError(f"q_hat, lengths or starts differ from the planned ones (shape, strides, dtype, "
-                                 f"device, 16-byte alignment): planned q_hat {self.q_shape}; got "
-                                 f"{list(q_hat.shape)} {q_hat.dtype} on {q_hat.device}")
-            return self._replay(q_hat, lengths, starts)
-        if tuple(q_hat.shape) != self.q_shape or q_hat.device != self.k_hat.device or q_hat.dtype != self.k_hat.dtype:
-            raise ValueError(f"q_hat must be a {self.k_hat.dtype} tensor of the planned shape {list(self.q_shape)} on "
-                             f"{self.k_hat.device}, got {q_hat.dtype} {list(q_hat.shape)} on {q_hat.device}")
+        if tuple(q_hat.shape) != q_shape or q_hat.device != k_hat.device or q_hat.dtype != k_hat.dtype:
+            raise ValueError(f"q_hat must be a {k_hat.dtype} tensor of the planned shape {list(q_shape)} on "
+                             f"{k_hat.device}, got {q_hat.dtype} {list(q_hat.shape)} on {q_hat.device}")
         if q_hat.stride(-1) != 1:
             raise ValueError("q_hat must be contiguous in its last dim")
-        for name, t in (("lengths", lengths), ("starts", starts)):
-            if (not isinstance(t, torch.Tensor) or t.shape != (self.q_shape[0],) or t.device != q_hat.device
-                    or t.dtype not in (torch.int32, torch.int64)):
-                raise ValueError(f"{name} must be an int32/int64 tensor of shape [B]=[{self.q_shape[0]}] on "
+        for name, x in (("lengths", lengths), ("starts", starts)):
+            if (not isinstance(x, torch.Tensor) or x.shape != (q_shape[0],) or x.device != q_hat.device
+                    or x.dtype not in (torch.int32, torch.int64)):
+                raise ValueError(f"{name} must be an int32/int64 tensor of shape [B]=[{q_shape[0]}] on "
                                  f"{q_hat.device}")
-        if self._plan is False:  # not replayable (e.g. rows past the Triton select): the normal path each time
-            counts = _launch.new_output((q_hat.shape[0],), torch.int64, q_hat.device)
-            return self._launch_all(q_hat, lengths, starts, counts)[1]
-        with _launch.recording() as rec:
-            counts = _launch.new_output((q_hat.shape[0],), torch.int64, q_hat.device)
-            idx, res = self._launch_all(q_hat, lengths, starts, counts)
-        inputs = (q_hat, lengths, starts, self.k_hat, self.v_cache, self.k_prefix, self._frac, self.out)
-        plan = _launch.DecodePlan(rec.launches, inputs, rec.buffers)
-        if not plan.ok or (self.out is None and not any(res is b for b in rec.buffers)):
-            self._plan = False
-            return res
-        self._plan, self._buffers, self._sig = plan, list(rec.buffers), sig
-        self._ret = next((j for j, b in enumerate(rec.buffers) if b is res), None)
-        self._bound = plan.bind(inputs, self._buffers, as_tensors=not plan.direct())
-        # where the changing inputs (q_hat, lengths, starts: inputs 0-2) go in each launch's argument list, and
-        # where the output buffer goes (a fresh output per run unless the caller gave ``out``)
-        self._patches = [[(pos, i) for pos, is_in, i, *_ in subs if is_in and i < 3]
-                         for (_fn, _grid, _t, subs, _o, _c) in plan.launches]
-        self._out_patches = [[(pos, off, shape, stride, soff) for pos, is_in, i, off, shape, stride, soff in subs
-                              if not is_in and i == self._ret]
-                             for (_fn, _grid, _t, subs, _o, _c) in plan.launches]
-        return res
+        from .decode import selection_width
 
-    def _replay(self, q_hat, lengths, starts):
-        plan, new = self._plan, (q_hat, lengths, starts)
-        direct = plan.direct()
-        out = None
-        if self._ret is not None:
-            ref = self._buffers[self._ret]
-            out = _launch.new_output(tuple(ref.shape), ref.dtype, ref.device)
-        for args, patches, out_patches in zip(self._bound, self._patches, self._out_patches):
-            for pos, i in patches:
-                args[pos] = new[i].data_ptr() if direct else new[i]
-            for pos, off, shape, stride, soff in out_patches:
-                if direct:
-                    args[pos] = out.data_ptr() + off
-                else:
-                    args[pos] = out if (off == 0 and out.shape == shape) else torch.as_strided(out, shape, stride,
-                                                                                              soff)
-        plan.launch_all(self._bound)
-        return self.out if out is None else out
+        width = selection_width(self.settings.k, k_hat.shape[2])
+        return self._call((q_hat, k_hat, v_cache, k_prefix, lengths, starts, None, out, self._frac), width, True)[1]
+
 
 def plan_decode(
     k_hat: torch.Tensor,
@@ -164,21 +177,19 @@ def plan_decode(
     d: int | float,
     k: int | float,
     k_prefix: torch.Tensor | None = None,
-    gqa_select: str = "query",
-    aggregate: str = "sum",
+    gqa_select: str = "auto",
+    aggregate: str = "auto",
     scale: float | None = None,
     out: torch.Tensor | None = None,
 ) -> DecodeRun:
     """Plan Loki decode steps over one KV cache: k_hat, v_cache [B, HKV, S, D] (keys in the basis, K P), the
     query heads HQ (``num_q_heads``, a multiple of HKV), d, k, ``gqa_select``, ``aggregate`` and ``scale`` as
-    in :func:`loki.kernels.decode_attention` (same checks, same selections and outputs), ``k_prefix`` an optional
-    [B, HKV, S, dp >= d] key prefix, ``out`` an optional [B, HQ, D] output buffer.  The Triton kernels only
-    (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``); the cache tensors must keep their address and
-    shape for the plan's lifetime (they may be written in place between runs).  Returns a :class:`DecodeRun`.
+    in :func:`loki.kernels.decode_attention` (same checks, same defaults, same selections and outputs),
+    ``k_prefix`` an optional [B, HKV, S, dp >= d] key prefix, ``out`` an optional [B, HQ, D] output buffer.
+    The Triton kernels only (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``); the cache tensors must
+    keep their address and shape for the plan's lifetime (they may be written in place between runs).  Returns a
+    :class:`DecodeRun`; call its ``run(q_hat, lengths, starts)``.
     """
-    if gqa_select not in GQA_SELECT_MODES:
-        raise ValueError(f"gqa_select must be one of {GQA_SELECT_MODES}, got {gqa_select!r}")
-    check_kernel_aggregate(aggregate, "plan_decode (the Triton kernels)")
     if isinstance(num_q_heads, bool) or not isinstance(num_q_heads, int) or num_q_heads < 1:
         raise ValueError(f"num_q_heads must be an int >= 1, got {num_q_heads!r}")
     if not isinstance(k_hat, torch.Tensor) or k_hat.dim() != 4:
@@ -187,23 +198,19 @@ def plan_decode(
     if num_q_heads % HKV:
         raise ValueError(f"num_q_heads={num_q_heads} must be a multiple of the cache's key/value heads HKV={HKV}")
     check_decode_inputs(k_hat.new_empty((B, num_q_heads, D)), k_hat, v_cache, check_values=False)
+    settings = LokiSettings(k=check_budget(k), d=d, gqa_select=gqa_select, aggregate=aggregate,
+                            backend="triton").resolve_shapes(num_q_heads=num_q_heads, num_kv_heads=HKV, head_dim=D,
+                                                             where="plan_decode (the Triton kernels)")
     check_triton_device(k_hat, "plan_decode")
     check_no_grad("plan_decode", k_hat=k_hat, v_cache=v_cache, k_prefix=k_prefix)
     if k_hat.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("k_hat and v_cache must be contiguous in their last dim (the plan keeps their addresses)")
-    dd = resolve_d(d, D)
-    k = check_budget(k)
     scale = resolve_scale(scale, D)
     if k_prefix is not None:
-        if _check_key_prefix(k_prefix, k_hat, dd) is not k_prefix:
+        if check_key_prefix(k_prefix, k_hat, settings.d) is not k_prefix:
             raise ValueError("k_prefix must be contiguous in its last dim (the plan keeps its address)")
     if out is not None and (out.shape != (B, num_q_heads, D) or out.dtype != k_hat.dtype
                             or out.device != k_hat.device or not out.is_contiguous()):
         raise ValueError(f"out must be a contiguous {k_hat.dtype} tensor [B, HQ, D]=[{B}, {num_q_heads}, {D}] on "
                          f"{k_hat.device}")
-    from .decode import selection_width
-
-    # rows past the Triton select's length are selected by torch.topk: such a plan takes the normal launch path
-    # on every run (``DecodeRun`` finds it cannot replay)
-    K = selection_width(k, S)
-    return DecodeRun(k_hat, v_cache, k_prefix, (B, num_q_heads, D), dd, k, K, gqa_select, aggregate, scale, out)
+    return DecodeRun(settings, scale=scale, bound=(k_hat, v_cache, k_prefix, out, (B, num_q_heads, D)))

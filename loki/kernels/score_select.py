@@ -114,8 +114,8 @@ def check_fused_args(q_hat, k_src, d: int, K: int, name: str) -> tuple[int, int,
     return B, HQ, HKV, S
 
 
-def score_select(q_hat, k_src, d: int, lengths, starts, counts, K: int, *, gqa_select: str = "query",
-                 aggregate: str = "sum", scores: torch.Tensor | None = None, idx: torch.Tensor | None = None,
+def score_select(q_hat, k_src, d: int, lengths, starts, counts, K: int, *, gqa_select: str,
+                 aggregate: str, scores: torch.Tensor | None = None, idx: torch.Tensor | None = None,
                  block_s: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                  early_exit: bool = True, chunk: int | None = None):
     """Scores ([B, H, S] fp32, as ``approx_scores``) and the top-``counts[b]`` indices of every row

@@ -45,8 +45,8 @@ def loki_attention(
     k: int | float | None = None,
     lengths: torch.Tensor | None = None,
     starts: torch.Tensor | None = None,
-    gqa_select: str = "query",
-    aggregate: str = "sum",
+    gqa_select: str,
+    aggregate: str,
     scale: float | None = None,
     compute_dtype: torch.dtype = torch.float32,
     return_indices: bool = False,
@@ -59,9 +59,10 @@ def loki_attention(
     the tokens each sequence attends, already resolved; exactly one of the two).
     Returns out [B, HQ, D] (and ``(idx [B, H, K], counts)`` when ``return_indices``: counts [B], or [B, HKV]
     for the ``"agreement"`` aggregate, whose KV heads read different numbers of tokens).
-    ``gqa_select="query"`` (default, as the paper's code) selects per query head; ``"kv"`` shares one
-    selection per KV head, from the group's scores combined by ``aggregate`` (one of ``GQA_AGGREGATES``:
-    :func:`~loki.reference.selection.aggregate_group_scores`).
+    ``gqa_select="query"`` (as the paper's code) selects per query head; ``"kv"`` shares one selection per KV
+    head, from the group's scores combined by ``aggregate`` (one of ``GQA_AGGREGATES``:
+    :func:`~loki.reference.selection.aggregate_group_scores`; not read for "query").  Both are required: the
+    library's defaults are decided by :class:`loki.LokiSettings`.
     """
     B, HQ, HKV, S, D, lengths, starts = check_decode_inputs(q_hat, k_hat, v_cache, lengths, starts)
     if (k is None) == (counts is None):
@@ -87,8 +88,8 @@ def exact_topk_attention(
     k: int | float,
     lengths: torch.Tensor | None = None,
     starts: torch.Tensor | None = None,
-    gqa_select: str = "query",
-    aggregate: str = "sum",
+    gqa_select: str,
+    aggregate: str,
     scale: float | None = None,
     compute_dtype: torch.dtype = torch.float32,
     return_indices: bool = False,
@@ -133,7 +134,8 @@ def pcaattn_attention(
     """
     B, HQ, HKV, S, D, lengths, starts = check_decode_inputs(q_hat, k_hat, v_cache, lengths, starts)
     dd = resolve_d(d, D)
-    s = approx_scores(q_hat, k_hat, dd, lengths, starts, compute_dtype=compute_dtype) * default_scale(D, scale)
+    s = approx_scores(q_hat, k_hat, dd, lengths, starts, compute_dtype=compute_dtype, gqa_select="query",
+                      aggregate="sum") * default_scale(D, scale)
     p = torch.softmax(s, dim=-1)
     v = masked_values(v_cache, lengths, starts, compute_dtype)
     out = torch.einsum("bhgs,bhsd->bhgd", p.view(B, HKV, HQ // HKV, S), v)

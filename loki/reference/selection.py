@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from loki.settings import KERNEL_AGGREGATES as _KERNEL_AGGREGATES
+from loki.settings import Aggregate, GQAMode
+
 from .._checks import (
     budget_counts,
     check_budget,
@@ -23,18 +26,18 @@ __all__ = ["DEFAULT_KV_AGGREGATE", "GQA_SELECT_MODES", "GQA_AGGREGATES", "KERNEL
            "aggregate_group_scores", "agreement_budget", "agreement_counts", "budget", "check_kernel_aggregate",
            "group_union_sizes", "select_topk", "selection_mask", "token_ranks", "topk_indices"]
 
-#: "query": every query head selects its own tokens (the paper's code repeats KV heads; the default of the functions
-#: here).  "kv": one selection per KV head from the group's aggregated scores; each selected KV row is read once
-#: (``enable_loki``'s default for method "loki" on a GQA model).
-GQA_SELECT_MODES = ("query", "kv")
+#: "query": every query head selects its own tokens (the paper's code repeats KV heads).  "kv": one selection per KV
+#: head from the group's aggregated scores; each selected KV row is read once (``enable_loki``'s default for method
+#: "loki" on a GQA model).  The functions here take the mode explicitly (``loki.settings`` decides the defaults).
+GQA_SELECT_MODES = tuple(m.value for m in GQAMode if m is not GQAMode.AUTO)
 #: How the scores of a GQA group are combined for a shared ("kv") selection (:func:`aggregate_group_scores`).
-GQA_AGGREGATES = ("sum", "max", "softmax-sum", "softmax-max", "union", "agreement")
+GQA_AGGREGATES = tuple(a.value for a in Aggregate if a is not Aggregate.AUTO)
 #: The aggregates the Triton kernels implement ("union" and "agreement" run on the PyTorch reference only).
-KERNEL_AGGREGATES = ("sum", "max", "softmax-sum", "softmax-max")
+KERNEL_AGGREGATES = tuple(a for a in GQA_AGGREGATES if Aggregate(a) in _KERNEL_AGGREGATES)
 #: The aggregate of a shared selection by default: ``enable_loki(..., aggregate="auto")`` for method "loki" with
 #: one selection per KV group, and the accuracy suite's kv rows (each head's scores softmax-normalised before the
 #: group's maximum: the most accurate shared selection the kernels run).
-DEFAULT_KV_AGGREGATE = "softmax-max"
+DEFAULT_KV_AGGREGATE = Aggregate.SOFTMAX_MAX.value
 
 
 def _check_mode(gqa_select: str, aggregate: str) -> None:
@@ -54,7 +57,7 @@ def check_kernel_aggregate(aggregate: str, what: str = "the Triton kernels") -> 
                      "use backend='torch' (the PyTorch reference) for it")
 
 
-def aggregate_group_scores(scores: torch.Tensor, HKV: int, aggregate: str = "sum", *,
+def aggregate_group_scores(scores: torch.Tensor, HKV: int, aggregate: str, *,
                            scale: float | None = None) -> torch.Tensor:
     """Combine per-query-head selection scores [B, HQ, ..., S] (e.g. [B, HQ, S], or [B, HQ, R, S] for rows of a
     window; the last dim holds the tokens, ``-inf`` the tokens a row does not see) into per-KV-head scores
@@ -161,8 +164,8 @@ def approx_scores(
     lengths: torch.Tensor | None = None,
     starts: torch.Tensor | None = None,
     *,
-    gqa_select: str = "query",
-    aggregate: str = "sum",
+    gqa_select: str,
+    aggregate: str,
     scale: float | None = None,
     compute_dtype: torch.dtype = torch.float32,
     return_both: bool = False,

@@ -145,8 +145,8 @@ def teacher_forced_rows(
     k_budget: int | float = 1.0,
     d: int | float = 1.0,
     scale: float | None = None,
-    gqa_select: str = "query",
-    aggregate: str = "sum",
+    gqa_select: str,
+    aggregate: str,
     block_elements: int | None = None,
 ) -> torch.Tensor:
     """Attention of every query row as a decode step of ``method`` over the tokens the row sees.

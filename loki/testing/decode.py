@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["BATCH_KINDS", "DecodeBatch", "batch_inputs", "decode_logits", "random_score_basis"]
+__all__ = ["BATCH_KINDS", "DecodeBatch", "batch_inputs", "decode_logits", "kernel_run", "kernel_step",
+           "random_score_basis"]
 
 #: The batch kinds of the equivalence matrix: name -> left padding of each row (None: no mask is passed).
 BATCH_KINDS = {
@@ -119,3 +120,29 @@ def random_score_basis(num_layers: int, num_kv_heads: int, head_dim: int, seed: 
     sv = torch.rand(L, HKV, D, generator=gen, dtype=torch.float64).sort(dim=-1, descending=True).values
     return PCABasis(components=pk.to(torch.float32), eigenvalues=sv, means=torch.zeros(L, HKV, D, dtype=torch.float64),
                     kind="score", query_components=pq.to(torch.float32))
+
+
+def kernel_run(q_hat, k_hat, *, d: int, gqa_select: str, aggregate: str, k=1.0, scale=None, tuning=None):
+    """A :class:`loki.kernels.plan.DecodeRun` for the shapes of ``q_hat`` [B, HQ, D] and ``k_hat`` [B, HKV, S, D]
+    with the given modes (the kernel tests' way to record and replay steps): ``run.step(...)``."""
+    import math
+
+    from loki.kernels.plan import DecodeRun
+    from loki.settings import LokiSettings
+
+    HQ, D = q_hat.shape[1], q_hat.shape[-1]
+    s = LokiSettings(k=k, d=d, gqa_select=gqa_select, aggregate=aggregate, backend="triton").resolve_shapes(
+        num_q_heads=HQ, num_kv_heads=k_hat.shape[1], head_dim=D)
+    return DecodeRun(s, scale=1.0 / math.sqrt(D) if scale is None else scale, tuning=tuning)
+
+
+def kernel_step(q_hat, k_hat, v_cache, lengths, starts, counts, *, d: int, k_max: int, gqa_select: str,
+                aggregate: str = "sum", scale=None, select_method: str = "triton", k_prefix=None, out=None,
+                tuning=None, uniform: bool = False):
+    """``loki.kernels.launch_decode_step`` with the kernel tests' positional inputs: ``(idx, out)``."""
+    from loki.kernels.decode import DecodeTuning, launch_decode_step
+
+    return launch_decode_step(q_hat=q_hat, k_hat=k_hat, v_cache=v_cache, k_prefix=k_prefix, lengths=lengths,
+                              starts=starts, counts=counts, d=d, width=k_max, gqa_select=gqa_select,
+                              aggregate=aggregate, scale=scale, select_method=select_method, out=out,
+                              uniform=uniform, tuning=DecodeTuning() if tuning is None else tuning)

@@ -118,10 +118,14 @@ def run(args: argparse.Namespace) -> int:
                     "--calib-tokens N for a smaller calibration)")
             bases = {"b": get_bases(model, tokenizer, (args.basis_kind,), recipe, progress=not args.no_progress,
                                     log=log)[args.basis_kind]}
-    from loki.integrations.transformers.enable import default_gqa_mode
+    from loki.integrations.transformers import METHODS
+    from loki.settings import LokiSettings
 
     # "auto" resolved as enable_loki resolves it, so that the printed setting is the one measured
-    args.gqa_select, args.aggregate = default_gqa_mode(model.config, args.method, args.gqa_select, args.aggregate)
+    method = args.method if args.method in METHODS else "dense"  # "full": full attention, no selection
+    mode = LokiSettings(method=method, gqa_select=args.gqa_select, aggregate=args.aggregate,
+                        backend="torch").resolve(model.config)
+    args.gqa_select, args.aggregate = mode.gqa_select.value, mode.aggregate.value
     try:
         windows = token_windows(tokenizer, src, seq_len, n_windows, offset=args.offset)
         spec = MethodSpec(args.method, args.method, k=args.k, d=args.d, basis="b" if bases else None,

@@ -9,8 +9,8 @@ the rows of the local ``k_proj`` weight (a ``DTensor``'s local shard and its glo
 tensor's rows with the rank in the tensor-parallel group) against ``num_key_value_heads`` of the config.
 
 Layers spread over devices (``device_map="auto"``): the basis of a layer is moved to the device of the tensors
-it meets, once per device (:meth:`~loki.integrations.transformers.config.LokiState.transforms`, and the cache
-layer's ``loki_P`` on its first update), so nothing here is needed for it.
+it meets, once per device (:meth:`~loki.integrations.transformers.state.Transforms.layer`, and the cache layer's
+store, :meth:`~loki.integrations.transformers.layers.LayerStore.to`), so nothing here is needed for it.
 
 Shape letters: L decoder layers, HQ query heads, HKV key/value heads, D head dim.
 """
@@ -22,7 +22,7 @@ import torch
 from loki._distributed import world
 from loki._hf import attention_modules, config_head_dim, config_kv_heads, text_config
 
-from .config import LokiError
+from .state import LokiError
 
 __all__ = ["kv_head_range", "local_bases"]
 

@@ -1,31 +1,48 @@
-"""Attention of every query row with decode-time semantics (teacher forcing), and the dispatch of a batch of
-decode-step rows to the selected method (the PyTorch references, or the Loki decode step of
-:mod:`loki.kernels.decode`).
+"""Attention of every query row with decode-time semantics (teacher forcing): row ``i`` attends like a decode step
+over the tokens it sees, computed for all rows at once by the reference (:func:`loki.reference.teacher_forced.
+teacher_forced_rows`).  :func:`teacher_forced_rows_of` is what the attention function runs for a forward of more
+than one row under ``semantics="decode"``; :func:`teacher_forced_attention` is the same on plain tensors.
 
 Shape letters: B batch, HQ query heads, HKV key/value heads, L query length, S key length (cache + new tokens),
-D head dim, R query rows flattened over batch and query positions.
+D head dim.
 """
 
 from __future__ import annotations
 
 import torch
 
-from loki.kernels.decode import decode_attention
-from loki.reference import (
-    dense_attention,
-    exact_topk_attention,
-    h2o_attention,
-    pcaattn_attention,
-    rotate_keys,
-    sparq_attention,
-)
+from loki.reference import rotate_keys
 from loki.reference.teacher_forced import teacher_forced_rows
+from loki.settings import LokiSettings, Method, ResolvedSettings
 
-from .config import BASIS_METHODS, METHODS
-from .metadata import direct_ranges
-from .rows import rotate_rows, triton_backend
+from .run import rotate_rows
+from .state import LayerTransforms
+from .step import LayerRanges, direct_plan
 
-__all__ = ["decode_rows", "loki_decode", "teacher_forced_attention"]
+__all__ = ["teacher_forced_attention", "teacher_forced_rows_of"]
+
+
+def teacher_forced_rows_of(s: ResolvedSettings, query, key, value, ranges: LayerRanges, *,
+                           transforms: LayerTransforms, keys_rotated: bool, scale: float | None,
+                           chunk_elements: int | None) -> torch.Tensor:
+    """Every row of ``query`` [B, HQ, L, D] (its own coordinates) as a decode step of ``s.method`` over key, value
+    [B, HKV, S, D] (keys in the basis when ``keys_rotated``), what each row sees from ``ranges``.  Returns
+    [B, HQ, L, D] in query's dtype; rows that see no token give zeros."""
+    if s.method is Method.H2O:
+        raise ValueError("teacher-forced rows do not support method='h2o' (it is sequential by nature)")
+    if s.method is Method.SPARQ and keys_rotated:
+        raise ValueError("SparQ works in the keys' own coordinates; pass unrotated keys")
+    if s.method.needs_basis or keys_rotated:
+        if transforms.key is None:
+            raise ValueError(f"method={s.method.value!r} needs the layer's basis (P [HKV, D, D])")
+        q_use = rotate_rows(query, transforms.query)  # for the other methods: Lemma 1, scores are the same
+        k_use = key if keys_rotated else rotate_keys(key, transforms.key)
+    else:
+        q_use, k_use = query, key
+    starts, lengths, any_ = ranges.starts, ranges.lengths, ranges.any_  # [B, L]
+    starts, lengths = torch.where(any_, starts, 0), torch.where(any_, lengths, 0)  # rows that see nothing: zeros
+    return teacher_forced_rows(q_use, k_use, value, starts, lengths, method=s.method.value, k_budget=s.k, d=s.d,
+                               scale=scale, block_elements=chunk_elements, **s.kernel_args())
 
 
 def teacher_forced_attention(
@@ -41,97 +58,33 @@ def teacher_forced_attention(
     keys_rotated: bool = False,
     attention_mask: torch.Tensor | None = None,
     scale: float | None = None,
-    gqa_select: str = "query",
-    aggregate: str = "sum",
-    backend: str = "auto",
+    gqa_select: str = "auto",
+    aggregate: str = "auto",
     chunk_elements: int | None = None,
-    k_prefix: torch.Tensor | None = None,
-    ranges: tuple | None = None,
 ) -> torch.Tensor:
-    """Attention of every query row with decode-time semantics (teacher forcing).
+    """Attention of every query row with decode-time semantics (teacher forcing), on plain tensors.
 
     Row ``i`` (absolute position ``S - L + i``) attends like a decode step over the tokens it sees: with a
     causal mask and no padding, the ``S - L + i + 1`` first tokens, of which a fractional ``k`` selects
-    ``ceil(k * (S - L + i + 1))``.  Several rows are computed at once as masked attention
-    (:func:`loki.reference.teacher_forced.teacher_forced_rows`, blocks of at most ``chunk_elements`` scores).
-
-    query: [B, HQ, L, D] (post-rotary, original coordinates); key, value: [B, HKV, S, D] (post-rotary keys,
-    already in the basis when ``keys_rotated``); P: [HKV, D, D] basis of this layer (needed for "loki" and
-    "pcaattn"); P_q: the query transform of a score basis (default P, an orthogonal basis);
-    attention_mask: optional [B, 1, L, S] bool (True = attend) or additive float mask; without it the L rows are
-    the last L of the S keys (causal, every key valid); every row's visible tokens must be one contiguous range.
-    ``ranges``: ``(starts, lengths, any_)`` ([B, L] each), what every row sees, already known (a model forward's
-    step metadata); the mask is not read then.  Returns [B, HQ, L, D] in query's dtype; rows that
-    see no token return zeros.  ``method="h2o"`` is not supported (it is sequential by nature).
-    ``k_prefix``: optional [B, HKV, S, dp] contiguous copy of the rotated keys' first dims, used by the Triton
-    Loki path on single-row (decode) calls.
+    ``ceil(k * (S - L + i + 1))``.  query: [B, HQ, L, D] (post-rotary, original coordinates); key, value:
+    [B, HKV, S, D] (post-rotary keys, already in the basis when ``keys_rotated``); P: [HKV, D, D] basis of this
+    layer (needed for "loki" and "pcaattn"); P_q: the query transform of a score basis (default P, an orthogonal
+    basis); attention_mask: optional [B, 1, L, S] bool (True = attend) or additive float mask; without it the L rows
+    are the last L of the S keys (causal, every key valid); every row's visible tokens must be one contiguous range.
+    ``gqa_select`` / ``aggregate``: "auto" as ``enable_loki`` decides them (:class:`loki.LokiSettings`).  Returns
+    [B, HQ, L, D] in query's dtype; rows that see no token return zeros.  ``method="h2o"`` is not supported (it is
+    sequential by nature).
     """
     B, HQ, L, D = query.shape
-    _, HKV, S, _ = key.shape
-    if method == "h2o":
-        raise ValueError("teacher_forced_attention does not support method='h2o'")
-    if P_q is None:
+    HKV, S = key.shape[1], key.shape[2]
+    s = LokiSettings(k=k, d=d, method=method, gqa_select=gqa_select, aggregate=aggregate,
+                     backend="torch").resolve_shapes(num_q_heads=HQ, num_kv_heads=HKV, head_dim=D)
+    if P is not None and P_q is None:
         P_q = P
-    if method in BASIS_METHODS:
-        if P is None:
-            raise ValueError(f"method={method!r} needs the layer's basis P [HKV, D, D]")
-        q_use = rotate_rows(query, P_q)
-        k_use = key if keys_rotated else rotate_keys(key, P)
-    else:
-        if keys_rotated:
-            if P is None:
-                raise ValueError("keys_rotated=True needs P to rotate the queries")
-            q_use = rotate_rows(query, P_q)  # Lemma 1: exact and dense scores are invariant
-        else:
-            q_use = query
-        k_use = key
-    if method == "sparq" and keys_rotated:
-        raise ValueError("SparQ works in the keys' own coordinates; pass unrotated keys")
-    if ranges is None:
-        g = direct_ranges(k, B, L, S, query.device, attention_mask)
-        ranges = (g.starts, g.lengths, g.any_)
-    starts, lengths, any_ = ranges  # [B, L]
-    if L == 1:  # plain decode step: the cache in place, no row gather, no host sync
-        kp = k_prefix[:, :, :S] if k_prefix is not None else None
-        o = decode_rows(method, q_use[:, :, 0], k_use, value, k=k, d=d, lengths=lengths[:, 0], starts=starts[:, 0],
-                        gqa_select=gqa_select, aggregate=aggregate, scale=scale, backend=backend, k_prefix=kp)
-        return o.to(query.dtype)[:, :, None].masked_fill(~any_[:, None, :, None], 0)
-    # rows that see no token come back as zeros
-    starts, lengths = torch.where(any_, starts, 0), torch.where(any_, lengths, 0)
-    return teacher_forced_rows(q_use, k_use, value, starts, lengths, method=method, k_budget=k, d=d, scale=scale,
-                               gqa_select=gqa_select, aggregate=aggregate, block_elements=chunk_elements)
-
-
-def decode_rows(method, q, kc, vc, *, k, d, lengths, starts, gqa_select, aggregate, scale, backend,
-                 acc=None, recent_fraction=0.5, k_prefix=None):
-    """Dispatch one batch of decode-step rows. q: [R, HQ, D]; kc, vc: [R, HKV, S, D]; lengths, starts: [R]."""
-    # k goes through as given: the one budget rule (loki._checks.budget_counts) keeps every valid token for an int
-    # count above them
-    lengths = lengths.to(torch.int32)
-    starts = starts.to(torch.int32)
-    if method == "loki":
-        return loki_decode(q, kc, vc, d=d, k=k, lengths=lengths, starts=starts, gqa_select=gqa_select,
-                           aggregate=aggregate, scale=scale, backend=backend, k_prefix=k_prefix)
-    if method == "exact_topk":
-        return exact_topk_attention(q, kc, vc, k=k, lengths=lengths, starts=starts, gqa_select=gqa_select,
-                                    aggregate=aggregate, scale=scale)
-    if method == "pcaattn":
-        return pcaattn_attention(q, kc, vc, d=d, lengths=lengths, starts=starts, scale=scale)
-    if method == "dense":
-        return dense_attention(q, kc, vc, lengths, starts, scale=scale)
-    if method == "sparq":
-        return sparq_attention(q, kc, vc, r=d, k=k, lengths=lengths, starts=starts, scale=scale)
-    if method == "h2o":
-        return h2o_attention(q, kc, vc, acc, k=k, lengths=lengths, starts=starts, scale=scale,
-                             recent_fraction=recent_fraction, return_weights=True)
-    raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-
-
-def loki_decode(q_hat, k_hat, v, *, d, k, lengths, starts, gqa_select, aggregate, scale, backend, k_prefix=None):
-    """One decode step of Loki through ``loki.kernels.decode_attention`` (torch or Triton backend; the Triton
-    path reads the approximate scores from the cache's contiguous key prefix when one is kept)."""
-    backend = "triton" if triton_backend(backend, q_hat) else "torch"
-    extra = {"k_prefix": k_prefix} if backend == "triton" and k_prefix is not None else {}
-    # lengths and starts come from the step metadata (checked there): no second check, no host sync
-    return decode_attention(q_hat, k_hat, v, d=d, k=k, lengths=lengths, starts=starts, backend=backend,
-                            gqa_select=gqa_select, aggregate=aggregate, scale=scale, check_values=False, **extra)
+    inverse = None if P_q is None else P_q.transpose(-1, -2)
+    if keys_rotated and P is None:
+        raise ValueError("keys_rotated=True needs P to rotate the queries")
+    plan = direct_plan(s, B=B, L=L, S=S, device=query.device, attention_mask=attention_mask)
+    out = teacher_forced_rows_of(s, query, key, value, plan.groups[0], transforms=LayerTransforms(P, P_q, inverse),
+                                 keys_rotated=keys_rotated, scale=scale, chunk_elements=chunk_elements)
+    return out.to(query.dtype)

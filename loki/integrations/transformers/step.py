@@ -1,5 +1,7 @@
-"""Step metadata, built once per forward before the layers run and read by every layer (the plan/run split of
-FlashInfer's decode wrappers, vLLM's per-step attention-metadata builder).
+"""The step plan: what was decided for one forward, built once by the decoder's pre-hook before the layers run and
+read by every layer (the plan/run split of FlashInfer's decode wrappers, vLLM's per-step attention-metadata
+builder): each layer's row ranges, the decode step's budgets and selection width, and the runner of its decode
+steps (the kernels or the PyTorch reference: ``run.run_decode``).
 
 What each query row sees is decided here, from what the caller knows: the 2-D attention mask (``[B, M]``, 1 =
 token, 0 = padding; absent = every token is valid), the positions of the new tokens in the cache (the cache's
@@ -14,10 +16,11 @@ holes is refused).  In the keys a layer receives, token ``a`` sits at ``a - kv_o
 means "every slot visible": the slots of a static cache past the written tokens are outside every row's range.
 No layer reconstructs ranges from a 4-D mask (a 4-D mask the caller passes explicitly is read here, once).
 
-For a decode step (L = 1) the metadata also holds each sequence's budget (``loki._checks.budget_counts``, the one
-budget rule) and the selection width, and a :class:`loki.kernels.StepReplay` that the layers of this forward
-share (layers 3+ replay the recorded launches of the dynamic-cache Triton path).  Eager forwards check the mask,
-the static cache's bounds and batch with one host sync; compiled forwards trace the same tensor ops (no sync).
+For a decode step (L = 1) the plan also holds each sequence's budget (``loki._checks.budget_counts``, the one
+budget rule) and the selection width (``loki.kernels.selection_width``), and which runner the step takes
+(:class:`Runner`, decided here once for every layer: the kernels for method "loki" where
+``ResolvedSettings.use_kernels`` says so, the reference otherwise).  Eager forwards check the mask, the static
+cache's bounds and batch with one host sync; compiled forwards trace the same tensor ops (no sync).
 
 Shape letters: B batch, L query length, M 2-D mask length, S key length of a layer.
 """
@@ -25,15 +28,25 @@ Shape letters: B batch, L query length, M 2-D mask length, S key length of a lay
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 
 import torch
 
-from loki._checks import CacheOverflowError, budget_counts
-from loki.kernels.decode import StepReplay, selection_width
+from loki._checks import CacheOverflowError, budget_counts, triton_interpreting
+from loki.kernels.decode import selection_width
+from loki.settings import Backend, Method, ResolvedSettings
 
-from .config import LokiError
+from .state import LokiError
 
-__all__ = ["ForwardMetadata", "LayerRanges", "build_forward_metadata", "direct_ranges", "ranges_from_mask"]
+__all__ = ["LayerRanges", "Runner", "StepPlan", "build_step_plan", "direct_plan", "ranges_from_mask"]
+
+
+class Runner(Enum):
+    """The two routes of a decode step: the Triton kernels (eager and replayed by the model's ``DecodeRun``, or
+    the ``loki::decode_step`` op inside a compiled graph) and the PyTorch reference of the method."""
+
+    KERNELS = "kernels"
+    REFERENCE = "reference"
 
 
 @dataclass(eq=False)
@@ -77,17 +90,24 @@ class LayerRanges:
 
 
 @dataclass(eq=False)
-class ForwardMetadata:
-    """The step metadata of one forward: the row ranges of every layer (``layer(idx)``) and the launches the layers
-    of this forward replay (None while compiling)."""
+class StepPlan:
+    """What was decided for one forward: the row ranges of every layer (``layer(idx)``), the query length ``L``, the
+    settings, and the ``runner`` of its decode steps (:class:`Runner`)."""
 
+    settings: ResolvedSettings
     groups: list
-    layer_group: list
-    replay: StepReplay | None = None
+    layer_group: list | None  # the group of each layer (None: one group for every layer, a direct call)
+    L: int
+    runner: Runner
+    stores: list = field(default_factory=list)  # each layer's ``LayerStore`` of the Loki cache, or None
+    static: bool = False  # the cache is a Loki static cache
 
     def layer(self, idx: int, S: int) -> LayerRanges:
         """The ranges of layer ``idx``, whose keys have length ``S`` (checked against the plan)."""
-        g = self.groups[self.layer_group[idx]] if idx < len(self.layer_group) else None
+        if self.layer_group is None:
+            g = self.groups[0]
+        else:
+            g = self.groups[self.layer_group[idx]] if idx < len(self.layer_group) else None
         if g is None or g.S != S:
             raise LokiError(
                 f"layer {idx} received {S} keys but the forward was planned for "
@@ -138,18 +158,41 @@ _HOLES = ("Loki needs each query's visible tokens to be one contiguous range, an
           "padded prompt leave the padding in the middle of the sequence")
 
 
-def build_forward_metadata(*, k, B: int, L: int, device, cache, attention_mask, windows,
-                           num_layers: int) -> ForwardMetadata:
-    """The step metadata of one forward (see the module docstring).
+def choose_runner(settings: ResolvedSettings, L: int, device, needs_grad: bool, has_cache: bool) -> Runner:
+    """The runner of a forward's decode steps: the kernels for method "loki" (one query row per sequence, keys in a
+    Loki cache) where the settings let them run on ``device`` (``ResolvedSettings.use_kernels``), the reference
+    otherwise.  Backend "triton" on a device the kernels cannot take, or with autograd recording, is an error
+    naming the setting."""
+    if settings.method is not Method.LOKI or L != 1 or not has_cache:
+        return Runner.REFERENCE
+    cuda = torch.device(device).type == "cuda"
+    if settings.backend is Backend.TRITON:
+        if not cuda and not triton_interpreting():
+            raise LokiError(f"enable_loki(backend='triton') needs CUDA tensors (got {device}); on CPU set "
+                            "TRITON_INTERPRET=1 before importing triton, or use backend='torch'")
+        if needs_grad:
+            raise LokiError("query requires grad, but Loki's Triton decode step (enable_loki(backend='triton')) has "
+                            "no backward (its output would carry no gradient); run it under torch.no_grad() or on "
+                            "detached tensors, or use backend='torch' (differentiable)")
+    return Runner.KERNELS if settings.use_kernels(cuda=cuda, needs_grad=needs_grad) else Runner.REFERENCE
 
-    ``k``: the enabled budget (validated); ``cache``: the transformers Cache of the forward or None;
+
+def build_step_plan(*, settings: ResolvedSettings, B: int, L: int, device, cache, attention_mask, windows,
+                    num_layers: int, needs_grad: bool) -> StepPlan:
+    """The step plan of one forward (see the module docstring).
+
+    ``settings``: the enabled model's; ``cache``: the transformers Cache of the forward or None;
     ``attention_mask``: the 2-D mask the caller passed, a 4-D mask, or None; ``windows``: each layer's sliding
-    window (None for full attention).  A Loki static cache's allocation (``max_cache_len``, and ``batch_size`` once
-    allocated) bounds the forward.
+    window (None for full attention); ``needs_grad``: autograd records this forward.  A Loki static cache's
+    allocation (``max_cache_len``, and ``batch_size`` once allocated) bounds the forward.
     """
+    from .layers import LokiStaticLayer
+
+    k = settings.k
     compiling = torch.compiler.is_compiling()
-    layers = getattr(cache, "layers", None) or []
-    static = layers[0] if layers and getattr(layers[0], "loki_static", False) else None
+    layers = [] if cache is None else cache.layers  # an adopted cache: every layer is a Loki layer
+    stores = [layer.loki for layer in layers[:num_layers]]
+    static = layers[0] if layers and isinstance(layers[0], LokiStaticLayer) else None
     static_len = None if static is None else static.max_cache_len
     if static is not None and getattr(static, "is_initialized", False) and static.keys.shape[0] != B:
         raise CacheOverflowError(f"the batch has {B} sequences but the static cache was allocated for batch_size="
@@ -199,7 +242,8 @@ def build_forward_metadata(*, k, B: int, L: int, device, cache, attention_mask, 
             index[key] = len(groups)
             groups.append(_group(key, k, B, L, device, q_pos, span, mask4d))
         layer_group.append(index[key])
-    return ForwardMetadata(groups, layer_group, None if compiling else StepReplay())
+    runner = choose_runner(settings, L, device, needs_grad, has_cache=bool(stores))
+    return StepPlan(settings, groups, layer_group, L, runner, stores, static is not None)
 
 
 def _group(key, k, B, L, device, q_pos, span, mask4d) -> LayerRanges:
@@ -230,10 +274,13 @@ def _group(key, k, B, L, device, q_pos, span, mask4d) -> LayerRanges:
     return g
 
 
-def direct_ranges(k, B: int, L: int, S: int, device, attention_mask, window=None) -> LayerRanges:
-    """The ranges of an attention call made outside a model forward (no step metadata): an explicit 4-D mask
+def direct_plan(settings: ResolvedSettings, *, B: int, L: int, S: int, device, attention_mask,
+                window=None) -> StepPlan:
+    """The plan of an attention call made outside a model forward (no cache, no step plan): an explicit 4-D mask
     is read as given; without one, the L query rows are the last L of the S keys and every key is valid (the
-    layout of a dynamic cache).  A static cache is never read this way (its unwritten slots would be visible)."""
+    layout of a dynamic cache).  A static cache is never read this way (its unwritten slots would be visible).
+    Such calls run the reference."""
     mask4d = attention_mask if isinstance(attention_mask, torch.Tensor) else None
     q_pos = torch.arange(L, device=device) + (S - L)
-    return _group((S, 0, window), k, B, L, device, q_pos, None, mask4d)
+    g = _group((S, 0, window), settings.k, B, L, device, q_pos, None, mask4d)
+    return StepPlan(settings, [g], None, L, Runner.REFERENCE)

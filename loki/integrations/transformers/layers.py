@@ -1,0 +1,442 @@
+"""The KV cache layers Loki owns: explicit subclasses of transformers' ``DynamicLayer`` (:class:`LokiDynamicLayer`),
+``DynamicSlidingWindowLayer`` (:class:`LokiSlidingWindowLayer`) and ``StaticLayer`` (:class:`LokiStaticLayer`), each
+holding one :class:`LayerStore` (``layer.loki``: the enable call it belongs to, the layer's transforms, the key
+prefix the kernels read, H2O's accumulated attention), and the one factory of caches, :func:`loki_cache`.
+
+Keys are stored in the basis once per token, when they are written (``K_hat = K P``), by one write
+(:func:`write_tokens`: the ``loki::write_rotated`` op, the rotation and the writes of keys, values and key prefix in
+one Triton kernel, or its PyTorch reference on a CPU without the Triton backend).  A static layer writes in place
+at the new tokens' positions; a dynamic layer writes into buffers with spare capacity (grown by a quarter when
+full) whose filled part its ``keys`` / ``values`` are, so a decode step writes one token instead of copying the
+cache.  A sliding-window layer rotates its keys (``loki.reference.rotate_keys``) before transformers' own update,
+which drops the tokens that leave the window; it keeps no key prefix.
+
+A cache ``generate`` builds (or a caller passes) is adopted on the first forward (:func:`adopt_cache`): each of its
+layers is replaced by the Loki layer of its class holding the same tensors (keys already written are rotated
+once).  :func:`restore_caches` (``disable_loki``) replaces them by plain layers with plain keys again.
+
+This module imports transformers; ``loki.integrations.transformers`` imports it only when a cache is made.
+
+Shape letters: B batch, HKV key/value heads, L new tokens, S cached tokens (``max_cache_len`` for a static
+layer), D head dim, dp key-prefix dims.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, StaticLayer
+
+from loki._hf import attention_modules, config_head_dim, config_kv_heads, config_num_layers, text_config
+from loki.kernels.cache_write import check_write, write_rotated, write_rotated_reference
+from loki.reference import rotate_keys
+from loki.settings import Backend, Method
+
+from .state import CacheOwner, LayerTransforms, LokiError, LokiState, state_of
+
+__all__ = [
+    "LayerStore",
+    "LokiDynamicLayer",
+    "LokiSlidingWindowLayer",
+    "LokiStaticLayer",
+    "adopt_cache",
+    "loki_cache",
+    "restore_caches",
+    "write_tokens",
+]
+
+
+class LayerStore:
+    """Loki's part of one cache layer.
+
+    ``owner``: the enable call whose basis the keys are stored in; ``transforms``: the layer's
+    :class:`~.state.LayerTransforms` (``key`` None for methods that keep keys in their own coordinates);
+    ``prefix_dims``: dp of the key prefix kept for the kernels (None: none); ``triton``: the Triton backend was asked
+    for by name (the kernels' write and prefix on the CPU interpreter too); ``prefix``: [B, HKV, S, dp], the first dp
+    rotated dims of every key, contiguous rows, or None; ``acc``: H2O's accumulated attention [B, HQ, S] or None.
+    """
+
+    __slots__ = ("owner", "transforms", "prefix_dims", "triton", "prefix", "acc")
+
+    def __init__(self, owner: CacheOwner, transforms: LayerTransforms, prefix_dims: int | None, triton: bool):
+        self.owner = owner
+        self.transforms = transforms
+        self.prefix_dims = prefix_dims
+        self.triton = triton
+        self.prefix = None
+        self.acc = None
+
+    def check_active(self) -> None:
+        if not self.owner.active:
+            raise LokiError(
+                "this KV cache was filled while Loki was enabled (its keys are stored in the PCA basis) and Loki has "
+                "been disabled since: extending it would mix rotated and plain keys. disable_loki restores the "
+                "caches it knows (the ones used with the model); this one is a copy or was never used with the "
+                "model: start a new cache, or call enable_loki again before using it")
+
+    def to(self, device, *, static: bool = False) -> None:
+        """Move the transforms to ``device`` once (a layer on another device than the basis); ``static``: mark them
+        as fixed addresses (read by every compiled step: CUDA graphs would copy them in at each replay)."""
+        moved = []
+        for t in self.transforms:
+            if t is not None and t.device != device:
+                t = t.to(device).contiguous()
+            if t is not None and static and not torch.compiler.is_compiling():
+                torch._dynamo.mark_static_address(t)
+            moved.append(t)
+        self.transforms = LayerTransforms(*moved)
+
+    def kernel_writes(self, device) -> bool:
+        """Whether writes take the Triton kernel: on CUDA, or on the CPU interpreter when asked for by name."""
+        return device.type == "cuda" or self.triton
+
+    def keeps_prefix(self, device) -> bool:
+        return self.prefix_dims is not None and self.kernel_writes(device)
+
+
+def write_tokens(store: LayerStore, keys, values, prefix, k_new, v_new, pos, *, check: bool) -> None:
+    """The one write of new tokens into a Loki cache layer's storage: keys rotated into the basis (``K P``) and
+    written with their values and key prefix at positions ``pos`` ([L] int64), in place.  keys, values:
+    [B, HKV, S, D]; prefix: [B, HKV, S, dp] or None; k_new, v_new: [B, HKV, L, D].  Bounds checked before anything
+    is written (``check``: the positions too, one host sync)."""
+    P = store.transforms.key
+    if P is not None and store.kernel_writes(keys.device):
+        write_rotated(keys, values, prefix, k_new, v_new, P, pos, check_positions=check)
+        return
+    check_write(keys, values, prefix, k_new, v_new, P, pos, check_positions=check)
+    if P is not None:
+        write_rotated_reference(keys, values, prefix, k_new, v_new, P, pos)
+        return
+    keys.index_copy_(2, pos, k_new)
+    values.index_copy_(2, pos, v_new)
+    if prefix is not None:
+        prefix.index_copy_(2, pos, k_new[..., : prefix.shape[-1]])
+
+
+def _grow(n: int) -> int:
+    return -(-max(n + 256, int(1.25 * n)) // 256) * 256
+
+
+class LokiDynamicLayer(DynamicLayer):
+    """A ``DynamicLayer`` whose keys are stored in the basis, in buffers with spare capacity (see the module
+    docstring); ``keys`` and ``values`` are their filled part."""
+
+    _layer_type = None  # never registered in transformers' layer-type mappings
+
+    def __init__(self, store: LayerStore):
+        super().__init__()
+        self.loki = store
+        self._buffers = None  # (keys, values, prefix or None), each [B, HKV, capacity, .]
+
+    def _filled(self, n: int):
+        """The buffers, when ``keys`` / ``values`` are still their first n slots (nothing outside replaced them)."""
+        bufs = self._buffers
+        if bufs is None or n == 0:
+            return None
+        kb, vb, _ = bufs
+        for t, b in ((self.keys, kb), (self.values, vb)):
+            if t.data_ptr() != b.data_ptr() or t.stride() != b.stride() or t.shape[:2] != b.shape[:2]:
+                return None
+        return bufs
+
+    def _reserve(self, need: int, k_new: torch.Tensor, v_new: torch.Tensor):
+        n = self.get_seq_length()
+        bufs = self._filled(n)
+        if bufs is not None and bufs[0].shape[2] >= need and bufs[0].shape[0] == k_new.shape[0]:
+            return bufs
+        B, HKV, _, D = k_new.shape
+        cap = _grow(need)
+        dev = k_new.device
+        kb = torch.empty(B, HKV, cap, D, dtype=k_new.dtype, device=dev)
+        vb = torch.empty(B, HKV, cap, v_new.shape[-1], dtype=v_new.dtype, device=dev)
+        dp = self.loki.prefix_dims if self.loki.keeps_prefix(dev) else None
+        pb = None if dp is None else torch.empty(B, HKV, cap, dp, dtype=k_new.dtype, device=dev)
+        if n:
+            kb[:, :, :n].copy_(self.keys)
+            vb[:, :, :n].copy_(self.values)
+            if pb is not None:
+                pb[:, :, :n].copy_(self.keys[..., :dp])
+        self._buffers = (kb, vb, pb)
+        return self._buffers
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        self.loki.check_active()
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.loki.to(key_states.device)
+        n = self.get_seq_length()
+        L = key_states.shape[-2]
+        kb, vb, pb = self._reserve(n + L, key_states, value_states)
+        pos = torch.arange(n, n + L, device=kb.device)
+        write_tokens(self.loki, kb, vb, pb, key_states, value_states, pos, check=False)
+        self.keys, self.values = kb[:, :, : n + L], vb[:, :, : n + L]
+        self.loki.prefix = None if pb is None else pb[:, :, : n + L]
+        return self.keys, self.values
+
+    def _drop_buffers(self) -> None:
+        """After transformers edited ``keys`` / ``values`` (new tensors): the next update buffers them again."""
+        self._buffers = None
+        self.loki.prefix = None
+
+    def _map_acc(self, fn) -> None:
+        if self.loki.acc is not None:
+            self.loki.acc = fn(self.loki.acc)
+
+    def reorder_cache(self, beam_idx):
+        super().reorder_cache(beam_idx)
+        self._drop_buffers()
+        self._map_acc(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats):
+        super().batch_repeat_interleave(repeats)
+        self._drop_buffers()
+        self._map_acc(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices):
+        super().batch_select_indices(indices)
+        self._drop_buffers()
+        self._map_acc(lambda t: t[indices, ...])
+
+    def crop(self, tokens_to_remove):
+        super().crop(tokens_to_remove)
+        self._drop_buffers()
+        n = self.get_seq_length()
+        self._map_acc(lambda t: t[..., :n])
+
+    def reset(self):
+        super().reset()
+        self._drop_buffers()
+        self.loki.acc = None
+
+
+class LokiSlidingWindowLayer(DynamicSlidingWindowLayer):
+    """A ``DynamicSlidingWindowLayer`` whose keys are rotated into the basis before transformers' own update (which
+    drops the tokens leaving the window); no key prefix."""
+
+    _layer_type = None
+
+    def __init__(self, store: LayerStore, sliding_window: int):
+        super().__init__(sliding_window=sliding_window)
+        self.loki = store
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        self.loki.check_active()
+        self.loki.to(key_states.device)
+        if self.loki.transforms.key is not None:
+            key_states = rotate_keys(key_states, self.loki.transforms.key)
+        return super().update(key_states, value_states, *args, **kwargs)
+
+    def reset(self):
+        super().reset()
+        self.loki.acc = None
+
+
+class LokiStaticLayer(StaticLayer):
+    """A ``StaticLayer`` whose keys are stored in the basis: keys, values and the key prefix preallocated to
+    ``max_cache_len`` at the first write (or ``loki_cache(..., batch_size=...)``) and written in place at the new
+    tokens' positions (the layer's write counter, ``cumulative_length``, where transformers keeps one, else
+    ``cache_kwargs["cache_position"]``): fixed addresses for compiled steps and CUDA graphs."""
+
+    _layer_type = None
+
+    def __init__(self, store: LayerStore, max_cache_len: int):
+        super().__init__(max_cache_len=max_cache_len)
+        self.loki = store
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self._allocate()
+
+    def _allocate(self) -> None:
+        dev = self.keys.device
+        self.loki.to(dev, static=True)
+        if self.loki.keeps_prefix(dev) and self.loki.prefix is None:
+            self.loki.prefix = self.keys[..., : self.loki.prefix_dims].contiguous()  # zeros, or the keys written
+            if not torch.compiler.is_compiling():
+                torch._dynamo.mark_static_address(self.loki.prefix)
+
+    def _positions(self, n: int, args, kwargs) -> torch.Tensor:
+        counter = getattr(self, "cumulative_length", None)
+        if isinstance(counter, torch.Tensor):
+            return torch.arange(n, device=self.keys.device) + counter
+        cache_kwargs = args[0] if args else kwargs.get("cache_kwargs")
+        pos = cache_kwargs.get("cache_position") if isinstance(cache_kwargs, dict) else None
+        if pos is None:
+            raise LokiError("a static cache layer needs the positions of the new tokens "
+                            "(cache_kwargs['cache_position'])")
+        return pos.to(self.keys.device)
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.loki.owner.active:
+            raise LokiError(
+                "this static KV cache was filled while Loki was enabled (its keys are stored in the PCA basis) and "
+                "Loki has been disabled since: start a new cache, or call enable_loki again before using it")
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        pos = self._positions(key_states.shape[-2], args, kwargs).long()
+        counter = getattr(self, "cumulative_length", None)
+        if isinstance(counter, torch.Tensor):
+            counter.add_(key_states.shape[-2])
+        # inside a model forward the step plan checked the positions and the batch (eager), or the forward is
+        # compiled (no host sync possible; the kernel's stores stay inside the cache): no sync here
+        check = not self.loki.owner.in_forward and not torch.compiler.is_compiling()
+        write_tokens(self.loki, self.keys, self.values, self.loki.prefix, key_states, value_states, pos,
+                     check=check)
+        return self.keys, self.values
+
+    def reorder_cache(self, beam_idx):
+        super().reorder_cache(beam_idx)
+        if self.loki.prefix is not None:
+            self.loki.prefix = self.loki.prefix.index_select(0, beam_idx.to(self.loki.prefix.device))
+
+    def reset(self):
+        super().reset()
+        if self.loki.prefix is not None:
+            self.loki.prefix.zero_()
+
+
+_LOKI_LAYERS = (LokiDynamicLayer, LokiSlidingWindowLayer, LokiStaticLayer)
+#: The plain transformers class of each Loki layer class, and back.
+_PLAIN = {LokiDynamicLayer: DynamicLayer, LokiSlidingWindowLayer: DynamicSlidingWindowLayer,
+          LokiStaticLayer: StaticLayer}
+_LOKI_OF = {plain: loki for loki, plain in _PLAIN.items()}
+_LOKI_ATTRS = ("loki", "_buffers")
+
+
+def _new_store(state: LokiState, idx: int, sliding: bool) -> LayerStore:
+    s = state.settings
+    return LayerStore(state.owner, state.transforms.layer(idx), None if sliding else s.prefix_dims,
+                      s.backend is Backend.TRITON)
+
+
+def _adopt_layer(layer, state: LokiState, idx: int):
+    """The Loki layer of ``layer``'s class holding its state (keys already written rotated into the basis)."""
+    cls = _LOKI_OF.get(type(layer))
+    if cls is None:
+        raise LokiError(
+            f"Loki supports the cache layers {tuple(c.__name__ for c in _LOKI_OF)} (generate's default cache, "
+            f"sliding windows and cache_implementation='static'); layer {idx} of the cache is a "
+            f"{type(layer).__name__}. Pass no cache, a DynamicCache, a StaticCache or loki_cache(model, ...).")
+    if cls is LokiStaticLayer and state.settings.method is Method.H2O:
+        raise LokiError("method='h2o' keeps per-token state that a static cache does not hold: use a DynamicCache "
+                        "(no cache_implementation)")
+    store = _new_store(state, idx, sliding=cls is LokiSlidingWindowLayer)
+    new = cls.__new__(cls)
+    new.__dict__.update(layer.__dict__)  # the same tensors and counters
+    new.loki = store
+    if cls is LokiDynamicLayer:
+        new._buffers = None
+    P = store.transforms.key
+    keys = getattr(new, "keys", None)
+    written = getattr(new, "is_initialized", False) and keys is not None and keys.numel() > 0
+    if written and P is not None:
+        if cls is LokiStaticLayer:
+            keys.copy_(rotate_keys(keys, P.to(keys.device)))  # in place: the address stays
+        else:
+            new.keys = rotate_keys(keys, P.to(keys.device))
+    if cls is LokiStaticLayer and getattr(new, "is_initialized", False):
+        new._allocate()
+    return new
+
+
+def _restore_layer(layer):
+    """The plain transformers layer of a Loki layer, with the same state and the keys back in their own coordinates
+    (``K = K_hat P^-1``, exact up to rounding)."""
+    plain = _PLAIN[type(layer)]
+    new = plain.__new__(plain)
+    new.__dict__.update({k: v for k, v in layer.__dict__.items() if k not in _LOKI_ATTRS})
+    P_inv = layer.loki.transforms.inverse
+    keys = getattr(new, "keys", None)
+    if P_inv is not None and keys is not None and keys.numel() > 0:
+        back = rotate_keys(keys, P_inv.to(keys.device))
+        if plain is StaticLayer:
+            keys.copy_(back)
+        else:
+            new.keys = back
+    return new
+
+
+def is_adopted(cache, state: LokiState, num_layers: int) -> bool:
+    """Whether every layer of ``cache`` is a Loki layer of this enable call (checked on the first and last)."""
+    layers = getattr(cache, "layers", None)
+    if not layers or len(layers) < num_layers:
+        return False
+    return all(isinstance(lay, _LOKI_LAYERS) and lay.loki.owner is state.owner
+               for lay in (layers[0], layers[num_layers - 1]))
+
+
+def adopt_cache(cache, state: LokiState, num_layers: int) -> None:
+    """Replace the layers of a transformers ``Cache`` by Loki layers of this enable call (in place: the cache keeps
+    its identity); layers of an earlier enable call are restored to plain keys first."""
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        raise LokiError(f"Loki needs a transformers Cache with per-layer storage (DynamicCache or StaticCache); got "
+                        f"{type(cache).__name__}")
+    replicate = getattr(cache, "layer_class_to_replicate", None)
+    while len(layers) < num_layers and replicate is not None:
+        layers.append(replicate())
+    state.remember_cache(cache)
+    for idx, layer in enumerate(layers[:num_layers]):
+        if isinstance(layer, _LOKI_LAYERS):
+            if layer.loki.owner is state.owner:
+                continue
+            layer = _restore_layer(layer)  # stored under other settings: back to plain keys first
+        layers[idx] = _adopt_layer(layer, state, idx)
+
+
+def restore_caches(state: LokiState) -> None:
+    """Turn the layers of every live cache adopted under ``state`` back into plain layers with plain keys."""
+    for ref in state.caches:
+        cache = ref()
+        layers = getattr(cache, "layers", None) if cache is not None else None
+        for idx, layer in enumerate(layers or []):
+            if isinstance(layer, _LOKI_LAYERS) and layer.loki.owner is state.owner:
+                layers[idx] = _restore_layer(layer)
+    state.caches.clear()
+
+
+def loki_cache(model, *, static: bool = False, max_cache_len: int | None = None, batch_size: int | None = None):
+    """A new KV cache for ``model`` (Loki enabled) whose layers store keys in the model's basis.
+
+    ``static=False``: a transformers ``DynamicCache`` (Loki layers that grow).  ``static=True``: a transformers
+    ``StaticCache`` of ``max_cache_len`` tokens (prompt + new tokens; writing past it raises ``CacheOverflowError``)
+    for ``torch.compile`` and CUDA graphs; ``batch_size``: allocate every layer now (on each attention layer's device,
+    in the model's dtype), default at the first write.  Pass it to ``generate`` or to forward under the model's
+    cache keyword (``loki.integrations.transformers.cache_keyword(model)``); without one, the cache ``generate``
+    builds is adopted on the first forward.
+    """
+    from transformers import DynamicCache, StaticCache
+
+    state = state_of(model)
+    cfg = text_config(model.config)
+    n = config_num_layers(model.config)
+    if not isinstance(static, bool):
+        raise TypeError(f"static must be True or False, got {static!r}")
+    if not static:
+        if max_cache_len is not None or batch_size is not None:
+            raise ValueError("max_cache_len and batch_size size a static cache: pass static=True with them")
+        cache = DynamicCache(config=cfg)
+        adopt_cache(cache, state, n)
+        return cache
+    if isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int) or max_cache_len < 1:
+        raise ValueError(f"max_cache_len must be an int >= 1 for static=True, got {max_cache_len!r}")
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
+        raise ValueError(f"batch_size must be an int >= 1 or None, got {batch_size!r}")
+    if state.settings.method is Method.H2O:
+        raise LokiError("method='h2o' keeps per-token state that a static cache does not hold: use a DynamicCache")
+    cov = state.covered_positions
+    if cov is not None and max_cache_len > cov:
+        import warnings
+
+        warnings.warn(f"max_cache_len={max_cache_len} exceeds the positions the Loki basis was calibrated on "
+                      f"({cov}): post-rotary keys past them are described less well", RuntimeWarning, stacklevel=2)
+    cache = StaticCache(config=cfg, max_cache_len=max_cache_len)
+    adopt_cache(cache, state, n)
+    if batch_size is not None:
+        HKV, D = config_kv_heads(model.config), config_head_dim(model.config)
+        mods = attention_modules(model)
+        for idx, layer in enumerate(cache.layers[:n]):
+            w = mods[idx].k_proj.weight if idx < len(mods) else next(model.parameters())
+            dtype = w.dtype if w.dtype.is_floating_point else torch.get_default_dtype()
+            z = torch.zeros(batch_size, HKV, 0, D, dtype=dtype, device=w.device)
+            layer.lazy_initialization(z, z)
+    return cache
