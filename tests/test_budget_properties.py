@@ -76,6 +76,7 @@ budgets = st.one_of(
 @example(k=0.1, S=30)  # 0.1 * 30 = 3.0000000000000004 keeps 3
 @example(k=17, S=65)
 @example(k=1.0, S=1)
+@example(k=1e-12, S=5)  # a fraction so small that k * n rounds to 0: every non-empty row still keeps 1
 def test_width_covers_every_rows_budget(k, S):
     """For every length S and budget k: each row of n <= S valid tokens keeps the rule's count, the host bound is
     the largest of them, and the selection width covers it (rounded up to 16, at most S)."""
@@ -102,6 +103,7 @@ def test_rounded_down_width_would_miss_the_boundary():
     assert budget_bound(0.25, 64) == 16 and selection_width(0.25, 64) == 16
     assert budget_bound(0.125, 17) == 3 and selection_width(0.125, 17) == 16
     assert budget_bound(0.1, 30) == 3 and budget_bound(17, 65) == 17 and budget_bound(700, 65) == 65
+    assert budget_counts(1e-12, torch.tensor([0, 1, 5])).tolist() == [0, 1, 1]  # at least 1, an empty row 0
 
 
 # ------------------------------------------------------------------------------------------ the Triton path

@@ -133,6 +133,8 @@ def test_wilson_interval_matches_the_published_values(sn, want):
 
 def test_wilson_interval_edges():
     assert wilson_interval(0, 0) == (0.0, 1.0)
+    for s, n in ((0, 1), (1, 1), (1, 2)):  # one or two samples still give Wilson's bounds, not (0, 1)
+        assert wilson_interval(s, n) == pytest.approx(_wilson_by_quadratic(s, n, Z95), abs=1e-12)
     assert wilson_interval(5, 5)[1] == 1.0 and wilson_interval(0, 5)[0] == 0.0
     lo90, hi90 = wilson_interval(81, 263, z=statistics.NormalDist().inv_cdf(0.95))
     lo, hi = wilson_interval(81, 263)
