@@ -24,9 +24,8 @@ from loki.testing.inputs import make_decode_inputs
 from loki.testing.invariants import assert_same_sets
 from loki.testing.strategies import decode_shapes
 
-
-#: The Triton path runs on the CPU under the interpreter (conftest sets TRITON_INTERPRET=1 without CUDA); on a GPU
-#: machine the same shapes run in the decode-path matrix.
+#: The drawn-shape test runs the Triton path on the CPU under the interpreter only (conftest sets TRITON_INTERPRET=1
+#: without CUDA; hypothesis takes no per-test device fixture); the boundary shapes run on both devices.
 needs_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                        reason="the Triton kernels on the CPU need TRITON_INTERPRET=1")
 
@@ -107,12 +106,14 @@ def test_rounded_down_width_would_miss_the_boundary():
 
 
 # ------------------------------------------------------------------------------------------ the Triton path
-def _check_triton_attends_the_budget(B, HQ, HKV, S, D, d, k, *, ragged, left_pad, seed=0, gqa_select="query"):
+def _check_triton_attends_the_budget(B, HQ, HKV, S, D, d, k, *, ragged, left_pad, seed=0, gqa_select="query",
+                                     device="cpu"):
     """decode_attention(backend="triton") and loki_decode_step at the integration's selection width against the
     reference: every row attends exactly its count of tokens (the reference's set), and the outputs agree."""
-    x = make_decode_inputs(B, HQ, HKV, S, D, dtype=torch.float32, ragged=ragged, left_pad=left_pad, seed=seed)
+    x = make_decode_inputs(B, HQ, HKV, S, D, dtype=torch.float32, ragged=ragged, left_pad=left_pad, seed=seed,
+                           device=device)
     n = (x.lengths - x.starts).tolist()
-    want = torch.tensor([rule(k, m) for m in n])
+    want = torch.tensor([rule(k, m) for m in n], device=x.q.device)
     kw = dict(d=d, k=k, lengths=x.lengths, starts=x.starts, gqa_select=gqa_select, return_indices=True)
     ref_out, (ref_idx, ref_counts) = decode_attention(x.q, x.k_cache, x.v_cache, backend="torch", **kw)
     assert ref_counts.tolist() == want.tolist()
@@ -140,11 +141,10 @@ BOUNDARY = [
 ]
 
 
-@pytest.mark.interpreter
-@needs_interpreter
 @pytest.mark.parametrize("B, HQ, HKV, S, D, d, k, ragged, left_pad", BOUNDARY)
-def test_triton_attends_exactly_the_budget_at_boundary_shapes(B, HQ, HKV, S, D, d, k, ragged, left_pad):
-    _check_triton_attends_the_budget(B, HQ, HKV, S, D, d, k, ragged=ragged, left_pad=left_pad)
+def test_triton_attends_exactly_the_budget_at_boundary_shapes(triton_device, B, HQ, HKV, S, D, d, k, ragged,
+                                                              left_pad):
+    _check_triton_attends_the_budget(B, HQ, HKV, S, D, d, k, ragged=ragged, left_pad=left_pad, device=triton_device)
 
 
 def test_one_token_short_is_caught_at_the_reported_boundary():
