@@ -292,6 +292,8 @@ def test_position_offsets_spread_over_the_covered_range():
     assert min(offs) >= 0 and max(offs) <= 1024 - 64
     counts = torch.histc(torch.tensor(offs, dtype=torch.float), bins=8, min=0, max=960)
     assert counts.min() >= 20  # every eighth of the range is used about equally
+    # a range of 5 offsets: every one of them is used and none past it (the last sequence ends at position 63)
+    assert sorted(set(position_offset(i, 60, 64) for i in range(100))) == [0, 1, 2, 3, 4]
 
 
 def test_shifted_sequences_have_the_keys_of_the_later_positions(llama):

@@ -1,13 +1,19 @@
-"""Mutation check of the decode path and the gates: plant one-line defects, one at a time, and require the test
-suite to fail on each (a mutant the tests do not "kill" shows a hole in them).
+"""Mutation check of the decode path, the budget rule, calibration, the intervals and the gates: plant one-line
+defects, one at a time, and require the test suite to fail on each (a mutant the tests do not "kill" shows a hole
+in them).
+
+Mutant ids: M (the integration's decode paths and the kernels), G (the gates' fail-closed rules), B (the budget
+rule and the selection width), I (the 95% intervals), R (every gate's interval or value rule, loki/evaluation and
+ci/gate.py), C (calibration).  Each names the narrow test selection that must catch it.
 
 Each mutant replaces one exact line fragment (it must occur once) in a copy of the working tree under a temporary
 folder, then runs the tests named for it there (``pytest -x``, the copy first on ``PYTHONPATH``).  A mutant is
 killed when those tests fail, survives when they pass; mutants marked ``equivalent`` (no observable behaviour
 changes) and, on the CPU, those that only a GPU run can see (``gpu``) are reported but not counted.
 
-    python tools/mutation_check.py                      # every CPU mutant (about 15-25 minutes on 2 cores)
+    python tools/mutation_check.py                      # every CPU mutant (about 35-45 minutes on 2 cores)
     python tools/mutation_check.py --only M03,M07       # some of them
+    python tools/mutation_check.py --only B01,I01,R01   # the B, I, R and C mutants take 12-20 s each
     python tools/mutation_check.py --gpu                # on a CUDA machine: the GPU-only mutants, -m gpu tests
     python tools/mutation_check.py --out results/mutation-cpu.json
 
@@ -33,6 +39,13 @@ DECODE_TESTS = ["tests/test_decode_paths.py", "tests/test_static_cache.py"]
 KERNEL_TESTS = ["tests/test_decode_paths.py", "tests/test_kernels.py", "-k",
                 "replay or plan or write or budget or second_call or errors_name or matches"]
 GATE_TESTS = ["tests/test_gate.py", "tests/test_evaluation.py"]
+# the mutants of the budget rule, the intervals, the gate rules and calibration (B, I, R, C): narrow selections
+BUDGET_TESTS = ["tests/test_budget_properties.py"]
+INTERVAL_TESTS = ["tests/test_intervals.py"]
+RULE_TESTS = ["tests/test_gate_rules.py"]
+CI_RULE_TESTS = ["tests/test_gate_rules.py", "-k", "ci_"]
+STATS_TESTS = ["tests/test_calibration.py", "-k", "stats or statistics or padding or calibrated_basis"]
+SCORE_TESTS = ["tests/test_score_aware.py"]
 
 
 @dataclass
@@ -151,6 +164,140 @@ MUTANTS = [
            tests=GATE_TESTS),
     Mutant("G07", "loki/evaluation/gates.py", "return _gate(name, None, None, allow_missing, bound_text=\"present\"",
            "return _gate(name, None, None, True, bound_text=\"present\"", "missing rows pass", tests=GATE_TESTS),
+    # the budget rule: loki/_checks.py (budget_counts, budget_bound) and the selection width (kernels/decode.py)
+    Mutant("B01", "loki/_checks.py", "    return max(1, min(S, math.ceil(float(k) * S - 1e-9)))",
+           "    return max(1, min(S, math.floor(float(k) * S - 1e-9)))",
+           "fractional budget bound rounded down (k = 0.25, S = 65: 16 of 17)", tests=BUDGET_TESTS),
+    Mutant("B02", "loki/_checks.py", "    return max(1, min(S, math.ceil(float(k) * S - 1e-9)))",
+           "    return max(1, min(S, math.ceil(float(k) * S)))",
+           "bound without the rule's slack (k = 0.1, S = 30: 4 > the largest count 3)", tests=BUDGET_TESTS),
+    Mutant("B03", "loki/_checks.py", "        return max(1, min(int(k), S))", "        return max(1, int(k))",
+           "an int budget's bound not capped at S", tests=BUDGET_TESTS),
+    Mutant("B04", "loki/_checks.py", "    kk = torch.ceil(n.double() * float(k) - 1e-9).long()",
+           "    kk = torch.floor(n.double() * float(k) - 1e-9).long()", "fractional counts rounded down",
+           tests=BUDGET_TESTS),
+    Mutant("B05", "loki/_checks.py", "    return torch.clamp(kk, min=1).minimum(n)",
+           "    return torch.clamp(kk, min=1)", "an empty row keeps one token", tests=BUDGET_TESTS),
+    Mutant("B06", "loki/_checks.py", "    return torch.clamp(kk, min=1).minimum(n)",
+           "    return torch.clamp(kk, min=0).minimum(n)", "a tiny fraction keeps no token", tests=BUDGET_TESTS),
+    Mutant("B07", K + "decode.py", "    return min(S, -(-selection_bound(k, S) // 16) * 16)",
+           "    return min(S, -(-selection_bound(k, S - 1) // 16) * 16)",
+           "selection width from a cache one token shorter", tests=BUDGET_TESTS),
+    Mutant("B08", K + "decode.py", "    K = selection_bound(k, S)", "    K = selection_bound(k, S - 1)",
+           "decode_attention's bound from a cache one token shorter", tests=BUDGET_TESTS),
+    # the intervals: loki/evaluation/intervals.py
+    Mutant("I01", "loki/evaluation/intervals.py", "[0.025, 0.975]", "[0.05, 0.95]",
+           "the bootstrap's \"95%\" interval computed at 90%", tests=INTERVAL_TESTS),
+    Mutant("I02", "loki/evaluation/intervals.py", "Z95 = 1.959963984540054", "Z95 = 1.6448536269514722",
+           "score intervals at 90% (z of 90%)", tests=INTERVAL_TESTS),
+    Mutant("I03", "loki/evaluation/intervals.py", "counts.view(N * nb, block).sum(-1)",
+           "counts.view(N * nb, block).sum(-1).clamp(min=block)", "a window's short last block weighed as full",
+           tests=INTERVAL_TESTS),
+    Mutant("I04", "loki/evaluation/intervals.py", "boot = sums[pick].sum(-1) / counts[pick].sum(-1)",
+           "boot = (sums[pick] / counts[pick]).mean(-1)", "resampled means not weighed by tokens",
+           tests=INTERVAL_TESTS),
+    Mutant("I05", "loki/evaluation/intervals.py", "return {\"increase\": math.expm1(mean),",
+           "return {\"increase\": math.exp(mean) - 1,", "exp(x) - 1 for expm1(x)", tests=INTERVAL_TESTS,
+           equivalent="equal to rounding (about 1e-17 absolute) at every increase the suite reports; expm1 only "
+                      "matters below |x| ~ 1e-8, where no bound lies"),
+    Mutant("I06", "loki/evaluation/intervals.py", "half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den",
+           "half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n)) / den", "Wilson half-width misread",
+           tests=INTERVAL_TESTS),
+    Mutant("I07", "loki/evaluation/intervals.py",
+           "corrected = cross - n / 2 if cross > n / 2 else (cross if cross < 0 else 0.0)", "corrected = cross",
+           "Newcombe's phi without its continuity correction", tests=INTERVAL_TESTS),
+    Mutant("I08", "loki/evaluation/intervals.py",
+           "lo = d - math.sqrt(max(0.0, (p1 - l1) ** 2 - 2 * phi * (p1 - l1) * (u2 - p2) + (u2 - p2) ** 2))",
+           "lo = d - math.sqrt(max(0.0, (p1 - l1) ** 2 + 2 * phi * (p1 - l1) * (u2 - p2) + (u2 - p2) ** 2))",
+           "paired interval's lower bound with the correlation's sign flipped", tests=INTERVAL_TESTS),
+    Mutant("I09", "loki/evaluation/intervals.py", "    if n <= 0:\n        return 0.0, 1.0",
+           "    if n <= 1:\n        return 0.0, 1.0", "Wilson interval of one sample is (0, 1)",
+           tests=INTERVAL_TESTS),
+    # the gate rules: loki/evaluation/gates.py, targets.py, gate_rows.py and ci/gate.py
+    Mutant("R01", "loki/evaluation/gates.py",
+           "c[\"increase\"], 0.0, c[\"lo\"] <= 0.0,\n", "c[\"increase\"], 0.0, c[\"hi\"] <= 0.0,\n",
+           "default-vs-PCA fidelity rule flipped (fails unless significantly better)", tests=RULE_TESTS),
+    Mutant("R02", "loki/evaluation/gates.py", "c[\"lo\"] <= 0.0, f\"interval vs h2o",
+           "c[\"lo\"] < 0.0, f\"interval vs h2o", "Loki vs H2O fails an interval touching 0", tests=RULE_TESTS),
+    Mutant("R03", "loki/evaluation/gates.py", "c[\"hi\"] >= -otol,", "c[\"lo\"] >= -otol,",
+           "ordering fails an interval straddling the bound", tests=RULE_TESTS),
+    Mutant("R04", "loki/evaluation/targets.py", "r[\"increase_lo\"] <= t.max, f\"interval",
+           "r[\"increase\"] <= t.max, f\"interval", "perplexity target decided on the point estimate",
+           tests=RULE_TESTS),
+    Mutant("R05", "loki/evaluation/targets.py", "d[\"hi\"] >= -t.max_drop,", "d[\"lo\"] >= -t.max_drop,",
+           "retrieval target fails an interval straddling it", tests=RULE_TESTS),
+    Mutant("R06", "loki/evaluation/targets.py", "if (lo > km.measured) if worse == \"higher\"",
+           "if (hi > km.measured) if worse == \"higher\"", "known miss refused when straddling its value",
+           tests=RULE_TESTS),
+    Mutant("R07", "loki/evaluation/targets.py",
+           "km = next((m for m in kms if in_default_mode({\"gqa_select\": m.gqa_select, \"aggregate\": "
+           "m.aggregate}, gqa)), None)", "km = kms[0]", "a known miss of another GQA mode excuses",
+           tests=RULE_TESTS),
+    Mutant("R08", "loki/evaluation/gates.py", "r[\"increase_lo\"] <= t[\"max\"],",
+           "r[\"increase_hi\"] <= t[\"max\"],", "perplexity regression fails an interval straddling its limit",
+           tests=RULE_TESTS),
+    Mutant("R09", "loki/evaluation/gates.py", "c[\"accuracy\"], t[\"min\"], c[\"hi\"] >= t[\"min\"],",
+           "c[\"accuracy\"], t[\"min\"], c[\"accuracy\"] >= t[\"min\"],",
+           "retrieval regression decided on the point estimate", tests=RULE_TESTS),
+    Mutant("R10", "loki/evaluation/gates.py", "r[\"lo\"] <= 0.0 <= r[\"hi\"] or abs(r[\"diff\"]) <= tol,",
+           "r[\"lo\"] <= 0.0 <= r[\"hi\"],", "retrieval through generate ignores its tolerance",
+           tests=RULE_TESTS),
+    Mutant("R11", "loki/evaluation/gates.py", "abs(r[\"rel_diff\"]) <= tol,", "r[\"rel_diff\"] <= tol,",
+           "fast path passes any negative difference", tests=RULE_TESTS),
+    Mutant("R12", "loki/evaluation/gates.py", "rel = abs(r[\"ppl\"] / ref[\"ppl\"] - 1)",
+           "rel = r[\"ppl\"] / ref[\"ppl\"] - 1", "exactness passes any lower perplexity", tests=RULE_TESTS),
+    Mutant("R13", "loki/evaluation/gates.py", "drop, t[\"max\"], drop <= t[\"max\"],",
+           "drop, t[\"max\"], drop < t[\"max\"],", "downstream fails a drop at its limit", tests=RULE_TESTS),
+    Mutant("R14", "loki/evaluation/gates.py", "    if not unknown and allow_known_misses:", "    if not unknown:",
+           "known misses pass without --allow-known-misses", tests=RULE_TESTS),
+    Mutant("R15", "loki/evaluation/gate_rows.py", "    if row.get(\"gqa_select\", \"query\") != mode:",
+           "    if False:", "every row in the default GQA mode", tests=RULE_TESTS),
+    Mutant("R16", "ci/gate.py", "ok = old - value <= allowed", "ok = value - old <= allowed",
+           "higher-is-better regressions checked the wrong way", tests=CI_RULE_TESTS),
+    Mutant("R17", "ci/gate.py", "ok = ok and value <= rule.maximum", "ok = ok and value < rule.maximum",
+           "a value at its maximum fails", tests=CI_RULE_TESTS),
+    Mutant("R18", "ci/gate.py", "allowed = max(abs(old) * (rule.factor - 1.0), rule.floor)",
+           "allowed = abs(old) * (rule.factor - 1.0)", "min_abs_change ignored", tests=CI_RULE_TESTS),
+    Mutant("R19", "ci/gate.py", "slack = abs(self.measured) * self.tolerance", "slack = 0.0",
+           "known misses without their tolerance", tests=CI_RULE_TESTS),
+    Mutant("R20", "ci/gate.py", "            return self.measured + slack", "            return self.measured - slack",
+           "lower-is-better known misses: the tolerance the wrong way", tests=CI_RULE_TESTS),
+    # calibration: loki/calibration/
+    Mutant("C01", "loki/calibration/stats.py", "cov = cov - mu[..., :, None] * mu[..., None, :]",
+           "cov = cov - mu[..., None, :] * mu[..., None, :]", "covariance centred with a wrong outer product",
+           tests=STATS_TESTS),
+    Mutant("C02", "loki/calibration/stats.py", "return self.outer / self.count[..., None, None].to(torch.float64)",
+           "return self.outer / (self.count[..., None, None] - 1).to(torch.float64)",
+           "second moment divided by N - 1", tests=STATS_TESTS),
+    Mutant("C03", "loki/calibration/stats.py", "torch.einsum(\"nhd,nhe->hde\", k, k)",
+           "torch.einsum(\"nhd,nhe->hed\", k, k)", "outer products summed transposed", tests=STATS_TESTS,
+           equivalent="a sum of k k^T is symmetric: its transpose is itself, to the bit"),
+    Mutant("C04", "loki/calibration/stats.py", "        self.outer += other.outer.to(dev)",
+           "        self.outer = other.outer.to(dev)", "merge keeps only the other statistics' outer products",
+           tests=STATS_TESTS),
+    Mutant("C05", "loki/calibration/collect.py", "key.transpose(1, 2)[valid][:take]", "key.transpose(1, 2)[valid]",
+           "token budget ignored for post-rotary keys", tests=STATS_TESTS),
+    Mutant("C06", "loki/calibration/collect.py", "take = n if num_tokens is None else min(n, num_tokens - seen)",
+           "take = n", "the last batch not truncated to the budget", tests=STATS_TESTS),
+    Mutant("C07", "loki/calibration/collect.py", "q.reshape(-1, HKV, G, D).transpose(1, 2).reshape(-1, HKV, D)",
+           "q.reshape(-1, G, HKV, D).reshape(-1, HKV, D)", "query heads pooled into the wrong KV groups",
+           tests=SCORE_TESTS + ["-k", "pools"]),
+    Mutant("C08", "loki/calibration/collect.py", "% 1.0) * (max_positions - seq_len + 1))",
+           "% 1.0) * (max_positions - seq_len + 2))", "calibration offsets past the covered positions",
+           tests=["tests/test_calibration.py", "-k", "position"]),
+    Mutant("C09", "loki/calibration/hooks.py", "return (attention_mask.long().cumsum(dim=-1) - 1).clamp_min(0)",
+           "return attention_mask.long().cumsum(dim=-1).clamp_min(0)", "positions start at 1",
+           tests=["tests/test_calibration.py", "-k", "rotary or padding or shifted"]),
+    Mutant("C10", "loki/calibration/hooks.py", "mask = causal[None, None] & self.valid[:, None, None, :]",
+           "mask = causal[None, None]", "the recorder attends to padding", tests=STATS_TESTS),
+    Mutant("C11", "loki/calibration/score_aware.py", "pk = b_inv @ vh.transpose(-1, -2) * root",
+           "pk = b_inv @ vh * root", "score-aware key transform not dual to the query's", tests=SCORE_TESTS),
+    Mutant("C12", "loki/calibration/score_aware.py",
+           "w = torch.where(spread > 0, 1.0 / spread.clamp_min(1e-300), 0.0)", "w = torch.ones_like(spread)",
+           "group-normalised query moment not normalised", tests=SCORE_TESTS + ["-k", "group"]),
+    Mutant("C13", "loki/calibration/calibrate.py", "covered = max_positions if max_positions is not None else seq_len",
+           "covered = seq_len", "the basis records the sequence length as its covered positions",
+           tests=["tests/test_calibration.py", "-k", "covered or records"]),
 ]
 
 
