@@ -19,7 +19,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from loki._checks import budget_bound, budget_counts
-from loki.kernels.decode import decode_attention, loki_decode_step, selection_bound, selection_width
+from loki.kernels.decode import decode_attention, launch_decode_step, selection_bound, selection_width
 from loki.testing.inputs import make_decode_inputs
 from loki.testing.invariants import assert_same_sets
 from loki.testing.strategies import decode_shapes
@@ -108,13 +108,14 @@ def test_rounded_down_width_would_miss_the_boundary():
 # ------------------------------------------------------------------------------------------ the Triton path
 def _check_triton_attends_the_budget(B, HQ, HKV, S, D, d, k, *, ragged, left_pad, seed=0, gqa_select="query",
                                      device="cpu"):
-    """decode_attention(backend="triton") and loki_decode_step at the integration's selection width against the
+    """decode_attention(backend="triton") and launch_decode_step at the integration's selection width against the
     reference: every row attends exactly its count of tokens (the reference's set), and the outputs agree."""
     x = make_decode_inputs(B, HQ, HKV, S, D, dtype=torch.float32, ragged=ragged, left_pad=left_pad, seed=seed,
                            device=device)
     n = (x.lengths - x.starts).tolist()
     want = torch.tensor([rule(k, m) for m in n], device=x.q.device)
-    kw = dict(d=d, k=k, lengths=x.lengths, starts=x.starts, gqa_select=gqa_select, return_indices=True)
+    kw = dict(d=d, k=k, lengths=x.lengths, starts=x.starts, gqa_select=gqa_select, aggregate="sum",
+              return_indices=True)
     ref_out, (ref_idx, ref_counts) = decode_attention(x.q, x.k_cache, x.v_cache, backend="torch", **kw)
     assert ref_counts.tolist() == want.tolist()
     out, (idx, counts) = decode_attention(x.q, x.k_cache, x.v_cache, backend="triton", **kw)
@@ -124,8 +125,9 @@ def _check_triton_attends_the_budget(B, HQ, HKV, S, D, d, k, *, ragged, left_pad
     torch.testing.assert_close(out, ref_out, rtol=2e-5, atol=2e-5)
     # the integration's route: the selection width rounded up to 16, counts on the device
     W = selection_width(k, S)
-    idx2, out2 = loki_decode_step(x.q, x.k_cache, x.v_cache, x.lengths, x.starts, want, d=d, k_max=W,
-                                  gqa_select=gqa_select, select_method="triton")
+    idx2, out2 = launch_decode_step(q_hat=x.q, k_hat=x.k_cache, v_cache=x.v_cache, k_prefix=None,
+                                    lengths=x.lengths, starts=x.starts, counts=want, d=d, width=W,
+                                    gqa_select=gqa_select, aggregate="sum", scale=None)
     assert idx2.shape[-1] == W >= int(want.max())
     assert_same_sets(idx2, ref_idx, want)
     torch.testing.assert_close(out2, ref_out, rtol=2e-5, atol=2e-5)
@@ -151,8 +153,8 @@ def test_one_token_short_is_caught_at_the_reported_boundary():
     """The reported defect's size at S = 65, k = 0.25: leaving the 17th token out changes the output by far more
     than the comparison's tolerance, so the checks above can fail."""
     x = make_decode_inputs(1, 4, 2, 65, 16, dtype=torch.float32)
-    full = decode_attention(x.q, x.k_cache, x.v_cache, d=8, k=0.25, backend="torch")
-    short = decode_attention(x.q, x.k_cache, x.v_cache, d=8, k=16, backend="torch")
+    full = decode_attention(x.q, x.k_cache, x.v_cache, d=8, k=0.25, backend="torch", gqa_select="query", aggregate="sum")
+    short = decode_attention(x.q, x.k_cache, x.v_cache, d=8, k=16, backend="torch", gqa_select="query", aggregate="sum")
     assert float((full - short).abs().max()) > 1e-2
 
 
