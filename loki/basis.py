@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import warnings
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
@@ -45,6 +44,7 @@ from loki._hf import (
     config_model_name,
     expected_shape,
 )
+from loki._io import atomic_path
 from loki._version import __version__
 from loki.spectrum import explained_variance_ratio, pca_from_statistics, rank_at
 
@@ -420,14 +420,8 @@ class PCABasis:
         folder = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(folder):
             raise FileNotFoundError(f"cannot save the PCA basis to {path}: folder {folder} does not exist")
-        fd, tmp = tempfile.mkstemp(prefix=".basis-", suffix=".safetensors.tmp", dir=folder)
-        os.close(fd)
-        try:
+        with atomic_path(path) as tmp:
             save_file(tensors, tmp, metadata=str_meta)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
 
     @classmethod
     def load(

@@ -22,11 +22,12 @@ import importlib.util
 import json
 import os
 import shutil
-import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+from loki._io import atomic_write, new_temp_folder
 
 __all__ = [
     "DEFAULT_GGUF",
@@ -91,10 +92,7 @@ def _write_memo(memo_file: Path, memo: dict) -> None:
     memo = {p: e for p, e in memo.items() if Path(p).exists()}
     try:
         memo_file.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".sha256-", dir=memo_file.parent)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(memo, f, indent=1, sort_keys=True)
-        os.replace(tmp, memo_file)
+        atomic_write(memo_file, json.dumps(memo, indent=1, sort_keys=True))
     except OSError:
         pass
 
@@ -191,7 +189,7 @@ def default_model_dir(cache_dir: str | os.PathLike | None = None, *, convert: bo
     if progress is not None:
         progress(f"converting {gguf.name} to float32 safetensors in {target} (once, ~15 s)")
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    tmp = new_temp_folder(target.parent, ".convert-")
     try:
         _convert(gguf, tmp)
         try:
