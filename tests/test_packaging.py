@@ -152,7 +152,7 @@ def test_version_option_of_the_installed_command():
 def test_setup_and_tox_name_the_cpu_index():
     setup = (ROOT / "scripts" / "setup.sh").read_text()
     tox = (ROOT / "tox.ini").read_text()
-    assert f"LOKI_TORCH_INDEX:-{CPU_INDEX}" in setup and "scripts/install_torch.sh" in setup
+    assert f"LOKI_TORCH_INDEX:-{CPU_INDEX}" in setup and "tools/install_torch.sh" in setup
     # torch is installed before the requirements (which pin it), so the pin finds it installed
     assert setup.index("install_torch.sh") < setup.index("-r requirements/ci.txt")
     assert f"LOKI_TORCH_INDEX = {{env:LOKI_TORCH_INDEX:{CPU_INDEX}}}" in tox
@@ -183,7 +183,7 @@ def _fake_python(tmp_path: Path, installed: bool, reachable: bool) -> tuple[Path
 def test_install_torch_takes_the_cpu_index_when_it_answers(tmp_path, installed, reachable):
     fake, log = _fake_python(tmp_path, installed, reachable)
     env = {k: v for k, v in os.environ.items() if k != "LOKI_TORCH_INDEX"}
-    res = subprocess.run(["bash", str(ROOT / "scripts" / "install_torch.sh"), str(fake)], env=env,
+    res = subprocess.run(["bash", str(ROOT / "tools" / "install_torch.sh"), str(fake)], env=env,
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     pin = re.search(r"^torch==\S+", (ROOT / "requirements" / "ci.txt").read_text(), re.M).group(0)

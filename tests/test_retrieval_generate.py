@@ -255,12 +255,12 @@ def test_loki_check_wiring(tiny, monkeypatch, tmp_path):
 
 
 def test_script_retrieval_runs_on_the_cpu(tmp_path, capsys):
-    """scripts/fast_path_check.py --retrieval --tiny: the GPU command's code paths (engine, generate, gate, JSON,
+    """tools/fast_path_check.py --retrieval --tiny: the GPU command's code paths (engine, generate, gate, JSON,
     table) on a tiny model, uncompiled."""
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "scripts" / "fast_path_check.py"
+    path = Path(__file__).resolve().parent.parent / "tools" / "fast_path_check.py"
     spec = importlib.util.spec_from_file_location("fast_path_check", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
