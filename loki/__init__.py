@@ -7,16 +7,48 @@ The user API: :func:`calibrate` fits a :class:`PCABasis` of a model's keys, :fun
 method live in ``loki.reference``, the Triton kernels in ``loki.kernels``, calibration in ``loki.calibration``, the
 evaluation in ``loki.evaluation``.
 
-Importing ``loki`` never probes a device (the device is resolved when a kernel launches) and does not import
-transformers.
+Importing ``loki`` never probes a device (the device is resolved when a kernel launches) and imports neither
+torch nor transformers: the names above are imported on first use.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
 from ._version import __version__
-from .basis import PCABasis
-from .calibration import calibrate
-from .integrations.transformers import disable_loki, enable_loki
-from .kernels import decode_attention
-from .settings import LokiSettings
+
+if TYPE_CHECKING:
+    from .basis import PCABasis
+    from .calibration import calibrate
+    from .integrations.transformers import disable_loki, enable_loki
+    from .integrations.transformers.layers import loki_cache
+    from .kernels import decode_attention
+    from .settings import LokiSettings
+
+# Imported on first use (PEP 562), so that `import loki` (and `loki --help`) does not import torch.
+_EXPORTS = {
+    "LokiSettings": ".settings",
+    "PCABasis": ".basis",
+    "calibrate": ".calibration",
+    "decode_attention": ".kernels",
+    "disable_loki": ".integrations.transformers",
+    "enable_loki": ".integrations.transformers",
+    "loki_cache": ".integrations.transformers.layers",  # imports transformers
+}
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
 
 __all__ = [
     "LokiSettings",
@@ -29,10 +61,3 @@ __all__ = [
     "loki_cache",
 ]
 
-
-def __getattr__(name):  # loki_cache's module imports transformers: loaded when first asked for
-    if name == "loki_cache":
-        from .integrations.transformers.layers import loki_cache
-
-        return loki_cache
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["atomic_path", "atomic_write", "output_file_problem", "output_folder_problem"]
+__all__ = ["atomic_path", "atomic_write", "new_temp_folder", "output_file_problem", "output_folder_problem"]
 
 
 def _probe(folder: Path, option: str) -> str | None:
@@ -79,32 +80,54 @@ def output_folder_problem(path: str | os.PathLike, option: str) -> str | None:
     return _probe(parent, option)
 
 
-def _mode(path: Path) -> int:
-    """The permissions of a new file at ``path``: those of the file it replaces, else the umask's default
-    (``mkstemp`` makes its files private)."""
-    try:
-        return path.stat().st_mode & 0o7777
-    except OSError:
-        umask = os.umask(0)
-        os.umask(umask)
-        return 0o666 & ~umask
+def _new_temp_file(folder: Path, name: str, suffix: str) -> Path:
+    """An empty new file in ``folder`` under a unique hidden name, created as ``open(..., "w")`` creates files:
+    mode 0o666 less the process's umask (``tempfile.mkstemp`` would make it private, 0o600)."""
+    for _ in range(100):
+        tmp = folder / f".{name}.{secrets.token_hex(4)}{suffix}"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        except FileExistsError:
+            continue
+        os.close(fd)
+        return tmp
+    raise FileExistsError(f"cannot create a temporary file beside {folder / name}")
+
+
+def new_temp_folder(parent: Path, prefix: str) -> Path:
+    """An empty new folder in ``parent`` under a unique name starting with ``prefix``, created as ``os.mkdir``
+    creates folders (0o777 less the umask; ``tempfile.mkdtemp`` would make it private), for a folder written
+    whole and then renamed into place."""
+    for _ in range(100):
+        tmp = Path(parent) / f"{prefix}{secrets.token_hex(4)}"
+        try:
+            os.mkdir(tmp, 0o777)
+        except FileExistsError:
+            continue
+        return tmp
+    raise FileExistsError(f"cannot create a temporary folder in {parent}")
 
 
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike, suffix: str | None = None) -> Iterator[Path]:
     """Yield a temporary path in ``path``'s folder; when the block ends without an exception the file written
     there replaces ``path`` (``os.replace``), else it is removed.  ``suffix`` (default: ``path``'s own) keeps
-    writers that infer a format from the name working."""
+    writers that infer a format from the name working.
+
+    The file ends with the mode ``open(path, "w")`` would leave: that of the file it replaces, else 0o666 less the
+    umask.  The one atomic write of the package: results, bases, task files and caches all go through it."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix if suffix is None
-                               else suffix)
-    os.close(fd)
+    tmp = _new_temp_file(path.parent, path.name, path.suffix if suffix is None else suffix)
     try:
-        yield Path(tmp)
-        os.chmod(tmp, _mode(path))
+        try:
+            mode = path.stat().st_mode & 0o7777  # a replaced file keeps its mode, as open() keeps it
+        except FileNotFoundError:
+            mode = tmp.stat().st_mode & 0o7777  # the umask's, as open() creates files
+        yield tmp
+        os.chmod(tmp, mode)  # also where the writer replaced the file by one of its own (safetensors: 0o600)
         os.replace(tmp, path)
     finally:
-        if os.path.exists(tmp):
+        if os.path.lexists(tmp):
             os.unlink(tmp)
 
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import warnings
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
@@ -45,6 +44,7 @@ from loki._hf import (
     config_model_name,
     expected_shape,
 )
+from loki._io import atomic_path
 from loki._version import __version__
 from loki.spectrum import explained_variance_ratio, pca_from_statistics, rank_at
 
@@ -268,8 +268,9 @@ class PCABasis:
 
     # ------------------------------------------------------------------ validation
     def validate(self, config=None, model_name: str | None = None, atol: float = 1e-3) -> PCABasis:
-        """Check shapes, finiteness, orthonormality (``P^T P ~ I`` within ``atol``) and decreasing eigenvalues,
-        and, with ``config``, that the basis was calibrated for this architecture.  Returns ``self``.
+        """Check dtypes (components float32 or float64: a bfloat16 or float16 basis is refused, naming its dtype),
+        shapes, finiteness, orthonormality (``P^T P ~ I`` within ``atol``) and decreasing eigenvalues, and, with
+        ``config``, that the basis was calibrated for this architecture.  Returns ``self``.
 
         Raises:
             BasisError: naming the problem; a basis calibrated for another model (config fingerprint mismatch)
@@ -356,6 +357,13 @@ class PCABasis:
                 continue
             if not isinstance(t, torch.Tensor) or not t.is_floating_point():
                 raise BasisError(f"basis {name} must be a floating torch.Tensor, got {type(t).__name__}")
+            if name in ("components", "query_components") and t.dtype not in (torch.float32, torch.float64):
+                raise BasisError(
+                    f"basis {name} are {_dtype_name(t.dtype)}; a basis must be float32 or float64: "
+                    f"{_dtype_name(t.dtype)} rounding alone moves P^T P off the identity by about "
+                    f"{torch.finfo(t.dtype).eps:.0e}, and the scores are computed in float32 whatever the model's "
+                    "dtype, so nothing is gained; keep the float32 basis (PCABasis.load and calibrate give one; "
+                    "casting a rounded basis back does not restore it)")
         for name, (types, what) in _METADATA_TYPES.items():
             value = getattr(self, name)
             if isinstance(value, bool) and bool not in types or not isinstance(value, types):
@@ -420,14 +428,8 @@ class PCABasis:
         folder = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(folder):
             raise FileNotFoundError(f"cannot save the PCA basis to {path}: folder {folder} does not exist")
-        fd, tmp = tempfile.mkstemp(prefix=".basis-", suffix=".safetensors.tmp", dir=folder)
-        os.close(fd)
-        try:
+        with atomic_path(path) as tmp:
             save_file(tensors, tmp, metadata=str_meta)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
 
     @classmethod
     def load(

@@ -1,7 +1,14 @@
 """The ``loki`` command line.
 
 Each subcommand lives next to the code it drives and exposes ``add_arguments(parser)`` and
-``run(args) -> int``; this module only wires them up (imported lazily, so ``loki --help`` is fast).
+``run(args) -> int``; this module only wires them up.  Only the module of the command that runs is imported, and
+the command modules import torch, transformers and the kernels inside ``run``: ``loki --help``, ``loki --version``
+and ``loki COMMAND --help`` import none of them (tests/test_cli_startup.py).
+
+A user error is one line ``error: ...`` on stderr and exit status 2: argparse's own errors, a
+:class:`~loki.evaluation.commands.UsageError` raised by a command's checks (every argument, file and schema is
+checked before a model loads), and a model or text wheel that is not installed
+(:class:`~loki.embedded.EmbeddedModelError`, which says how to install it).
 """
 
 from __future__ import annotations
@@ -60,11 +67,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: --device: {exc}", file=sys.stderr)
             return 2
     module = importlib.import_module(COMMANDS[args.command][0])
+    from loki.embedded import EmbeddedModelError
     from loki.evaluation.commands import UsageError
 
     try:
         return int(module.run(args) or 0)
-    except UsageError as exc:  # a plain user error: one line, exit status 2, no traceback
+    except (UsageError, EmbeddedModelError) as exc:
+        # a user error (or a model or text wheel that is not installed): one line, exit status 2, no traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

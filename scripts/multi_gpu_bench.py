@@ -233,7 +233,7 @@ def kernel_summary(prof, steps: int, top: int = 15) -> dict:
 
 @torch.no_grad()  # autograd would make Loki's decode step take the differentiable reference (enable_loki's "auto")
 def decode_speed_static(model, B, S, steps, profile: bool = False) -> dict:
-    """Decode steps on a static cache (``loki_static_cache`` under Loki, else transformers' ``StaticCache``; each
+    """Decode steps on a static cache (``loki_cache(static=True)`` under Loki, else transformers' ``StaticCache``; each
     rank's layers allocate their local heads at the first write), the forward compiled with CUDA graphs
     (``mode="reduce-overhead"``); the steps run once untimed, the cache is rewound, then they are timed."""
     from transformers import StaticCache

@@ -260,3 +260,33 @@ def test_basis_rank_at_is_monotone():
     ev = basis.explained_variance()
     assert ev.shape == (L, HKV, D) and (ev[..., 1:] >= ev[..., :-1]).all()
     assert torch.equal(ev[..., -1], torch.ones(L, HKV, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_half_precision_basis_is_refused_naming_its_dtype(tmp_path, dtype):
+    """A basis rounded to 16 bits is no longer orthonormal to the tolerance (bf16: ~4e-3 at D=64) and gains nothing
+    (scores are computed in float32): refused with its dtype named and float32 recommended, whether built in
+    memory or read from a file another tool wrote."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    name = str(dtype).replace("torch.", "")
+    basis = PCABasis.random(2, 3, 64)
+    with pytest.raises(BasisError, match=rf"components are {name}; a basis must be float32 or float64"):
+        basis.to(dtype=dtype).validate()
+    score = PCABasis.random(2, 3, 64, kind="score")
+    score.query_components = score.components.to(dtype)
+    with pytest.raises(BasisError, match=rf"query_components are {name}"):
+        score.validate()
+    path = tmp_path / "basis.safetensors"
+    basis.save(path)
+    with safe_open(str(path), framework="pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    tensors["components"] = tensors["components"].to(dtype)
+    save_file(tensors, str(path), metadata=meta)
+    with pytest.raises(BasisError, match=rf"{path}: basis components are {name}.*float32"):
+        PCABasis.load(path)
+    for ok in (torch.float32, torch.float64):  # full precision keeps working, and saves as float32
+        basis.to(dtype=ok).validate(atol=1e-5)
+        basis.to(dtype=ok).save(path)
+        assert PCABasis.load(path).components.dtype == torch.float32

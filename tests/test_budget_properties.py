@@ -153,7 +153,8 @@ def test_one_token_short_is_caught_at_the_reported_boundary():
     """The reported defect's size at S = 65, k = 0.25: leaving the 17th token out changes the output by far more
     than the comparison's tolerance, so the checks above can fail."""
     x = make_decode_inputs(1, 4, 2, 65, 16, dtype=torch.float32)
-    full = decode_attention(x.q, x.k_cache, x.v_cache, d=8, k=0.25, backend="torch", gqa_select="query", aggregate="sum")
+    full = decode_attention(x.q, x.k_cache, x.v_cache, d=8, k=0.25, backend="torch", gqa_select="query",
+                            aggregate="sum")
     short = decode_attention(x.q, x.k_cache, x.v_cache, d=8, k=16, backend="torch", gqa_select="query", aggregate="sum")
     assert float((full - short).abs().max()) > 1e-2
 

@@ -121,6 +121,7 @@ def test_loki_ppl_takes_an_aggregate_and_prints_the_bytes(monkeypatch, tmp_path,
     ppl.add_arguments(parser)
     assert next(a for a in parser._actions if a.dest == "aggregate").choices == ("auto", *GQA_AGGREGATES)
     model = tiny_model("llama", vocab_size=128)
+    monkeypatch.setattr(ppl, "load_tokenizer_and_config", lambda args, log=None: (ByteTokenizer(128), model.config))
     monkeypatch.setattr(ppl, "load_model_from_args", lambda args: (model, ByteTokenizer(128)))
     text = tmp_path / "text.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 8)

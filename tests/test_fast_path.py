@@ -117,12 +117,12 @@ def test_fast_path_gate_and_report():
 
 
 def test_fast_path_check_script_runs_on_the_cpu(tmp_path, capsys):
-    """scripts/fast_path_check.py --tiny: the GPU command's code paths (gate, JSON, table) on a tiny model."""
+    """tools/fast_path_check.py --tiny: the GPU command's code paths (gate, JSON, table) on a tiny model."""
     import importlib.util
     import json
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "scripts" / "fast_path_check.py"
+    path = Path(__file__).resolve().parent.parent / "tools" / "fast_path_check.py"
     spec = importlib.util.spec_from_file_location("fast_path_check", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

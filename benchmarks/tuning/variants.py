@@ -1,4 +1,6 @@
-"""Kernel variants at the target shapes, timed in one process on the GPU (``scripts/gpu_check.py --variants``).
+"""Kernel variants at the target shapes, timed in one process on the GPU.
+
+    PYTHONPATH=. python3 -m benchmarks.tuning.variants --out $OUT
 
 For each target shape (``benchmarks._shapes.TARGET_SHAPES``): torch SDPA and per stage the launch variants
 of the kernels (scores: strided vs ``k_prefix``, block sizes; select: warps, early exit; attention: prefetch,
@@ -271,3 +273,11 @@ def summarize(name, copy_gbps, shapes, rows, t0):
         print(f"{r['shape']}: sdpa {r['sdpa']:.3f} floor {r['floor_ms']:.3f} | " + " | ".join(parts))
         print("   best: " + " / ".join(f"{s_}: {best[s_][0]:.4f} ({best[s_][1]})"
                                      for s_ in ("scores", "select", "attention") if s_ in best))
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder of the JSON (default: $OUT or .)")
+    raise SystemExit(main(ap.parse_args().out))

@@ -244,7 +244,9 @@ def run(args: argparse.Namespace) -> int:
     if args.threads is not None and args.threads < 1:
         return fail(f"--threads must be >= 1, got {args.threads}")
     try:
-        thresholds = load_thresholds(args.thresholds)
+        # every gate of the profile must be in the file (a recording run writes the profile's limits)
+        profile = None if args.update_thresholds else "long" if args.long else args.profile
+        thresholds = load_thresholds(args.thresholds, profile=profile)
     except FileNotFoundError as exc:
         if not args.update_thresholds:
             return fail(f"--thresholds: {exc}")

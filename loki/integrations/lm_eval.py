@@ -34,7 +34,6 @@ import importlib.util
 import os
 import re
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +41,7 @@ import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
+from loki._io import atomic_write
 from loki.embedded import DEFAULT_MODEL_NAME, cache_root, default_model_dir
 
 from .transformers import enable_loki, state_of
@@ -246,10 +246,7 @@ def write_task_files(dest: str | os.PathLike | None = None, data_dir: str | os.P
         target = dest / name
         if target.is_file() and target.read_text() == text:
             continue
-        fd, tmp = tempfile.mkstemp(dir=dest, prefix=f".{name}.", suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, target)
+        atomic_write(target, text)
     return dest
 
 

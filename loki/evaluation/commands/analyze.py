@@ -9,7 +9,16 @@ from pathlib import Path
 
 from loki._io import atomic_write
 
-from . import add_model_arguments, check_output_folder, fail, load_model_from_args
+from . import (
+    add_model_arguments,
+    check_corpus,
+    check_fits_context,
+    check_model_folder,
+    check_output_folder,
+    fail,
+    load_basis_arg,
+    load_model_from_args,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,9 +45,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from loki.basis import BasisError, PCABasis
-    from loki.evaluation.rank import rank_summary, write_rank_plots
-
     vs = tuple(args.v or (90.0, 95.0))
     for v in vs:
         if not 0 < v <= 100:
@@ -46,13 +52,10 @@ def run(args: argparse.Namespace) -> int:
     err = check_output_folder(args.out, "--out")  # before any calibration: a bad folder must not cost it
     if err:
         return fail(err)
-    bases: dict[str, PCABasis] = {}
+    bases = {}
     for item in args.basis:
         name, _, path = item.rpartition("=")
-        try:
-            b = PCABasis.load(path)
-        except (FileNotFoundError, BasisError) as exc:
-            return fail(str(exc))
+        b = load_basis_arg(path, "--basis")
         key = name or (b.rotary if b.rotary not in bases else Path(path).stem)
         bases[key] = b
     if not bases:
@@ -60,9 +63,16 @@ def run(args: argparse.Namespace) -> int:
 
         if args.tokens < 1 or args.seq_len < 2:
             return fail("--tokens must be >= 1 and --seq-len >= 2")
+        err = check_model_folder(args.model)
+        if err:
+            return fail(err)
+        check_fits_context(args, args.seq_len, f"--seq-len {args.seq_len}")
+        check_corpus(args.corpus, "--corpus")
         model, tokenizer = load_model_from_args(args)
         recipe = replace(DEFAULT_RECIPE, corpus=args.corpus, num_tokens=args.tokens, seq_len=args.seq_len)
         bases = get_bases(model, tokenizer, ("pre", "post"), recipe, progress=not args.no_progress, log=print)
+    from loki.evaluation.rank import rank_summary, write_rank_plots
+
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     summary = rank_summary(bases, vs)

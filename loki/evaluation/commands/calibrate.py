@@ -5,7 +5,15 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from . import add_model_arguments, check_input_file, check_model_folder, check_output_file, fail, load_model_from_args
+from . import (
+    add_model_arguments,
+    check_fits_context,
+    check_model_folder,
+    check_output_file,
+    fail,
+    load_model_from_args,
+    load_text_arg,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,7 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="positions the basis covers (default: the model's context length)")
     parser.add_argument("--seq-len", type=int, default=None,
                         help="tokens per calibration sequence (default: --max-positions)")
-    parser.add_argument("--batch-size", type=int, default=4, help="sequences per forward (default: %(default)s)")
+    parser.add_argument("--batch-size", type=int, default=4,
+                        help="sequences per forward (default: %(default)s)")
     parser.add_argument("--rotary", default="post", choices=("pre", "post", "both"),
                         help="keys before or after the rotary embedding (default: %(default)s)")
     parser.add_argument("--output", "-o", required=True,
@@ -47,35 +56,36 @@ def _outputs(output: str, rotary: str) -> dict[str, Path]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from loki._distributed import init_from_env
-    from loki.calibration import calibrate
-    from loki.evaluation.data import load_corpus
-
     if args.tokens < 1:
         return fail(f"--tokens must be >= 1, got {args.tokens}")
+    if args.batch_size < 1:
+        return fail(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.seq_len is not None and args.seq_len < 2:
         return fail(f"--seq-len must be >= 2, got {args.seq_len}")
     if args.max_positions is not None and args.max_positions < 2:
         return fail(f"--max-positions must be >= 2, got {args.max_positions}")
+    if args.seq_len is not None and args.max_positions is not None and args.seq_len > args.max_positions:
+        return fail(f"--seq-len {args.seq_len} exceeds --max-positions {args.max_positions} (the positions the "
+                    "basis covers)")
     if args.kind == "score" and args.rotary != "post":
         return fail(f"--kind score is fitted on post-rotary queries and keys: --rotary must be post, got {args.rotary}")
-    if args.batch_size < 1:
-        return fail(f"--batch-size must be >= 1, got {args.batch_size}")
     outputs = _outputs(args.output, args.rotary)
     # every argument is checked before the model loads and calibrates: a bad path must not cost the calibration
     for p in outputs.values():
         err = check_output_file(p, "--output", existing="basis")  # never model weights or any other file
         if err:
             return fail(err)
-    err = check_input_file(args.text_file, "--text-file") or check_model_folder(args.model)
+    err = check_model_folder(args.model)
     if err:
         return fail(err)
-    try:
-        src = load_corpus(args.corpus, part="calib", path=args.text_file)
-    except (FileNotFoundError, ValueError) as exc:
-        return fail(str(exc))
-    if not src.text.strip():
-        return fail(f"--text-file {args.text_file} is empty" if args.text_file else f"corpus {src.origin} is empty")
+    for option in ("--max-positions", "--seq-len"):
+        value = getattr(args, option[2:].replace("-", "_"))
+        if value is not None:
+            check_fits_context(args, value, f"{option} {value}")
+    src = load_text_arg(args.corpus, "calib", args.text_file)
+    from loki._distributed import init_from_env
+    from loki.calibration import calibrate
+
     main = init_from_env().rank == 0  # under torchrun: one process per device, rank 0 writes
     model, tokenizer = load_model_from_args(args)
     text = src.text[: max(20_000, 12 * args.tokens)]

@@ -7,22 +7,21 @@ import argparse
 import json
 from typing import Any
 
-from lm_eval import simple_evaluate
-
 from loki._io import atomic_write
 from loki.evaluation.commands import (
-    check_input_file,
     check_model_folder,
     check_output_file,
     fail,
     fraction_or_count,
+    load_basis_arg,
     non_negative_int,
     positive_int,
     set_threads,
 )
-from loki.integrations.lm_eval import TASKS, LokiLM, task_manager
 
 _METHODS = ("loki", "exact_topk", "pcaattn", "dense", "sparq", "h2o")
+#: loki.integrations.lm_eval.TASKS, for the help text without importing lm-eval (tests/test_cli_contracts.py)
+_TASKS = ("loki_arc_easy", "loki_arc_challenge", "loki_piqa", "loki_hellaswag", "loki_winogrande", "loki_copa")
 
 __all__ = ["add_arguments", "run"]
 
@@ -79,7 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default="auto", choices=("auto", "torch", "triton"),
                         help="decode kernels: Triton on CUDA, the PyTorch reference elsewhere (default: auto)")
     parser.add_argument("--tasks", default="loki_arc_easy",
-                        help=f"comma-separated lm-eval task names, e.g. {','.join(TASKS)},loki_mmlu "
+                        help=f"comma-separated lm-eval task names, e.g. {','.join(_TASKS)},loki_mmlu "
                         "(default: %(default)s)")
     parser.add_argument("--limit", type=_limit, default=None,
                         help="documents per task: a count >= 1 or a fraction in (0, 1) (default: all)")
@@ -108,7 +107,7 @@ def _check(args: argparse.Namespace) -> str | None:
                 "-o basis.safetensors`), or choose another --method (dense, exact_topk, sparq, h2o)")
     if args.method == "h2o" and args.semantics != "generate":
         return "--method h2o decodes token by token: it needs --semantics generate"
-    err = check_input_file(args.basis, "--basis") or check_model_folder(args.model)
+    err = check_model_folder(args.model)
     if err:
         return err
     if args.output:
@@ -121,20 +120,22 @@ def _check(args: argparse.Namespace) -> str | None:
 
 def run(args: argparse.Namespace) -> int:
     """``loki eval``: evaluate the Loki model on local lm-eval tasks and print (and optionally save) the metrics."""
-    from loki.basis import BasisError, PCABasis
-
     err = _check(args)
     if err:
         return fail(err)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not tasks:
         return fail(f"--tasks names no task: {args.tasks!r}")
-    basis = None
-    if args.basis:
-        try:
-            basis = PCABasis.load(args.basis)  # format and values; the model's config is checked once it loads
-        except (FileNotFoundError, BasisError) as exc:
-            return fail(f"--basis: {exc}")
+    # format and values; the model's config is checked once it loads
+    basis = load_basis_arg(args.basis) if args.basis else None
+    if args.model is None:
+        from loki.embedded import default_gguf_path
+
+        default_gguf_path()  # the model wheel is installed (a one-line error saying how to install it otherwise)
+    from lm_eval import simple_evaluate
+
+    from loki.integrations.lm_eval import TASKS, LokiLM, task_manager
+
     set_threads(args.threads)
     try:
         tm = task_manager()

@@ -7,11 +7,14 @@ import time
 
 from . import (
     add_model_arguments,
-    check_input_file,
+    check_corpus,
+    check_fits_context,
     check_model_folder,
     fail,
     fraction_or_count,
+    load_basis_arg,
     load_model_from_args,
+    load_tokenizer_and_config,
 )
 
 
@@ -22,7 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("prompt", nargs="?", default="The history of the city begins",
                         help="the prompt (default: %(default)r)")
-    parser.add_argument("--max-new-tokens", type=int, default=48, help="tokens to generate (default: %(default)s)")
+    parser.add_argument("--max-new-tokens", type=int, default=48,
+                        help="tokens to generate (default: %(default)s)")
     parser.add_argument("--method", default="loki", choices=("loki", "exact_topk", "dense", "sparq", "h2o", "pcaattn"),
                         help="attention of the decode steps; dense is the baseline (default: %(default)s)")
     parser.add_argument("--k", type=fraction_or_count, default=0.5,
@@ -42,38 +46,48 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
-    from loki.basis import BasisError, PCABasis
-    from loki.integrations.transformers import disable_loki, enable_loki
-
+    # every argument, the basis file and the prompt's length are checked before the model loads
     if args.max_new_tokens < 1:
         return fail(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if not args.prompt.strip():
         return fail("prompt: the prompt is empty; give some text to continue")
-    err = check_input_file(args.basis, "--basis") or check_model_folder(args.model)
+    err = check_model_folder(args.model)
     if err:
         return fail(err)
-    model, tokenizer = load_model_from_args(args)
-    basis = None
-    if args.method in ("loki", "pcaattn"):
-        if args.basis:
-            try:
-                basis = PCABasis.load(args.basis, config=model.config)
-            except (FileNotFoundError, BasisError) as exc:
-                return fail(str(exc))
-        else:
-            from loki.evaluation.bases import DEFAULT_RECIPE, get_bases
+    basis = load_basis_arg(args.basis) if args.basis else None  # format and values
+    check_fits_context(args, args.max_new_tokens, f"--max-new-tokens {args.max_new_tokens}")
+    wants_basis = args.method in ("loki", "pcaattn")
+    if wants_basis and basis is None:
+        from loki.evaluation.bases import DEFAULT_RECIPE
 
-            basis = get_bases(model, tokenizer, ("score",), DEFAULT_RECIPE, progress=not args.no_progress,
-                              log=print)["score"]
+        check_corpus(DEFAULT_RECIPE.corpus, "the default basis' calibration corpus")
+    tokenizer, config = load_tokenizer_and_config(args, log=print)
     prompt = args.prompt
     if args.chat and getattr(tokenizer, "chat_template", None):
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                                add_generation_prompt=True)
     ids = tokenizer(prompt, return_tensors="pt")
-    if ids["input_ids"].shape[1] == 0:
+    n_prompt = int(ids["input_ids"].shape[1])
+    if n_prompt == 0:
         return fail(f"prompt: {args.prompt!r} gives no tokens")
+    check_fits_context(args, n_prompt + args.max_new_tokens,
+                       f"prompt ({n_prompt} tokens) + --max-new-tokens {args.max_new_tokens}")
+    import torch
+
+    from loki.basis import BasisError
+    from loki.integrations.transformers import disable_loki, enable_loki
+
+    if basis is not None:
+        try:
+            basis.validate(config)  # calibrated for this model (its architecture fields)
+        except BasisError as exc:
+            return fail(f"--basis {args.basis}: {exc}")
+    model, tokenizer = load_model_from_args(args)
+    if wants_basis and basis is None:
+        from loki.evaluation.bases import DEFAULT_RECIPE, get_bases
+
+        basis = get_bases(model, tokenizer, ("score",), DEFAULT_RECIPE, progress=not args.no_progress,
+                          log=print)["score"]
     try:
         enable_loki(model, basis, k=args.k, d=args.d, method=args.method, gqa_select=args.gqa_select)
     except (ValueError, TypeError) as exc:  # e.g. a count --d larger than the model's head dim

@@ -7,12 +7,17 @@ import sys
 
 from . import (
     add_model_arguments,
-    check_input_file,
+    check_corpus,
+    check_fits_context,
     check_model_folder,
     fail,
     fraction_or_count,
+    load_basis_arg,
     load_model_from_args,
+    load_text_arg,
+    load_tokenizer_and_config,
     resolve_windows,
+    text_windows,
     window_spec,
 )
 
@@ -69,41 +74,46 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "1024x4). A bare COUNT is the deprecated spelling (COUNT windows of --seq-len tokens)")
     parser.add_argument("--seq-len", type=int, default=None,
                         help="deprecated: tokens per window for a bare --windows COUNT (default 1024)")
-    parser.add_argument("--offset", type=int, default=0, help="tokens of the text skipped first (default: 0)")
+    parser.add_argument("--offset", type=int, default=0,
+                        help="tokens of the text skipped first (default: 0)")
     add_model_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    from loki.basis import BasisError, PCABasis
-    from loki.evaluation.data import load_corpus, token_windows
-    from loki.evaluation.perplexity import MethodSpec, perplexity
-
+    # every argument, file and the windows are checked before the model loads
     seq_len, n_windows = resolve_windows(args)
     if args.offset < 0:
         return fail(f"--offset must be >= 0, got {args.offset}")
     if args.calib_tokens is not None and args.calib_tokens < 1:
         return fail(f"--calib-tokens must be >= 1, got {args.calib_tokens}")
-    err = (check_input_file(args.text_file, "--text-file") or check_input_file(args.basis, "--basis")
-           or check_model_folder(args.model))
+    err = check_model_folder(args.model)
     if err:
         return fail(err)
-    try:
-        src = load_corpus(args.corpus, part="eval", path=args.text_file)
-    except (FileNotFoundError, ValueError) as exc:
-        return fail(str(exc))
-    if not src.text.strip():
-        return fail(f"--text-file {args.text_file} is empty" if args.text_file else f"corpus {src.origin} is empty")
+    wants_basis = args.method in ("loki", "pcaattn")
+    basis = load_basis_arg(args.basis) if args.basis else None  # format and values
+    check_fits_context(args, seq_len, f"--windows {seq_len}x{n_windows}")
+    src = load_text_arg(args.corpus, "eval", args.text_file)
+    if wants_basis and basis is None:
+        check_corpus(args.calib_corpus, "--calib-corpus")
     from loki._distributed import init_from_env
 
     main = init_from_env().rank == 0  # under torchrun the windows are split across the processes
+    log = (lambda m: print(m, file=sys.stderr)) if main else None
+    tokenizer, config = load_tokenizer_and_config(args, log=log)
+    windows = text_windows(tokenizer, src, seq_len, n_windows, offset=args.offset)
+    from loki.basis import BasisError
+    from loki.evaluation.perplexity import MethodSpec, perplexity
+
+    if basis is not None:
+        try:
+            basis.validate(config)  # calibrated for this model (its architecture fields)
+        except BasisError as exc:
+            return fail(f"--basis {args.basis}: {exc}")
     model, tokenizer = load_model_from_args(args)
     bases = None
-    if args.method in ("loki", "pcaattn"):
-        if args.basis:
-            try:
-                bases = {"b": PCABasis.load(args.basis, config=model.config)}
-            except (FileNotFoundError, BasisError) as exc:
-                return fail(str(exc))
+    if wants_basis:
+        if basis is not None:
+            bases = {"b": basis}
         else:
             from dataclasses import replace
 
@@ -111,7 +121,6 @@ def run(args: argparse.Namespace) -> int:
 
             recipe = replace(DEFAULT_RECIPE, corpus=args.calib_corpus,
                              num_tokens=args.calib_tokens or DEFAULT_RECIPE.num_tokens)
-            log = (lambda m: print(m, file=sys.stderr)) if main else None
             if log:
                 log(f"no --basis: using the default {args.basis_kind!r} basis ({recipe.resolved(model).describe()}), "
                     "calibrated once and cached for later runs (minutes on a CPU; pass --basis FILE, or "
@@ -127,7 +136,6 @@ def run(args: argparse.Namespace) -> int:
                         backend="torch").resolve(model.config)
     args.gqa_select, args.aggregate = mode.gqa_select.value, mode.aggregate.value
     try:
-        windows = token_windows(tokenizer, src, seq_len, n_windows, offset=args.offset)
         spec = MethodSpec(args.method, args.method, k=args.k, d=args.d, basis="b" if bases else None,
                           gqa_select=args.gqa_select, aggregate=args.aggregate)
         r = perplexity(model, windows, spec, bases, protocol=args.protocol)

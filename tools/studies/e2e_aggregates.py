@@ -2,7 +2,7 @@
 compiled Loki with one selection per KV group, raw sums ("sum") and the default softmax-normalised scores
 ("softmax-max"), at B=16 S=8192 (k_f 0.25) and at B=1 S=131072 with the fixed budget k = 2048.
 
-    PYTHONPATH=$PWD python3 scripts/e2e_aggregates.py --out e2e-aggregates.json     # about 5 minutes on an H100
+    PYTHONPATH=$PWD python3 tools/studies/e2e_aggregates.py --out e2e-aggregates.json     # about 5 minutes on an H100
 
 Prints one line per path (ms per step, speed-up over the compiled dense path of the same setting) and writes JSON.
 """

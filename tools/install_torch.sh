@@ -2,7 +2,7 @@
 # Install the torch release pinned in requirements/ci.txt into an environment, as the CPU build from PyTorch's
 # CPU index (PyPI's Linux wheels of the same version are the multi-GB CUDA build).
 #
-#   bash scripts/install_torch.sh [PYTHON]        (default: .venv/bin/python)
+#   bash tools/install_torch.sh [PYTHON]        (default: .venv/bin/python)
 #
 # LOKI_TORCH_INDEX overrides the index (default https://download.pytorch.org/whl/cpu; a CUDA index such as
 # https://download.pytorch.org/whl/cu128 for the GPU kernels).  Nothing is done when the pinned version is

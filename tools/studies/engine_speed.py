@@ -1,7 +1,7 @@
 """Speed of the evaluation engine against the dense forward, on whatever device: perplexity of full attention,
 exact top-k and Loki (random score-free PCA basis; the cost does not depend on the basis) on WikiText-2 windows.
 
-    python scripts/engine_speed.py --device cuda --windows 1024x8,8192x2
+    python tools/studies/engine_speed.py --device cuda --windows 1024x8,8192x2
 
 Prints seconds per method and the ratio to full attention (best of --repeat runs after one warm-up run).
 """

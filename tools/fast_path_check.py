@@ -9,8 +9,8 @@ configuration timed before), the configuration the end-to-end benchmark times an
 the evaluation engine's perplexity of the same setting; the gate of ``loki check`` (fp32 within
 ``fast_path_rel_tol`` = 0.3% of the engine) decides the exit status.
 
-    PYTHONPATH=$PWD python scripts/fast_path_check.py --out fast-path.json        # GPU, a few minutes
-    python scripts/fast_path_check.py --tiny --out /tmp/fast-path.json            # CPU smoke run (uncompiled)
+    PYTHONPATH=$PWD python tools/fast_path_check.py --out fast-path.json        # GPU, a few minutes
+    python tools/fast_path_check.py --tiny --out /tmp/fast-path.json            # CPU smoke run (uncompiled)
 
 ``--retrieval`` checks the retrieval suite instead (``loki check --long``'s retrieval-through-generate section,
 ``loki.evaluation.retrieval_generate``): the long profile's retrieval samples (4 tasks at 1024-8192 tokens, 32 per
@@ -20,8 +20,8 @@ retrieval budget (k_f 0.125, d_f 0.25);
 the gate: for each setting, the paired 95% interval of the accuracy difference over every task and length contains
 0 or the difference is within ``retrieval_generate_tol`` (2 points).
 
-    PYTHONPATH=$PWD python scripts/fast_path_check.py --retrieval --out fast-path-retrieval.json   # GPU
-    python scripts/fast_path_check.py --retrieval --tiny --out /tmp/fast-path-retrieval.json     # CPU smoke run
+    PYTHONPATH=$PWD python tools/fast_path_check.py --retrieval --out fast-path-retrieval.json   # GPU
+    python tools/fast_path_check.py --retrieval --tiny --out /tmp/fast-path-retrieval.json     # CPU smoke run
 
 Writes the section as JSON and prints a table last; exit status 1 when the gate fails.
 """

@@ -5,7 +5,7 @@ token), decode-time semantics, d_f = 0.25.  For every recipe (calibration text, 
 positions, basis kind) it fits the bases in one pass, then measures the perplexity increase over full attention
 of exact top-k and of Loki with each basis at every window length and k_f, with paired 95% intervals.
 
-    python scripts/long_context_sweep.py --device cuda --out sweep.json
+    python tools/studies/long_context_sweep.py --device cuda --out sweep.json
 
 Writes the JSON (settings, seconds, every perplexity and interval) and prints a table last.
 """

@@ -4,14 +4,14 @@
 # and is assembled under /tmp/site (which stays on the machine between calls while it is held).
 #
 #   here (the CPU machine, after scripts/setup.sh):
-#       bash scripts/gpu_stage.sh prepare            -> .gpu-stage/part1, .gpu-stage/part2 (git-ignored)
+#       bash tools/gpu_stage.sh prepare            -> .gpu-stage/part1, .gpu-stage/part2 (git-ignored)
 #   on the GPU machine, two calls that follow each other (carry one part each):
-#       bash scripts/gpu_stage.sh install part1      (GGUF part 1, the gguf wheel, the corpus files)
-#       bash scripts/gpu_stage.sh install part2      (GGUF part 2; assembles the file and checks its sha256)
+#       bash tools/gpu_stage.sh install part1      (GGUF part 1, the gguf wheel, the corpus files)
+#       bash tools/gpu_stage.sh install part2      (GGUF part 2; assembles the file and checks its sha256)
 #   then, in that call and the next ones:
 #       export PYTHONPATH=$PWD:/tmp/site; python3 -m loki.cli check --long --device cuda
 #
-# `bash scripts/gpu_stage.sh check` exits 0 when /tmp/site holds the assembled, verified model.
+# `bash tools/gpu_stage.sh check` exits 0 when /tmp/site holds the assembled, verified model.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 GGUF=SmolLM2-135M-Instruct.Q4_1.gguf

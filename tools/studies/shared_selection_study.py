@@ -18,8 +18,8 @@ Rows run in order of priority (the primary text's fractions first, then the seco
 row whose projected time would pass ``--time-budget`` (seconds since start, default 450) is left out and listed;
 ``--quick`` runs a smaller set, ``--only`` picks rows by name pattern.
 
-    PYTHONPATH=$PWD python scripts/shared_selection_study.py --out shared-selection        # GPU, about 8 minutes
-    python scripts/shared_selection_study.py --tiny --out /tmp/study                        # CPU smoke run, seconds
+    PYTHONPATH=$PWD python tools/studies/shared_selection_study.py --out shared-selection   # GPU, about 8 minutes
+    python tools/studies/shared_selection_study.py --tiny --out /tmp/study                   # CPU smoke run, seconds
 
 Writes OUT/results.json, OUT/report.md and OUT/ppl_vs_bytes_<text>.png; prints a short table last.
 """

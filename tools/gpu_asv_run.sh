@@ -3,16 +3,16 @@
 # the tree has no usable git history, in commands of at most ~9.5 minutes that follow each other while the machine
 # keeps /tmp (docs/maintainers.md has the whole procedure and the commands).
 #
-# Run from the tree root with .asv/env/carry carried (made by scripts/gpu_asv_prepare.sh: asv's wheels, a git
+# Run from the tree root with .asv/env/carry carried (made by tools/gpu_asv_prepare.sh: asv's wheels, a git
 # bundle of main, the list of commits).  Each command:
 #   1. keeps the carried folder in the state folder (/tmp/asv-state), so a later command needs no carry;
-#   2. unpacks the wheels into the site folder (/tmp/site, where scripts/gpu_stage.sh puts the embedded model);
+#   2. unpacks the wheels into the site folder (/tmp/site, where tools/gpu_stage.sh puts the embedded model);
 #   3. makes the tree a git repository with branch main from the bundle (never touching a checkout whose main
 #      already holds the bundle's commits, and refusing one whose history differs);
 #   4. registers the ASV machine from the committed .asv/results/<machine>/machine.json, so every file carries the
 #      fields of the recorded history;
 #   5. runs ci/run_asv_history.sh for one commit at a time, end-to-end (bench_e2e) and accuracy (bench_accuracy,
-#      only once the embedded model is staged: `scripts/gpu_stage.sh check`) in one `asv run` where both are due,
+#      only once the embedded model is staged: `tools/gpu_stage.sh check`) in one `asv run` where both are due,
 #      starting a run only when its estimated time fits the budget (estimates: measured durations of earlier runs,
 #      else 240 s for bench_e2e and 150 s for bench_accuracy) and stopping it at the budget's end;
 #   6. after every run copies the commit's results file to the state folder and writes the tarball of all the
@@ -22,7 +22,7 @@
 #      when time is left and tars them into the output folder; prints a summary table last: one row per benchmark
 #      case, one column per commit.
 #
-# Usage: bash scripts/gpu_asv_run.sh [options] [COMMIT...]
+# Usage: bash tools/gpu_asv_run.sh [options] [COMMIT...]
 #   COMMIT...          commits to record (hash or prefix, `main`); default: the carried list (carry/commits)
 #   --budget S         seconds this command may take, publishing included (default 540)
 #   --out DIR          results tarball, pages tarball, log (default $OUT, else <state>/out)
@@ -121,7 +121,7 @@ if [ -d "$CARRY" ] && [ -f "$CARRY/repo.bundle" ]; then
     rm -rf "$STATE/carry.new" && cp -r "$CARRY" "$STATE/carry.new" && rm -rf "$STATE/carry" && mv "$STATE/carry.new" "$STATE/carry"
   fi
 elif [ ! -f "$STATE/carry/repo.bundle" ]; then
-  [ "$DRY" = 1 ] || die "no $CARRY here (carry it; scripts/gpu_asv_prepare.sh makes it) and none kept in $STATE/carry"
+  [ "$DRY" = 1 ] || die "no $CARRY here (carry it; tools/gpu_asv_prepare.sh makes it) and none kept in $STATE/carry"
 fi
 KEPT=$STATE/carry
 [ "$DRY" = 1 ] && [ ! -d "$KEPT" ] && KEPT=$CARRY
@@ -249,7 +249,7 @@ for c in "${COMMITS[@]}"; do
 done
 
 MODEL=0
-if LOKI_STAGE_SITE=$SITE bash scripts/gpu_stage.sh check >/dev/null 2>&1; then MODEL=1; fi
+if LOKI_STAGE_SITE=$SITE bash tools/gpu_stage.sh check >/dev/null 2>&1; then MODEL=1; fi
 
 # done GROUP HASH: the commit's results file has entries of the group's module (with --e2e-settings, for e2e: a
 # value of its speed-up for every one of the settings)
@@ -339,7 +339,7 @@ for h in "${HASHES[@]}"; do
   for g in "${GROUPS_WANTED[@]}"; do
     if [ "$REDO" = 0 ] && done_group "$g" "$h"; then say "$short $g: has results (--redo runs it again)"; continue; fi
     if [ "$g" = accuracy ] && [ "$MODEL" = 0 ]; then
-      say "$short accuracy: waiting for the embedded model (scripts/gpu_stage.sh install part1, part2)"
+      say "$short accuracy: waiting for the embedded model (tools/gpu_stage.sh install part1, part2)"
       skipped+=("$short:accuracy(model)"); continue
     fi
     due+=("$g")

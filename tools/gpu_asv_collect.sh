@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Bring the ASV results that scripts/gpu_asv_run.sh recorded on the GPU machine into this checkout
+# Bring the ASV results that tools/gpu_asv_run.sh recorded on the GPU machine into this checkout
 # (docs/maintainers.md): unpack the returned tarball(s) into .asv/results/<machine>/, check with ci/gate.py that
 # every recorded commit's end-to-end and accuracy values are read, refresh the committed benchmark list when the
 # suite changed (ci/asv_benchmark_list.py), and build the pages (.asv/html) from the whole history.
 #
-# Usage: bash scripts/gpu_asv_collect.sh [options] PATH...
+# Usage: bash tools/gpu_asv_collect.sh [options] PATH...
 #   PATH...          asv-results-<machine>.tar.gz files, or the folders the GPU commands' files came back in (the
 #                    tarball is cumulative: the last one holds every commit of the series; given several, later
 #                    ones win)

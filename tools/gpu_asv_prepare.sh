@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Prepare, on a machine with network and this checkout, what a GPU machine without network needs to record the
-# ASV history (scripts/gpu_asv_run.sh there, scripts/gpu_asv_collect.sh back here; docs/maintainers.md):
+# ASV history (tools/gpu_asv_run.sh there, tools/gpu_asv_collect.sh back here; docs/maintainers.md):
 #
 #   .asv/env/carry/            (git-ignored; carry it to the GPU machine with every run command)
 #     wheels/                  asv 0.6.6 and what it imports at run time, Python 3.12 manylinux x86_64 / pure wheels
@@ -8,14 +8,14 @@
 #     repo.bundle              `git bundle create` of branch main (ASV and ci/run_asv_history.sh need the history)
 #     commits                  the commits to record, full hashes, one a line (the run script's default)
 #
-# Usage: bash scripts/gpu_asv_prepare.sh [COMMIT...]
+# Usage: bash tools/gpu_asv_prepare.sh [COMMIT...]
 #   COMMIT...   commits to record (default: main c9f7b34 05ccf09, i.e. HEAD of main, the commit of the recorded
 #               end-to-end run and the fused static-cache write); each must be on main's first-parent line
 # Environment: LOKI_ASV_CARRY (default .asv/env/carry), LOKI_PY (default .venv/bin/python: pip and a check).
 #
 # The runtime closure is checked here: the selected wheels are unpacked into a scratch folder and asv's commands
 # are imported by an interpreter that sees only them and the standard library (python -S).  Also makes sure the
-# embedded model is staged in .gpu-stage/ (scripts/gpu_stage.sh prepare) and prints what each GPU command carries.
+# embedded model is staged in .gpu-stage/ (tools/gpu_stage.sh prepare) and prints what each GPU command carries.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -109,8 +109,8 @@ echo "main = $(git rev-parse --short=8 main); commits to record:"
 for h in "${RESOLVED[@]}"; do echo "  $(git log -1 --format='%h %ad %s' --date=short "$h" | cut -c1-110)"; done
 
 if [ ! -f .gpu-stage/part1/gguf.aa ] || [ ! -f .gpu-stage/part2/gguf.ab ]; then
-  echo "== staging the embedded model (scripts/gpu_stage.sh prepare)"
-  bash scripts/gpu_stage.sh prepare
+  echo "== staging the embedded model (tools/gpu_stage.sh prepare)"
+  bash tools/gpu_stage.sh prepare
 fi
 
 echo "== sizes (one GPU command carries at most 64 MiB, the tree included)"
