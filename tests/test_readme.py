@@ -1,8 +1,8 @@
 """The README as a newcomer reads it: its fast-decode block runs as written on the embedded model and prints what
 the README shows and what the dynamic cache prints (CPU: PyTorch reference; GPU: Triton kernels, generate's
 compiled static-cache decode steps); its results table is the one ``tools/readme_table.py`` writes from the
-committed results files; every relative link of the README, docs/*.md and results/**/NOTES.md reaches a file (and a heading, where
-it names one); the README stays within its word budgets."""
+committed results files; every relative link of the README, docs/*.md and results/**/NOTES.md reaches a file
+(and a heading, where it names one); the README stays within its word budgets."""
 
 from __future__ import annotations
 

@@ -32,6 +32,8 @@ COUNTS = "results/default-softmax-max-h100-2026-11-27/counts/results.json"
 E2E = "results/default-softmax-max-h100-2026-11-27/e2e-h100-default-generate.json"
 E2E_B = "results/default-softmax-max-h100-2026-11-27/e2e-h100-default-generate-b.json"
 
+#: What the README's caption says the rows were measured on; a source measured on anything else is an error.
+ACCURACY_MODEL, SPEED_MODEL = "SmolLM2-135M-Instruct", "llama3-8b"
 #: (file, window tokens, k) of each accuracy row: k a fraction k_f or a count of tokens.
 ACCURACY_ROWS = [(LONG, 8192, 0.25), (LONG, 8192, 0.125), (COUNTS, 8192, 2048), (LONG, 1024, 0.25)]
 #: (file, setting id) of each speed row.
@@ -76,6 +78,9 @@ def accuracy_row(doc: dict, rel: str, window: int, k: float) -> dict:
     got = {key: s.get(key) for key in want}
     if got != want:
         raise SourceError(f"{rel}: not the default configuration: {got}")
+    if s.get("model") != ACCURACY_MODEL or s.get("eval_corpus") != "wikitext":
+        raise SourceError(f"{rel}: measured on {s.get('model')} / {s.get('eval_corpus')}, "
+                          f"not {ACCURACY_MODEL} / wikitext")
     rows = [r for r in doc["perplexity"] if r.get("default") and r["seq_len"] == window and r["k"] == k]
     if len(rows) != 1:
         raise SourceError(f"{rel}: {len(rows)} default rows at {window} tokens, {_budget(k)} (want 1)")
@@ -95,6 +100,8 @@ def speed_row(doc: dict, rel: str, setting: str) -> dict:
     if len(rows) != 1 or "skipped" in rows[0]:
         raise SourceError(f"{rel}: no measured result for {setting}")
     (r,) = rows
+    if r["model"] != SPEED_MODEL:
+        raise SourceError(f"{rel}: {setting} has the dims of {r['model']}, not {SPEED_MODEL}")
     if (r["gqa_select"], r["aggregate"], r["d_f"]) != ("kv", "softmax-max", 0.25):
         raise SourceError(f"{rel}: {setting} is not the default configuration "
                           f"({r['gqa_select']}, {r['aggregate']}, d_f {r['d_f']})")
@@ -123,7 +130,7 @@ def collect(root: Path = ROOT) -> tuple[list[dict], list[dict]]:
 
 
 def readme_table(root: Path = ROOT) -> str:
-    """The README's results section body: caption, table and sources, between the markers (markers included)."""
+    """The README's results table and its sources line, between the markers (markers included)."""
     acc, speed = collect(root)
     model = {"llama3-8b": "Llama-3-8B", "llama2-7b": "Llama-2-7B"}
     lines = [
@@ -132,11 +139,11 @@ def readme_table(root: Path = ROOT) -> str:
         "|---|---|---|---:|---|",
     ]
     for a in acc:
-        lines.append(f"| perplexity increase, {a['model']}, WikiText-2 test | {a['windows']} x {a['window']} tokens, "
+        lines.append(f"| perplexity increase | {a['windows']} x {a['window']} tokens, "
                      f"{_budget(a['k'])} | {_short_card(a['card'])}, {a['dtype'].replace('float', 'fp')} | "
                      f"{a['bytes']:.3f} | **{_pct(a['increase'])}** {_ival(a['lo'], a['hi'])} |")
     for s in speed:
-        lines.append(f"| decode speed-up, {model.get(s['model'], s['model'])} dims: forward / `generate` | "
+        lines.append(f"| speed-up, {model.get(s['model'], s['model'])} dims: forward / `generate` | "
                      f"B = {s['B']}, S = {s['S']}, {_budget(s['k'])} | {_short_card(s['card'])}, "
                      f"{s['dtype'].replace('bfloat', 'bf')} | {s['bytes']:.2f} | **{s['speedup']:.2f}x / "
                      f"{s['gen_speedup']:.2f}x** ({s['loki_ms']:.2f} / {s['loki_gen']:.2f} ms against "
