@@ -31,7 +31,7 @@ __all__ = [
 #: The name registered with ``AttentionInterface`` / ``AttentionMaskInterface``.
 ATTN_IMPLEMENTATION = "loki"
 #: Decode-time methods selectable with ``method=``.
-METHODS = ("loki", "exact_topk", "pcaattn", "dense", "sparq", "h2o")
+METHODS = ("loki", "exact_topk", "pcaattn", "dense", "sparq", "h2o", "quest")
 #: Methods that need the PCA basis (they read the rotated cache).
 BASIS_METHODS = ("loki", "pcaattn")
 SEMANTICS = ("generate", "decode")

@@ -16,6 +16,7 @@ from loki.reference import (
     exact_topk_attention,
     h2o_attention,
     pcaattn_attention,
+    quest_attention,
     rotate_keys,
     sparq_attention,
 )
@@ -121,6 +122,9 @@ def decode_rows(method, q, kc, vc, *, k, d, lengths, starts, gqa_select, aggrega
         return dense_attention(q, kc, vc, lengths, starts, scale=scale)
     if method == "sparq":
         return sparq_attention(q, kc, vc, r=d, k=k, lengths=lengths, starts=starts, scale=scale)
+    if method == "quest":
+        return quest_attention(q, kc, vc, k=k, lengths=lengths, starts=starts, gqa_select=gqa_select,
+                               aggregate=aggregate, scale=scale)
     if method == "h2o":
         return h2o_attention(q, kc, vc, acc, k=k, lengths=lengths, starts=starts, scale=scale,
                              recent_fraction=recent_fraction, return_weights=True)
