@@ -197,3 +197,17 @@ def test_bad_page_size_and_aggregate_are_refused():
     with pytest.raises(ValueError, match="gqa_select"):
         select_pages(torch.zeros(1, 4, 1, 2), torch.ones(1, 1), torch.ones(1, 1), HKV=2, gqa_select="x", scale=1.0)
 
+
+@pytest.mark.parametrize("gqa,agg", [("query", "sum"), ("kv", "softmax-max")])
+def test_the_engine_equals_token_by_token_decoding_with_the_cache(gqa, agg):
+    from loki.evaluation.perplexity import MethodSpec, method_logits
+    from loki.testing.models import tiny_model
+
+    model = tiny_model("llama", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, seed=1)
+    ids = torch.randint(0, 256, (2, 70), generator=torch.Generator().manual_seed(0))
+    spec = MethodSpec("quest", "quest", k=0.6, gqa_select=gqa, aggregate=agg)  # up to 3 pages of 16 per row
+    rows = method_logits(model, ids, spec)
+    loop = method_logits(model, ids, spec, decode_loop=True)
+    torch.testing.assert_close(rows, loop, rtol=1e-4, atol=1e-4)
+    dense = method_logits(model, ids, MethodSpec("dense", "dense"))
+    assert (rows - dense).abs().max() > 1e-3  # the selection does drop tokens
