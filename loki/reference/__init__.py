@@ -3,6 +3,7 @@ benchmarks and integrations."""
 
 from .common import expand_to_query_heads, gather_rows, rotate_keys, rotate_query
 from .dense import dense_attention, exact_scores
+from .double_sparsity import double_sparsity_attention
 from .methods import exact_topk_attention, h2o_attention, loki_attention, pcaattn_attention, sparq_attention
 from .quest import QUEST_PAGE_SIZE, quest_attention
 from .selection import (
@@ -31,6 +32,7 @@ __all__ = [
     "budget",
     "check_kernel_aggregate",
     "dense_attention",
+    "double_sparsity_attention",
     "exact_scores",
     "exact_topk_attention",
     "expand_to_query_heads",
