@@ -144,3 +144,14 @@ class _nothing:
 
     def __exit__(self, *exc):
         return False
+
+
+def test_the_command_lists_match_the_library():
+    """The command spells the method names and the long windows out (no torch import for --help)."""
+    from loki.evaluation.commands import compare as cmd
+    from loki.evaluation.compare import DEFAULT_METHODS
+    from loki.evaluation.suite import PROFILES
+
+    assert cmd._METHODS == tuple(n for n in COMPARE_METHODS if n != "full")
+    assert cmd._DEFAULT_METHODS == DEFAULT_METHODS
+    assert cmd._LONG_WINDOWS == PROFILES["long"].windows == CompareOptions().windows

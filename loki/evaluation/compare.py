@@ -166,19 +166,23 @@ class BytesProbe:
     """The bytes per decode step of any teacher-forced method on a few windows, without running the model again:
     the post-rotary queries and keys of every layer, captured from one dense forward, go through
     :func:`~loki.reference.teacher_forced.teacher_forced_rows` under the bytes tally
-    (:func:`~loki.reference.accounting.tally_selections`)."""
+    (:func:`~loki.reference.accounting.tally_selections`).  At most ``rows`` query rows per window are probed, evenly
+    spaced (every row of windows up to that length), each with the tokens it sees in the window."""
 
-    def __init__(self, model, windows: torch.Tensor, bases: dict):
+    def __init__(self, model, windows: torch.Tensor, bases: dict, *, rows: int = 1024):
         from loki._hf import config_head_dim
         from loki.evaluation.agreement import capture_qk
 
+        N, T = windows.shape
         self.qk = capture_qk(model, windows)
+        dev = next(iter(self.qk.values()))[0].device
+        self.rows = torch.linspace(0, T - 1, min(T, max(1, rows)), device=dev).round().long().unique()
+        self.qk = {layer: (q[:, :, self.rows].contiguous(), k) for layer, (q, k) in self.qk.items()}
         self.bases = bases
         self.D = config_head_dim(model.config)
-        N, T = windows.shape
-        dev = next(iter(self.qk.values()))[0].device
-        self.starts = torch.zeros(N, T, dtype=torch.long, device=dev)
-        self.lengths = (1 + torch.arange(T, device=dev))[None].expand(N, T).contiguous()
+        R = self.rows.numel()
+        self.starts = torch.zeros(N, R, dtype=torch.long, device=dev)
+        self.lengths = (1 + self.rows)[None].expand(N, R).contiguous()
         self.cache: dict = {}
 
     def bytes(self, m: CompareMethod, k: float, d) -> float:
@@ -195,9 +199,9 @@ class BytesProbe:
                         b = self.bases[m.basis]
                         P, Pq = (t.to(device=q.device, dtype=torch.float32) for t in (b.layer(layer),
                                                                                       b.query_layer(layer)))
-                        B, HQ, T, D = q.shape
+                        B, HQ, R, D = q.shape
                         HKV = kk.shape[1]
-                        q = (q.float().view(B, HKV, HQ // HKV, T, D) @ Pq[None, :, None]).view(B, HQ, T, D)
+                        q = (q.float().view(B, HKV, HQ // HKV, R, D) @ Pq[None, :, None]).view(B, HQ, R, D)
                         kk = kk.float() @ P[None]
                     teacher_forced_rows(q, kk, kk, self.starts, self.lengths, method=m.method, k_budget=k,
                                         d=d if m.uses_d else 1.0, gqa_select=m.gqa_select, aggregate=m.aggregate)
@@ -218,6 +222,7 @@ class CompareOptions:
     tolerance: float = 0.005  # |bytes - target| accepted by the budget search (fractions jump at rational k_f)
     rerun_tolerance: float = 0.01  # an unprobed method (H2O) missing the target by more runs once more
     probe_windows: int = 1
+    probe_rows: int = 1024  # query rows per probe window (evenly spaced; all of them in shorter windows)
     h2o_max_len: int = 1024  # H2O decodes token by token: windows up to this length only
     corpus: str = "wikitext"
     text_file: str | None = None
@@ -272,7 +277,7 @@ def run_compare(model, tokenizer, opts: CompareOptions | None = None) -> dict:
             "threads": torch.get_num_threads(), "eval_origin": src.origin, "head_dim": D,
             "calibration": dict(vars(recipe.resolved(model))), "calib_origin": next(iter(bases.values())).corpus,
             "k": opts.k, "d": opts.d, "target_bytes": opts.target_bytes, "default_method": default.name,
-            "methods": [m.name for m in methods], "probe_windows": opts.probe_windows,
+            "methods": [m.name for m in methods], "probe_windows": opts.probe_windows, "probe_rows": opts.probe_rows,
             "tolerance": opts.tolerance, "windows": [list(w) for w in opts.windows],
         },
         "runs": [],
@@ -280,7 +285,7 @@ def run_compare(model, tokenizer, opts: CompareOptions | None = None) -> dict:
     for T, N in opts.windows:
         windows = token_windows(tokenizer, src, T, N)
         log(f"{N} x {T} tokens of {src.origin}")
-        probe = BytesProbe(model, windows[: max(1, min(opts.probe_windows, N))], bases)
+        probe = BytesProbe(model, windows[: max(1, min(opts.probe_windows, N))], bases, rows=opts.probe_rows)
         target = opts.target_bytes
         if target is None:
             target = probe.bytes(default, opts.k, opts.d)
@@ -383,10 +388,11 @@ def compare_markdown(results: dict) -> str:
         f"[0, {st['calibration'].get('max_positions')})). Target: the bytes per decode step of "
         f"`{st['default_method']}` at k_f = {st['k']:g}, d_f = {st['d']:g}"
         + (f" (given: {st['target_bytes']:.4f})" if st["target_bytes"] is not None else " (measured on the probe)")
-        + "; each method's budget k_f is chosen to read them (probed on the first "
-        f"{st['probe_windows']} window(s); H2O from the byte model). Increase of perplexity over full attention with "
-        "its paired 95% interval; bytes measured from the selections; recall of the exact top-k set and attention "
-        "mass captured (the exact top-k set's in parentheses), means over informative rows, layers and query heads.",
+        + "; each method's budget k_f is chosen to read them (probed on up to "
+        f"{st.get('probe_rows', 1024)} rows of the first {st['probe_windows']} window(s); H2O from the byte model). "
+        "Increase of perplexity over full attention with its paired 95% interval; bytes measured from the "
+        "selections; recall of the exact top-k set and attention mass captured (the exact top-k set's in "
+        "parentheses), means over informative rows, layers and query heads.",
         "",
     ]
     for run in results["runs"]:

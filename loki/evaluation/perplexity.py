@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from loki._checks import check_budget, resolve_d, resolve_k
+from loki._checks import check_budget, resolve_k
 from loki._hf import cache_keyword, config_head_dim, config_kv_heads
 from loki.reference.selection import DEFAULT_KV_AGGREGATE, GQA_AGGREGATES, GQA_SELECT_MODES, KERNEL_AGGREGATES
 

@@ -37,8 +37,8 @@ import torch
 from .selection import selection_mask
 
 __all__ = ["BYTE_METHODS", "DIAGNOSTIC_FIELDS", "QUEST_PAGE_SIZE", "DiagnosticsTally", "SelectionTally",
-           "diagnosing", "record_diagnostics", "selection_quality", "tally_diagnostics", "record_indices", "record_selection",
-           "score_fraction", "step_bytes_fraction", "tally_selections", "tallying"]
+           "diagnosing", "record_diagnostics", "record_indices", "record_selection", "score_fraction",
+           "selection_quality", "step_bytes_fraction", "tally_diagnostics", "tally_selections", "tallying"]
 
 _OPEN: list = []
 

@@ -70,7 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the default configuration's budget fraction k_f, which sets the target bytes; also the "
                         "oracles' budget (default: %(default)s)")
     parser.add_argument("--d", type=_fraction, default=0.25,
-                        help="Loki's d_f, and SparQ's and Double Sparsity's r as a fraction of D (default: %(default)s)")
+                        help="Loki's d_f, and SparQ's and Double Sparsity's r as a fraction of D "
+                        "(default: %(default)s)")
     parser.add_argument("--bytes", type=_fraction, default=None, dest="target_bytes",
                         help="the target bytes per decode step as a fraction of dense (default: the default "
                         "configuration's at --k/--d, measured)")
@@ -82,10 +83,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calib-tokens", type=positive_int, default=None,
                         help="calibration tokens (default: the evaluation's recipe, 32768)")
     parser.add_argument("--calib-positions", type=positive_int, default=None,
-                        help="positions the bases cover, [0, N) (default: the model's context; a smaller N, at least "
-                        "the longest window, calibrates faster)")
+                        help="positions the bases cover, [0, N), at least the longest window (default: the longest "
+                        "window; at 8192 tokens that is the default recipe, the model's whole context)")
     parser.add_argument("--probe-windows", type=positive_int, default=1,
                         help="windows of each set the budgets are matched on (default: %(default)s)")
+    parser.add_argument("--probe-rows", type=positive_int, default=1024,
+                        help="query rows per probe window, evenly spaced (default: %(default)s; all rows of shorter "
+                        "windows)")
     parser.add_argument("--h2o-max-len", type=positive_int, default=1024,
                         help="H2O decodes token by token: it runs on windows up to this length (default: %(default)s)")
     parser.add_argument("--batch-size", type=positive_int, default=2, help="windows per forward (default: 2)")
@@ -101,9 +105,10 @@ def run(args: argparse.Namespace) -> int:
     if err:
         return fail(err)
     windows = tuple(args.windows) if args.windows else _LONG_WINDOWS
-    if args.calib_positions is not None and args.calib_positions < max(t for t, _ in windows):
-        return fail(f"--calib-positions {args.calib_positions} is below the longest window ({max(t for t, _ in windows)}"
-                    " tokens): the bases must cover every position evaluated")
+    longest = max(t for t, _ in windows)
+    if args.calib_positions is not None and args.calib_positions < longest:
+        return fail(f"--calib-positions {args.calib_positions} is below the longest window ({longest} tokens): the "
+                    "bases must cover every position evaluated")
     from dataclasses import replace
 
     from loki._io import atomic_write
@@ -113,11 +118,11 @@ def run(args: argparse.Namespace) -> int:
     recipe = replace(DEFAULT_RECIPE, corpus=args.calib_corpus)
     if args.calib_tokens is not None:
         recipe = replace(recipe, num_tokens=args.calib_tokens)
-    if args.calib_positions is not None:
-        recipe = replace(recipe, max_positions=args.calib_positions)
+    recipe = replace(recipe, max_positions=args.calib_positions or longest)
     model, tokenizer = load_model_from_args(args)
     opts = CompareOptions(windows=windows, methods=args.methods, k=args.k, d=args.d, target_bytes=args.target_bytes,
-                          probe_windows=args.probe_windows, h2o_max_len=args.h2o_max_len, corpus=args.corpus,
+                          probe_windows=args.probe_windows, probe_rows=args.probe_rows, h2o_max_len=args.h2o_max_len,
+                          corpus=args.corpus,
                           text_file=args.text_file, recipe=recipe, batch_size=args.batch_size,
                           use_cache=not args.no_cache, progress=not args.no_progress, log=default_log)
     try:
