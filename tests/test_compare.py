@@ -155,3 +155,46 @@ def test_the_command_lists_match_the_library():
     assert cmd._METHODS == tuple(n for n in COMPARE_METHODS if n != "full")
     assert cmd._DEFAULT_METHODS == DEFAULT_METHODS
     assert cmd._LONG_WINDOWS == PROFILES["long"].windows == CompareOptions().windows
+
+
+@pytest.mark.gpu
+def test_the_comparison_on_cuda_equals_the_cpu():
+    """--device cuda: the same budgets and, within float tolerance, the same perplexities as on the CPU."""
+    from loki.evaluation.bases import CalibrationRecipe
+    from loki.testing.models import ByteTokenizer, tiny_model
+
+    out = {}
+    for dev in ("cpu", "cuda"):
+        model = tiny_model("llama", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, seed=0).to(dev)
+        opts = CompareOptions(windows=((96, 2),), methods=("loki", "loki[query]", "quest", "double_sparsity",
+                                                             "sparq", "h2o"),
+                              recipe=CalibrationRecipe(num_tokens=384, seq_len=96, max_positions=96), use_cache=False,
+                              progress=False, h2o_max_len=96)
+        out[dev] = {r["name"]: r for r in run_compare(model, ByteTokenizer(), opts)["runs"][0]["rows"]}
+    for name, r in out["cpu"].items():
+        g = out["cuda"][name]
+        assert g["ppl"] == pytest.approx(r["ppl"], rel=1e-3), name
+        assert g["bytes_fraction"] == pytest.approx(r["bytes_fraction"], abs=0.01), name
+
+
+def test_a_run_that_misses_the_target_is_corrected_once(monkeypatch):
+    """The probe sees the dense forward's queries and keys; a run that reads other bytes is run again with its
+    budget corrected by them (here the probe is made to overstate the bytes by 0.08)."""
+    from loki.evaluation import compare as cmp
+    from loki.evaluation.bases import CalibrationRecipe
+    from loki.testing.models import ByteTokenizer, tiny_model
+
+    real = cmp.BytesProbe.bytes
+
+    def biased(self, m, k, d):
+        return real(self, m, k, d) + (0.08 if m.name == "loki[query]" else 0.0)
+
+    monkeypatch.setattr(cmp.BytesProbe, "bytes", biased)
+    model = tiny_model("llama", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, seed=0)
+    opts = CompareOptions(windows=((96, 1),), methods=("loki", "loki[query]"), use_cache=False, progress=False,
+                          recipe=CalibrationRecipe(num_tokens=384, seq_len=96, max_positions=96))
+    run = run_compare(model, ByteTokenizer(), opts)["runs"][0]
+    r = {x["name"]: x for x in run["rows"]}["loki[query]"]
+    assert "corrected once" in r["note"]
+    assert r["probe"]["bytes"] == pytest.approx(run["target_bytes"], abs=0.005)
+    assert r["bytes_fraction"] == pytest.approx(run["target_bytes"], abs=0.02)

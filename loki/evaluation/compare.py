@@ -20,7 +20,9 @@ or in pages (Quest's current page is partial), so the budget is solved for on a 
 first window(s), captured from one dense forward, go through the method's teacher-forced rows
 (:func:`loki.reference.teacher_forced.teacher_forced_rows`) and the bytes are measured (:func:`match_budget`,
 a bracketed secant search on ``k``).  H2O keeps state across steps and is not probed: its budget comes from the byte
-model with one selection per KV head, and one corrected run follows when its measured bytes miss the target.
+model with one selection per KV head.  The probe sees the dense forward's queries and keys, not the method's own
+(whose later layers drift), so a run whose measured bytes miss the target by more than ``rerun_tolerance`` runs once
+more with its budget corrected by them; the table reports the bytes measured in the run it shows.
 Methods that read more than the target whatever their budget (exact top-k reads every key: at least 1/2 of dense;
 PCAAttn reads every value) run at the default's budget and are marked *not byte-matched* (the oracles).
 
@@ -220,7 +222,7 @@ class CompareOptions:
     d: float = 0.25  # Loki's d, SparQ's and Double Sparsity's r
     target_bytes: float | None = None  # None: the default configuration's bytes at (k, d), measured on the probe
     tolerance: float = 0.005  # |bytes - target| accepted by the budget search (fractions jump at rational k_f)
-    rerun_tolerance: float = 0.01  # an unprobed method (H2O) missing the target by more runs once more
+    rerun_tolerance: float = 0.01  # a run whose measured bytes miss the target by more runs once more
     probe_windows: int = 1
     probe_rows: int = 1024  # query rows per probe window (evenly spaced; all of them in shorter windows)
     h2o_max_len: int = 1024  # H2O decodes token by token: windows up to this length only
@@ -278,7 +280,8 @@ def run_compare(model, tokenizer, opts: CompareOptions | None = None) -> dict:
             "calibration": dict(vars(recipe.resolved(model))), "calib_origin": next(iter(bases.values())).corpus,
             "k": opts.k, "d": opts.d, "target_bytes": opts.target_bytes, "default_method": default.name,
             "methods": [m.name for m in methods], "probe_windows": opts.probe_windows, "probe_rows": opts.probe_rows,
-            "tolerance": opts.tolerance, "windows": [list(w) for w in opts.windows],
+            "tolerance": opts.tolerance, "rerun_tolerance": opts.rerun_tolerance,
+            "windows": [list(w) for w in opts.windows],
         },
         "runs": [],
     }
@@ -299,19 +302,18 @@ def run_compare(model, tokenizer, opts: CompareOptions | None = None) -> dict:
                                     f"H2O decodes token by token: windows up to {opts.h2o_max_len} tokens"})
                 continue
             t0 = time.perf_counter()
-            k, note, match = _choose_budget(m, probe, target, opts, D, default)
+            k, note, match, adjustable = _choose_budget(m, probe, target, opts, D, default)
             batch = N if m.method == "h2o" else opts.batch_size
             diagnose = m.method not in ("full", "pcaattn")
             r = perplexity(model, windows, _spec(m, k, opts.d), bases, batch_size=batch, diagnostics=diagnose)
-            if (m.method == "h2o" and r.bytes_fraction is not None
-                    and abs(r.bytes_fraction - target) > opts.rerun_tolerance and r.selected_fraction):
-                # not probed: correct the budget by the measured bytes once (selected grows ~ linearly with k)
-                low = byte_range(m, opts.d, D)[0]
-                k2 = min(1.0, max(1e-4, k * (target - low) / max(1e-9, r.selected_fraction)))
+            if adjustable and r.bytes_fraction is not None and abs(r.bytes_fraction - target) > opts.rerun_tolerance:
+                # the probe ran on the dense forward's queries and keys (H2O: not probed at all); where the method's
+                # own pass reads other bytes, correct the budget by them once
+                k2 = _corrected_budget(m, probe if match is not None else None, k, r.bytes_fraction, target, opts, D)
                 log(f"{m.name}: read {r.bytes_fraction:.4f} at k_f={k:.4f}; once more at k_f={k2:.4f}")
                 k = k2
                 r = perplexity(model, windows, _spec(m, k, opts.d), bases, batch_size=batch, diagnostics=diagnose)
-                note = "budget from the byte model, corrected once by its measured bytes (not probed)"
+                note = (note + "; " if note else "") + "budget corrected once by the bytes of its own run"
             if full is None and m.method == "full":
                 full = r
             row = _row(m, r, k, opts.d, note, match, full, paired_increase)
@@ -326,22 +328,36 @@ def run_compare(model, tokenizer, opts: CompareOptions | None = None) -> dict:
 
 def _choose_budget(m: CompareMethod, probe: BytesProbe, target: float, opts: CompareOptions, D: int,
                    default: CompareMethod):
-    """``(k, note, match)``: the budget of method ``m`` at the target bytes (module docstring)."""
+    """``(k, note, match, adjustable)``: the budget of method ``m`` at the target bytes (module docstring), and
+    whether a run that misses the target may correct it."""
     if m.method == "full":
-        return 1.0, "", None
+        return 1.0, "", None, False
     if m.method == "pcaattn":
-        return 1.0, "every token (not a top-k method): not byte-matched", None
+        return 1.0, "every token (not a top-k method): not byte-matched", None, False
     if m is default and opts.target_bytes is None:
-        return opts.k, "defines the target", None
+        return opts.k, "defines the target", None, False
     low, high = byte_range(m, opts.d, D)
     if m.method == "h2o":
         k = min(1.0, max(1e-4, (target - low) / (high - low)))
-        return k, "budget from the byte model (H2O is not probed)", None
+        return k, "budget from the byte model (H2O is not probed)", None, True
     match = match_budget(lambda k: probe.bytes(m, k, opts.d), target, low=low, high=high, tolerance=opts.tolerance)
     if match["k"] is None:
         why = "scoring reads every key" if m.method == "exact_topk" else "its score phase alone exceeds the target"
-        return opts.k, f"not byte-matched ({why}): the default's k_f", match
-    return match["k"], "" if match["matched"] else "closest budget found (not within the tolerance)", match
+        return opts.k, f"not byte-matched ({why}): the default's k_f", match, False
+    return match["k"], "" if match["matched"] else "closest budget on the probe", match, True
+
+
+def _corrected_budget(m: CompareMethod, probe: BytesProbe | None, k: float, measured: float, target: float,
+                      opts: CompareOptions, D: int) -> float:
+    """The budget of a second run of ``m`` after a run at ``k`` read ``measured`` bytes: where probed, the probe's
+    curve shifted by what the run read beyond it, solved again; else (H2O) ``k`` scaled by the selected part."""
+    low, high = byte_range(m, opts.d, D)
+    if probe is None:
+        return min(1.0, max(1e-4, k * (target - low) / max(1e-9, measured - low)))
+    shift = measured - probe.bytes(m, k, opts.d)
+    again = match_budget(lambda x: probe.bytes(m, x, opts.d) + shift, target, low=low + shift, high=high + shift,
+                         tolerance=opts.tolerance)
+    return again["k"] if again["k"] is not None else k
 
 
 def _row(m: CompareMethod, r, k, d, note: str, match: dict | None, full, paired_increase) -> dict:
@@ -389,7 +405,9 @@ def compare_markdown(results: dict) -> str:
         f"`{st['default_method']}` at k_f = {st['k']:g}, d_f = {st['d']:g}"
         + (f" (given: {st['target_bytes']:.4f})" if st["target_bytes"] is not None else " (measured on the probe)")
         + "; each method's budget k_f is chosen to read them (probed on up to "
-        f"{st.get('probe_rows', 1024)} rows of the first {st['probe_windows']} window(s); H2O from the byte model). "
+        f"{st.get('probe_rows', 1024)} rows of the first {st['probe_windows']} window(s); H2O from the byte model; a "
+        f"run missing the target by more than {st.get('rerun_tolerance', 0.01):g} runs once more with its budget "
+        "corrected by its measured bytes). "
         "Increase of perplexity over full attention with its paired 95% interval; bytes measured from the "
         "selections; recall of the exact top-k set and attention mass captured (the exact top-k set's in "
         "parentheses), means over informative rows, layers and query heads.",
