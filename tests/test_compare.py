@@ -198,3 +198,13 @@ def test_a_run_that_misses_the_target_is_corrected_once(monkeypatch):
     assert "corrected once" in r["note"]
     assert r["probe"]["bytes"] == pytest.approx(run["target_bytes"], abs=0.005)
     assert r["bytes_fraction"] == pytest.approx(run["target_bytes"], abs=0.02)
+
+
+def test_unprobed_budgets_are_corrected_by_the_secant_through_their_runs():
+    from loki.evaluation.compare import _corrected_budget
+
+    h2o, opts = COMPARE_METHODS["h2o"], CompareOptions()
+    one = _corrected_budget(h2o, None, [(0.4, 0.56)], 0.385, opts, 64)
+    assert one == pytest.approx(0.4 * 0.385 / 0.56)  # the selected part scaled (H2O scores for free)
+    two = _corrected_budget(h2o, None, [(0.4, 0.56), (0.275, 0.407)], 0.385, opts, 64)
+    assert two == pytest.approx(0.275 + (0.385 - 0.407) * (0.275 - 0.4) / (0.407 - 0.56))
