@@ -480,7 +480,8 @@ def _worst_heads(run: dict, n: int = 5) -> list[str]:
 def write_compare_plot(results: dict, path) -> Path | None:
     """The plot of accuracy against bytes: per window set, the perplexity increase over full attention (with its 95%
     interval; top) and the attention mass captured (bottom) against the bytes per decode step relative to dense,
-    linear axes, every method labelled, the default drawn large in black, the target bytes dashed."""
+    linear axes; one colour and marker per method named in the legend with its increase, the default a large black
+    star (bold in the legend), the target bytes dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -492,35 +493,39 @@ def write_compare_plot(results: dict, path) -> Path | None:
                                                   and r["method"] != "full" for r in run["rows"])]
     if not runs:
         return None
-    fig, axes = plt.subplots(2, len(runs), figsize=(6.5 * len(runs), 8), squeeze=False)
+    fig, axes = plt.subplots(2, len(runs), figsize=(7.5 * len(runs), 9), squeeze=False)
     cmap = plt.get_cmap("tab10")
     names = [m for m in COMPARE_METHODS if m != "full"]
+    markers = "oDs^v<>phPX"
     for col, run in enumerate(runs):
         top, bottom = axes[0][col], axes[1][col]
         for r in run["rows"]:
             if r.get("method") in (None, "full") or r.get("bytes_fraction") is None or "increase" not in r:
                 continue
+            i = names.index(r["name"])
             x = r["bytes_fraction"]
-            color = "black" if r["default"] else cmap(names.index(r["name"]) % 10)
-            size = 12 if r["default"] else 7
-            marker = "*" if r["default"] else ("s" if r["oracle"] else "o")
+            color = "black" if r["default"] else cmap(i % 10)
+            size = 15 if r["default"] else 7
+            marker = "*" if r["default"] else markers[i % len(markers)]
             y, lo, hi = 100 * r["increase"], 100 * r["increase_lo"], 100 * r["increase_hi"]
+            label = (f"{r['name']}{' (default)' if r['default'] else ''}: {y:+.1f}% at {x:.3f}"
+                     + (", not byte-matched" if "not byte-matched" in r.get("note", "") else ""))
             top.errorbar([x], [y], yerr=[[y - lo], [hi - y]], marker=marker, markersize=size, color=color,
-                         capsize=3, linestyle="none")
-            label = r["name"] + (" (default)" if r["default"] else "")
-            top.annotate(label, (x, y), fontsize=7, xytext=(4, 3), textcoords="offset points", color=color,
-                         fontweight="bold" if r["default"] else "normal")
+                         capsize=3, linestyle="none", label=label, zorder=3 if r["default"] else 2)
             if r.get("mass") is not None:
-                bottom.plot([x], [r["mass"]], marker=marker, markersize=size, color=color, linestyle="none")
-                bottom.annotate(label, (x, r["mass"]), fontsize=7, xytext=(4, 3), textcoords="offset points",
-                                color=color, fontweight="bold" if r["default"] else "normal")
+                bottom.plot([x], [r["mass"]], marker=marker, markersize=size, color=color, linestyle="none",
+                            label=f"{r['name']}: {r['mass']:.3f}", zorder=3 if r["default"] else 2)
         for ax in (top, bottom):
             ax.axvline(run["target_bytes"], color="grey", linestyle="--", linewidth=1)
             ax.grid(True, alpha=0.3)
             ax.set_xlabel("bytes read per decode step / dense attention (linear)")
+            leg = ax.legend(fontsize=7, loc="best")
+            for text in leg.get_texts():
+                if "(default)" in text.get_text() or text.get_text().startswith("loki:"):
+                    text.set_fontweight("bold")
         top.axhline(0, color="grey", linewidth=0.8)
-        top.set_ylabel("perplexity increase over full attention (%, linear)")
-        top.set_title(f"{run['seq_len']} x {run['windows']} tokens; dashed: target {run['target_bytes']:.3f}")
+        top.set_ylabel("perplexity increase over full (%, linear; 95% interval)")
+        top.set_title(f"{run['seq_len']} x {run['windows']} tokens; dashed: target {run['target_bytes']:.3f} of dense")
         bottom.set_ylabel("attention mass captured by the selection (linear)")
     fig.tight_layout()
     path = Path(path)
