@@ -208,3 +208,14 @@ def test_unprobed_budgets_are_corrected_by_the_secant_through_their_runs():
     assert one == pytest.approx(0.4 * 0.385 / 0.56)  # the selected part scaled (H2O scores for free)
     two = _corrected_budget(h2o, None, [(0.4, 0.56), (0.275, 0.407)], 0.385, opts, 64)
     assert two == pytest.approx(0.275 + (0.385 - 0.407) * (0.275 - 0.4) / (0.407 - 0.56))
+
+
+def test_the_json_keeps_number_lists_on_one_line(results):
+    from loki.evaluation.commands.compare import _dumps
+
+    text = _dumps(results)
+    assert json.loads(text) == json.loads(json.dumps(results))
+    import re
+
+    assert re.search(r'"recall": \[\n\s+\[[^\n\]]+\],\n', text)  # one line per layer
+    assert text.count("\n") < 0.2 * json.dumps(results, indent=1).count("\n")

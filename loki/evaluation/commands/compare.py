@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -100,6 +101,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
 
 
+_NUMBER_LIST = re.compile(r"\[(?:\s*(?:-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?|null|true|false)\s*,?)+\s*\]")
+
+
+def _dumps(results: dict) -> str:
+    """JSON with one level of indentation per object, lists of numbers on one line (the per-head diagnostics)."""
+    return _NUMBER_LIST.sub(lambda m: re.sub(r"\s+", "", m.group(0)).replace(",", ", "),
+                            json.dumps(results, indent=1)) + "\n"
+
+
 def run(args: argparse.Namespace) -> int:
     err = check_output_folder(args.out, "--out") or check_input_file(args.text_file, "--text-file")
     if err:
@@ -131,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
         return fail(str(exc))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write(out / "compare.json", json.dumps(results, indent=1) + "\n")
+    atomic_write(out / "compare.json", _dumps(results))
     md = compare_markdown(results)
     plot = write_compare_plot(results, out / "compare.png")
     if plot is not None:
