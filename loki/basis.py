@@ -10,9 +10,12 @@ Centring: the basis is fit on the centred covariance of the keys, but keys are *
 For orthogonal ``P``, ``(q P)(K P)^T = q K^T`` exactly (Loki, Lemma 1), so centring is not needed for
 correctness; the paper's code loads the means and never uses them.  ``means`` are stored for analysis only.
 
-Two kinds of basis (``kind``):
+Three kinds of basis (``kind``):
 
 - ``"pca"`` (the paper's): ``components`` is orthogonal and both queries and keys are rotated by it.
+- ``"channels"`` (Double Sparsity's label channels, :func:`loki.calibration.channels.channel_basis`): ``components``
+  are permutation matrices putting the channels of largest calibrated ``|q_j k_j|`` first (``eigenvalues`` hold
+  those contributions), so Loki with ``d = r`` scores with the ``r`` label channels.
 - ``"score"`` (score-aware, :func:`loki.calibration.score_aware.score_aware_basis`): an invertible pair chosen so
   that the first ``d`` coordinates give the best rank-``d`` approximation of the scores ``q . k`` over the
   calibration queries and keys (not of the keys alone).  Keys use ``components`` (``k_hat = k @ P_k``), queries
@@ -64,7 +67,7 @@ __all__ = [
 ]
 
 ROTARY_CHOICES = ("pre", "post")
-KIND_CHOICES = ("pca", "score")
+KIND_CHOICES = ("pca", "score", "channels")
 _OPT_STR = ((str, type(None)), "a string or null")
 #: The metadata fields of a basis and the JSON types a file may give them.
 _METADATA_TYPES = {
@@ -102,7 +105,7 @@ class PCABasis:
             ``P_q P_k^T = I``); ``None`` for PCA bases, whose queries use ``components``.
         For a score basis ``eigenvalues`` holds the singular values of the score operator (decreasing).
 
-    Metadata: ``kind`` ("pca" or "score"), ``model_name``,
+    Metadata: ``kind`` ("pca", "score" or "channels"), ``model_name``,
     ``config_hash`` (:func:`config_fingerprint`), ``config_fields`` (the hashed fields,
     for readable mismatch messages), ``corpus``, ``num_tokens``, ``seq_len`` (tokens per calibration sequence),
     ``max_positions`` (the basis was fitted on keys at positions ``[0, max_positions)``; ``None`` for files

@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "calibrate": ("loki.evaluation.commands.calibrate", "fit PCA bases of a model's keys on a calibration corpus"),
     "analyze": ("loki.evaluation.commands.analyze", "Rank@v of keys per layer and head, with plots"),
     "ppl": ("loki.evaluation.commands.ppl", "perplexity of a model under a sparse-attention method"),
+    "compare": ("loki.evaluation.commands.compare", "the field's sparse-attention methods at matched bytes per step"),
     "fidelity": ("loki.evaluation.fidelity", "the fidelity study: score-aware bases, budget splits and GQA modes "
                  "against the paper-faithful Loki at equal bytes"),
     "generate": ("loki.evaluation.commands.generate", "generate text with Loki attention (a demo)"),

@@ -73,6 +73,7 @@ class Method(_Choice):
     DENSE = "dense"
     SPARQ = "sparq"
     H2O = "h2o"
+    QUEST = "quest"
 
     @property
     def needs_basis(self) -> bool:

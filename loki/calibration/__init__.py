@@ -6,6 +6,7 @@ See :mod:`loki.calibration.calibrate` for the entry point :func:`calibrate`, and
 
 from loki.calibration.calibrate import (
     BASIS_NAMES,
+    CALIBRATION_KINDS,
     DEFAULT_BATCH_SIZE,
     DEFAULT_NUM_TOKENS,
     DEFAULT_SEQ_LEN,
@@ -16,6 +17,7 @@ from loki.calibration.calibrate import (
     iter_token_batches,
     model_context_length,
 )
+from loki.calibration.channels import channel_basis, label_channels
 from loki.calibration.collect import collect_statistics
 from loki.calibration.hooks import (
     SUPPORTED_ARCHITECTURES,
@@ -38,6 +40,7 @@ from loki.calibration.stats import KeyStatistics
 
 __all__ = [
     "BASIS_NAMES",
+    "CALIBRATION_KINDS",
     "DEFAULT_BATCH_SIZE",
     "DEFAULT_NUM_TOKENS",
     "DEFAULT_SEQ_LEN",
@@ -49,6 +52,7 @@ __all__ = [
     "batch_keys",
     "cache_keys",
     "calibrate",
+    "channel_basis",
     "collect_key_statistics",
     "collect_statistics",
     "explained_variance_ratio",
@@ -56,6 +60,7 @@ __all__ = [
     "fix_signs",
     "iter_token_batches",
     "key_layout",
+    "label_channels",
     "mean_rank_per_layer",
     "model_context_length",
     "pca",

@@ -23,15 +23,19 @@ from torch import nn
 
 from loki._hf import text_config
 from loki.basis import PCABasis, config_model_name
+from loki.calibration.channels import channel_basis
 from loki.calibration.collect import collect_statistics
 from loki.calibration.hooks import key_layout
 from loki.calibration.score_aware import score_aware_basis
 from loki.calibration.stats import KeyStatistics
 
 ROTARY_MODES = ("pre", "post", "both")
-#: Basis names :func:`fit_bases` returns: PCA of pre- or post-rotary keys, the score-aware pair, and the score-aware
-#: pair fitted with the group's query heads normalised (:func:`loki.calibration.score_aware.group_query_moment`).
-BASIS_NAMES = ("pre", "post", "score", "score-group")
+#: Basis names :func:`fit_bases` returns: PCA of pre- or post-rotary keys, the score-aware pair, the score-aware
+#: pair fitted with the group's query heads normalised (:func:`loki.calibration.score_aware.group_query_moment`),
+#: and Double Sparsity's label channels as a permutation basis (:mod:`loki.calibration.channels`).
+BASIS_NAMES = ("pre", "post", "score", "score-group", "channels")
+#: ``kind`` of :func:`calibrate`: the paper's PCA, the score-aware pair, Double Sparsity's channel permutation.
+CALIBRATION_KINDS = ("pca", "score", "channels")
 DEFAULT_NUM_TOKENS = 131_072
 DEFAULT_SEQ_LEN = 1024  # iter_token_batches' default; calibrate() defaults to the covered positions
 DEFAULT_BATCH_SIZE = 4
@@ -199,6 +203,8 @@ def fit_bases(
         kinds += [k for k in ("post", "query") if k not in kinds]
     if "score-group" in names:
         kinds += [k for k in ("post", "query-heads") if k not in kinds]
+    if "channels" in names:
+        kinds += [k for k in ("post", "channels") if k not in kinds]
     stats = collect_statistics(model, batches, kinds=kinds, num_tokens=num_tokens, max_positions=max_positions,
                                progress=progress)
     seen = next(iter(stats.values())).num_tokens
@@ -216,6 +222,8 @@ def fit_bases(
         elif name == "score-group":
             out[name] = score_aware_basis(stats["post"], stats["query-heads"], max_positions=covered,
                                           group_normalised=True, **meta)
+        elif name == "channels":
+            out[name] = channel_basis(stats["channels"], stats["post"], max_positions=covered, **meta)
         else:
             out[name] = PCABasis.from_statistics(stats[name], rotary=name, max_positions=covered, **meta)
     return out
@@ -256,18 +264,21 @@ def calibrate(
         corpus_name: recorded in the basis metadata.
         model_name: recorded in the metadata (default: ``model.config.name_or_path`` or the model type).
         progress: show a tqdm progress bar.
-        kind: "pca" (the paper's basis: PCA of the keys) or "score" (score-aware: the best rank-d approximation
+        kind: "pca" (the paper's basis: PCA of the keys), "score" (score-aware: the best rank-d approximation
             of the post-rotary scores q . k, from query and key statistics; see
-            :mod:`loki.calibration.score_aware`; ``rotary`` must be "post").
+            :mod:`loki.calibration.score_aware`; ``rotary`` must be "post") or "channels" (Double Sparsity's
+            label channels: the permutation putting the channels of largest calibrated ``|q_j k_j|`` first, so
+            Loki with ``d = r`` is Double Sparsity; :mod:`loki.calibration.channels`; ``rotary`` "post").
 
     Returns:
         A :class:`PCABasis`, or ``{"pre": PCABasis, "post": PCABasis}`` for ``rotary="both"``.
     """
     kinds = _check_rotary(rotary)
-    if kind not in ("pca", "score"):
-        raise ValueError(f"kind must be 'pca' or 'score', got {kind!r}")
-    if kind == "score" and rotary != "post":
-        raise ValueError(f"a score-aware basis is fitted on post-rotary queries and keys: rotary must be 'post', "
+    if kind not in CALIBRATION_KINDS:
+        raise ValueError(f"kind must be one of {CALIBRATION_KINDS}, got {kind!r}")
+    if kind in ("score", "channels") and rotary != "post":
+        what = "a score-aware basis" if kind == "score" else "Double Sparsity's label channels"
+        raise ValueError(f"{what} is fitted on post-rotary queries and keys: rotary must be 'post', "
                          f"got {rotary!r}")
     _check_positive("num_tokens", num_tokens, 1)
     _check_positive("batch_size", batch_size, 1)
@@ -288,7 +299,7 @@ def calibrate(
         batches = iter_token_batches(
             data, tokenizer=tokenizer, seq_len=seq_len, batch_size=batch_size, num_tokens=num_tokens
         )
-    names = ["score"] if kind == "score" else kinds
+    names = [kind] if kind in ("score", "channels") else kinds
     bases = fit_bases(model, batches, names, num_tokens=num_tokens, max_positions=max_positions, seq_len=seq_len,
                       corpus_name=corpus_name, model_name=model_name, progress=progress)
     return bases if rotary == "both" else bases[names[0]]

@@ -25,14 +25,17 @@ from torch import nn
 from loki._distributed import world
 from loki._hf import text_config
 
+from .channels import channel_contributions
 from .hooks import AttentionRecorder, PreRotaryKeyHooks, key_layout, positions_from_mask
 from .stats import KeyStatistics
 
 __all__ = ["STATISTICS", "budgeted_batches", "collect_statistics", "position_offset"]
 
 #: Statistics :func:`collect_statistics` can fill: pre- and post-rotary keys, post-rotary queries (per KV head,
-#: the group's query heads pooled) and post-rotary queries per query head ("query-heads").
-STATISTICS = ("pre", "post", "query", "query-heads")
+#: the group's query heads pooled), post-rotary queries per query head ("query-heads"), and the channel contributions
+#: ``|q_j k_j|`` of a token's query and key, per KV head with the group's query heads averaged ("channels": Double
+#: Sparsity's label channels, :mod:`loki.calibration.channels`).
+STATISTICS = ("pre", "post", "query", "query-heads", "channels")
 
 _GOLDEN = 0.6180339887498949
 
@@ -102,7 +105,8 @@ def collect_statistics(
     left or right).  ``num_tokens``: budget of real tokens (the last batch is truncated, row-major);
     ``max_positions``: the positions to cover (module docstring), ``None`` = each sequence from position 0.
     Returns ``{kind: KeyStatistics}``; "query" statistics are per KV head with the group pooled (``count`` =
-    tokens x G), "query-heads" per query head ([L, HQ, ...]).
+    tokens x G), "query-heads" per query head ([L, HQ, ...]), "channels" per KV head (the vectors ``|q_j k_j|``
+    of :func:`~loki.calibration.channels.channel_contributions`, one per token).
 
     In an initialised ``torch.distributed`` group of several processes, each rank runs the forward passes of its
     share of the batches (every rank must be given the same ``batches``) and every rank returns the statistics of
@@ -132,8 +136,11 @@ def collect_statistics(
             stats["query"].update(layer, q.reshape(-1, HKV, G, D).transpose(1, 2).reshape(-1, HKV, D))
         if "query-heads" in stats:
             stats["query-heads"].update(layer, query.transpose(1, 2)[valid][:take])  # [N, HQ, D]
+        if "channels" in stats:
+            stats["channels"].update(layer, channel_contributions(query.transpose(1, 2)[valid][:take],
+                                                                  key.transpose(1, 2)[valid][:take]))
 
-    rec = AttentionRecorder(model, record) if {"post", "query", "query-heads"} & set(stats) else None
+    rec = AttentionRecorder(model, record) if {"post", "query", "query-heads", "channels"} & set(stats) else None
     pre = PreRotaryKeyHooks(layout) if "pre" in stats else None
     was_training = model.training
     model.eval()

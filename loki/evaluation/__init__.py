@@ -2,8 +2,8 @@
 loaders (``data``), perplexity with decode-time semantics (``perplexity``), top-k agreement (``agreement``),
 Rank@v analysis and plots (``rank``), the bases of the evaluation (``bases``), confidence intervals
 (``intervals``), the accuracy suite (``suite``) and its gates (``gates``), the RULER-style retrieval suite
-(``retrieval``), reports (``report``), the main job ``loki check`` (``check``) and the CLI subcommands
-(``commands``).
+(``retrieval``), reports (``report``), the main job ``loki check`` (``check``), the methods at matched bytes
+(``compare``) with their selection diagnostics (``diagnostics``) and the CLI subcommands (``commands``).
 
 Submodules are imported lazily: ``import loki.evaluation`` loads neither transformers nor matplotlib.
 """
@@ -44,6 +44,10 @@ _EXPORTS = {
     "paired_increase": "intervals",
     "resolve_device": "models",
     "evaluate_retrieval": "retrieval",
+    "CompareOptions": "compare",
+    "run_compare": "compare",
+    "layer_diagnostics": "diagnostics",
+    "summarize_diagnostics": "diagnostics",
 }
 
 __all__ = sorted(_EXPORTS)

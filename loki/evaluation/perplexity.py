@@ -31,8 +31,8 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from loki._checks import check_budget, resolve_d, resolve_k
-from loki._hf import cache_keyword, config_head_dim
+from loki._checks import check_budget, resolve_k
+from loki._hf import cache_keyword, config_head_dim, config_kv_heads
 from loki.reference.selection import DEFAULT_KV_AGGREGATE, GQA_AGGREGATES, GQA_SELECT_MODES, KERNEL_AGGREGATES
 
 __all__ = [
@@ -52,12 +52,12 @@ __all__ = [
 
 PROTOCOLS = ("decode", "paper")
 #: Method names accepted by :class:`MethodSpec` ("full" = the model's own dense attention, untouched).
-METHOD_NAMES = ("full", "dense", "exact_topk", "loki", "pcaattn", "sparq", "h2o")
+METHOD_NAMES = ("full", "dense", "exact_topk", "loki", "pcaattn", "sparq", "h2o", "quest")
 #: The role of each method in the evaluation, carried by every result row (``row["role"]``) so that gates and
 #: reports select rows by it, never by display names: ``baseline`` (dense attention), ``oracle`` (exact top-k,
 #: the best any selection can do), ``loki`` (the method under test), ``competitor`` (other sparse methods).
 METHOD_ROLES = {"full": "baseline", "dense": "baseline", "exact_topk": "oracle", "loki": "loki",
-                "pcaattn": "competitor", "sparq": "competitor", "h2o": "competitor"}
+                "pcaattn": "competitor", "sparq": "competitor", "h2o": "competitor", "quest": "competitor"}
 
 
 def method_role(method: str) -> str:
@@ -118,9 +118,13 @@ class PerplexityResult:
     bytes_fraction: float | None = None
     score_fraction: float | None = None
     selected_fraction: float | None = None
+    # per layer and head: recall of the exact top-k set and attention mass of the selection (perplexity(...,
+    # diagnostics=True), loki.evaluation.diagnostics.summarize_diagnostics); None when not measured
+    diagnostics: dict | None = None
 
     def to_dict(self) -> dict:
-        return {k: v for k, v in asdict(replace(self, token_nll=None)).items() if k != "token_nll"}
+        return {k: v for k, v in asdict(replace(self, token_nll=None)).items()
+                if k != "token_nll" and (k != "diagnostics" or v is not None)}
 
 
 def budget_label(k: int | float) -> str:
@@ -132,28 +136,27 @@ def budget_label(k: int | float) -> str:
 
 def bytes_fractions(method: str, d: int | float, D: int, selected: float | None) -> dict:
     """The bytes one decode step of ``method`` reads relative to dense attention (keys and values of every visible
-    token once): ``{"score_fraction", "selected_fraction", "bytes_fraction"}``.
+    token once): ``{"score_fraction", "selected_fraction", "bytes_fraction"}``, from the one byte model of
+    :mod:`loki.reference.accounting` (:func:`~loki.reference.accounting.score_fraction`,
+    :func:`~loki.reference.accounting.step_bytes_fraction`).
 
     Scoring reads ``d/D`` of every visible key, half of the dense bytes times ``d/D``: Loki ``d/(2D)``, SparQ
-    ``r/(2D)``, H2O nothing (its scores are the attention it computed); then the keys and values of the ``u``
-    distinct tokens read per KV head, ``u/n`` of the ``n`` visible ones (``selected``, measured from the
-    selections: :mod:`loki.reference.accounting`): ``d/(2D) + u/n``.  Exact top-k reads every key whole to score
-    (``1/2``) and then only the values of its selection: ``1/2 + u/(2n)``.  Dense attention reads 1; PCAAttn
-    ``d/(2D)`` of the keys and every value, ``d/(2D) + 1/2``.  ``bytes_fraction`` is None when a sparse method's
-    ``selected`` was not measured."""
-    if method in ("full", "dense"):
-        return {"score_fraction": 0.0, "selected_fraction": 1.0, "bytes_fraction": 1.0}
-    if method == "pcaattn":
-        sf = resolve_d(d, D) / (2 * D)
-        return {"score_fraction": sf, "selected_fraction": None, "bytes_fraction": sf + 0.5}
+    ``r/(2D)``, Quest its page metadata ``1/16`` (a minimum and a maximum key per page of 16 tokens), H2O nothing
+    (its scores are the attention it computed); then the keys and values of the ``u`` distinct tokens read per KV
+    head, ``u/n`` of the ``n`` visible ones (``selected``, measured from the selections:
+    :mod:`loki.reference.accounting`): ``d/(2D) + u/n``.  Exact top-k reads every key whole to score (``1/2``) and
+    then only the values of its selection: ``1/2 + u/(2n)``.  Dense attention reads 1; PCAAttn ``d/(2D)`` of the
+    keys and every value, ``d/(2D) + 1/2``.  ``bytes_fraction`` is None when a sparse method's ``selected`` was not
+    measured."""
+    from loki.reference.accounting import score_fraction, step_bytes_fraction
+
     if method not in METHOD_NAMES:
         raise ValueError(f"method must be one of {METHOD_NAMES}, got {method!r}")
-    if method == "exact_topk":  # the keys were all read whole to score: the selection adds its values only
-        return {"score_fraction": 0.5, "selected_fraction": selected,
-                "bytes_fraction": None if selected is None else 0.5 + selected / 2}
-    sf = 0.0 if method == "h2o" else resolve_d(d, D, name="r" if method == "sparq" else "d") / (2 * D)
-    return {"score_fraction": sf, "selected_fraction": selected,
-            "bytes_fraction": None if selected is None else sf + selected}
+    if method in ("full", "dense"):
+        return {"score_fraction": 0.0, "selected_fraction": 1.0, "bytes_fraction": 1.0}
+    sf = score_fraction(method, d, D)
+    return {"score_fraction": sf, "selected_fraction": None if method == "pcaattn" else selected,
+            "bytes_fraction": step_bytes_fraction(method, selected, d, D)}
 
 
 def effective_density(k: int | float, T: int, protocol: str = "decode") -> float:
@@ -229,26 +232,33 @@ def method_logits(model, input_ids: torch.Tensor, spec: MethodSpec, bases: dict 
 
 
 def perplexity(model, windows: torch.Tensor, spec: MethodSpec, bases: dict | None = None, *,
-               protocol: str = "decode", batch_size: int = 4, progress: bool = False) -> PerplexityResult:
+               protocol: str = "decode", batch_size: int = 4, progress: bool = False,
+               diagnostics: bool = False) -> PerplexityResult:
     """Perplexity of ``model`` on ``windows [N, T]`` under ``spec``: exp of the mean next-token NLL over all
     N * (T - 1) predictions, and the bytes a decode step reads (:func:`bytes_fractions`, the selections measured
-    on every row, KV head and layer of the windows).
+    on every row, KV head and layer of the windows).  ``diagnostics=True`` also measures, on the same pass, every
+    selection's recall of the exact top-k set and the attention mass it captures per layer and head
+    (``result.diagnostics``, :mod:`loki.evaluation.diagnostics`; about one more top-k per row).
 
     In an initialised ``torch.distributed`` group of several processes (every rank given the same windows), the
     batches of windows are split across ranks and the NLLs gathered: every rank returns the full result."""
     if windows.dim() != 2 or windows.shape[1] < 2:
         raise ValueError(f"windows must be [N, T] with T >= 2, got {list(windows.shape)}")
+    from contextlib import nullcontext
+
     from loki.reference.accounting import tally_selections
 
+    from .diagnostics import layer_diagnostics, merge_sums, summarize_diagnostics
     from .distributed import map_chunks
 
     t0 = time.perf_counter()
 
-    def chunk_nll(j: int) -> tuple[torch.Tensor, float, int]:
+    def chunk_nll(j: int) -> tuple[torch.Tensor, float, int, dict | None]:
         chunk = windows[j * batch_size : (j + 1) * batch_size]
-        with tally_selections() as tally:
+        with tally_selections() as tally, (layer_diagnostics(model) if diagnostics else nullcontext()) as diag:
             logits = method_logits(model, chunk, spec, bases, protocol=protocol, progress=progress)
-        return nll_per_token(logits, chunk).cpu(), float(tally.frac_sum), tally.count
+        return (nll_per_token(logits, chunk).cpu(), float(tally.frac_sum), tally.count,
+                diag.cpu_sums() if diag is not None else None)
 
     parts = map_chunks(chunk_nll, -(-windows.shape[0] // batch_size))
     nll = torch.cat([p[0] for p in parts])  # [N, T - 1]
@@ -263,6 +273,8 @@ def perplexity(model, windows: torch.Tensor, spec: MethodSpec, bases: dict | Non
         seconds=time.perf_counter() - t0, window_nll=[float(x) for x in nll.double().mean(1)],
         token_nll=nll.double(), aggregate=spec.aggregate,
         **bytes_fractions(spec.method, spec.d, config_head_dim(model.config), selected),
+        diagnostics=summarize_diagnostics(merge_sums(p[3] for p in parts), config_kv_heads(model.config))
+        if diagnostics else None,
     )
 
 

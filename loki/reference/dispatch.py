@@ -16,6 +16,7 @@ from .methods import (
     pcaattn_attention,
     sparq_attention,
 )
+from .quest import quest_attention
 
 __all__ = ["decode_rows"]
 
@@ -45,6 +46,9 @@ def decode_rows(method: str, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor
         return dense_attention(q, kc, vc, lengths, starts, scale=scale)
     if method == "sparq":
         return sparq_attention(q, kc, vc, r=d, k=k, lengths=lengths, starts=starts, scale=scale)
+    if method == "quest":
+        return quest_attention(q, kc, vc, k=k, lengths=lengths, starts=starts, gqa_select=gqa_select,
+                               aggregate=aggregate, scale=scale)
     if method == "h2o":
         return h2o_attention(q, kc, vc, acc, k=k, lengths=lengths, starts=starts, scale=scale,
                              recent_fraction=recent_fraction, return_weights=True)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from .._checks import check_decode_inputs, resolve_d, valid_token_mask
-from .accounting import record_indices, record_selection, tallying
+from .accounting import diagnosing, record_diagnostics, record_indices, record_selection, tallying
 from .common import default_scale, expand_to_query_heads
 from .dense import dense_attention, exact_scores, masked_values
 from .selection import aggregate_group_scores, agreement_budget, approx_scores, budget, select_topk, topk_indices
@@ -238,5 +238,9 @@ def h2o_attention(
         mask.scatter_(-1, top, keep | mask.gather(-1, top))
     if tallying():
         record_selection(mask[:, :, None], (lengths - starts).reshape(B, 1), HKV)
+    if diagnosing():  # recall of the exact top-k set, attention mass (loki.reference.accounting)
+        exact = exact_scores(q, k_cache, lengths, starts, compute_dtype=compute_dtype)
+        record_diagnostics(mask[:, :, None], exact[:, :, None], valid[:, None, None, :], counts[:, None],
+                           (lengths - starts).reshape(B, 1), default_scale(D, scale))
     return dense_attention(q, k_cache, v_cache, lengths, starts, scale=scale, mask=mask,
                            compute_dtype=compute_dtype, return_weights=return_weights)

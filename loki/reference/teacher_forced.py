@@ -9,6 +9,10 @@ blocks of rows.  A row's top-k set becomes a mask: its ``k_i``-th largest select
 Rows are processed in blocks whose key range stops at the block's last visible token, so a causal window
 costs about half of the full ``L x S`` score matrix.
 
+Quest selects pages rather than tokens (:func:`~loki.reference.quest.quest_row_selection`, the page metadata
+computed once per sequence for the block).  While a :func:`~loki.reference.accounting.tally_diagnostics` block is
+open, every selection also records its recall of the exact top-k set and the attention mass it captures.
+
 This is what makes decode-time-semantics perplexity cost a small multiple of a dense forward rather than one
 decode step per row; ``tests/test_teacher_forced.py`` checks it against the per-row decode references.
 
@@ -21,15 +25,16 @@ from __future__ import annotations
 import torch
 
 from .._checks import budget_counts, check_budget, resolve_d
-from .accounting import record_selection
+from .accounting import QUEST_PAGE_SIZE, diagnosing, record_diagnostics, record_selection
 from .common import default_scale
+from .quest import check_page_size, quest_row_selection
 from .selection import GQA_AGGREGATES, aggregate_group_scores, agreement_counts, group_union_sizes
 
 __all__ = ["ROW_METHODS", "attend", "grouped_scores", "masked_softmax", "per_query_head", "teacher_forced_rows",
            "topk_mask"]
 
 #: Methods computed here (H2O keeps state across steps and runs as an actual decode loop).
-ROW_METHODS = ("loki", "exact_topk", "pcaattn", "dense", "sparq")
+ROW_METHODS = ("loki", "exact_topk", "pcaattn", "dense", "sparq", "quest")
 
 _NEG_INF = float("-inf")
 
@@ -93,15 +98,18 @@ def masked_softmax(s: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     return p.nan_to_num(0.0) if p.requires_grad else p.nan_to_num_(0.0)
 
 
-def _block(method, q, k, v, visible, n_visible, counts, *, dd, scale, gqa_select, aggregate):
+def _block(method, q, k, v, visible, n_visible, counts, *, dd, scale, gqa_select, aggregate, starts=None,
+           lengths=None, page_size=QUEST_PAGE_SIZE):
     """One block of rows. q: [B, HQ, R, D]; k, v: [B, HKV, S, D] (fp32); visible: [B, 1, R, S] bool;
-    n_visible, counts (tokens to select): [B, R] -> [B, HQ, R, D] fp32."""
+    n_visible, counts (tokens to select), starts, lengths (what each row sees; Quest's pages): [B, R]
+    -> [B, HQ, R, D] fp32."""
     B, HQ, R, D = q.shape
     HKV = k.shape[1]
     if method == "dense":
         return attend(masked_softmax(grouped_scores(q, k) * scale, visible), v)
     if method == "pcaattn":
         return attend(masked_softmax(grouped_scores(q[..., :dd], k[..., :dd]) * scale, visible), v)
+    budget = counts  # [B, R]: the nominal budget of each row (the diagnostics' exact top-k has as many tokens)
     counts = counts[:, None]  # [B, 1, R]: one budget for every head of a row
     if method == "sparq":
         # SparQ (per query head): the r largest |q| components, a tempered softmax of the partial scores
@@ -112,10 +120,21 @@ def _block(method, q, k, v, visible, n_visible, counts, *, dd, scale, gqa_select
         s_hat = masked_softmax(grouped_scores(q_r, k) / temp[..., None], visible)
         sel = topk_mask(s_hat.masked_fill(~visible, _NEG_INF), counts)
         record_selection(sel, n_visible, HKV)
+        exact = grouped_scores(q, k)
+        if diagnosing():
+            record_diagnostics(sel, exact, visible, budget, n_visible, scale)
         alpha = (s_hat * sel).sum(-1, keepdim=True)  # [B, HQ, R, 1]
-        y = attend(masked_softmax(grouped_scores(q, k) * scale, sel), v)
+        y = attend(masked_softmax(exact * scale, sel), v)
         v_mean = attend((visible / n_visible[:, None, :, None].clamp_min(1)).expand(B, HQ, R, -1), v)
         return alpha * y + (1 - alpha) * v_mean
+    if method == "quest":  # pages of min/max keys, the current page and the pages of largest upper bound
+        sel = quest_row_selection(q, k, starts, lengths, budget, page_size=page_size, gqa_select=gqa_select,
+                                  aggregate=aggregate, scale=scale)
+        record_selection(sel, n_visible, HKV)
+        exact = grouped_scores(q, k)
+        if diagnosing():
+            record_diagnostics(sel, exact, visible, budget, n_visible, scale)
+        return attend(masked_softmax(exact * scale, per_query_head(sel, HQ)), v)
     if method == "loki":  # approximate scores from the first d dims; the rest completes the exact scores
         approx = grouped_scores(q[..., :dd], k[..., :dd])
         exact = approx + grouped_scores(q[..., dd:], k[..., dd:]) if dd < D else approx
@@ -132,6 +151,8 @@ def _block(method, q, k, v, visible, n_visible, counts, *, dd, scale, gqa_select
         raise ValueError(f"gqa_select must be 'query' or 'kv', got {gqa_select!r}")
     sel = topk_mask(approx, counts)
     record_selection(sel, n_visible, HKV)  # the bytes accounting (loki.reference.accounting), when tallying
+    if diagnosing():  # recall of the exact top-k set and attention mass (loki.reference.accounting)
+        record_diagnostics(sel, exact, visible, budget, n_visible, scale)
     return attend(masked_softmax(exact * scale, per_query_head(sel, HQ)), v)
 
 
@@ -149,15 +170,17 @@ def teacher_forced_rows(
     gqa_select: str,
     aggregate: str,
     block_elements: int | None = None,
+    page_size: int = QUEST_PAGE_SIZE,
 ) -> torch.Tensor:
     """Attention of every query row as a decode step of ``method`` over the tokens the row sees.
 
     q: [B, HQ, L, D] and k: [B, HKV, S, D] in the coordinates the method reads (for "loki" and "pcaattn" the
-    rotated ``q_hat``/``K_hat``; any orthogonal basis or none for the others, by Lemma 1; SparQ in the keys'
-    own coordinates); v: [B, HKV, S, D]; starts, lengths: [B, L] int, row ``(b, i)`` sees
+    rotated ``q_hat``/``K_hat``; any orthogonal basis or none for the others, by Lemma 1; SparQ and Quest in the
+    keys' own coordinates); v: [B, HKV, S, D]; starts, lengths: [B, L] int, row ``(b, i)`` sees
     ``starts[b, i] <= s < lengths[b, i]``.  ``k_budget``/``d`` are counts or fractions as in the decode
-    references (``d`` is SparQ's ``r``), the budget resolved from each row's own visible count; ``gqa_select``
-    and ``aggregate`` (one of ``GQA_AGGREGATES``) as in the decode references.  Computed in
+    references (``d`` is SparQ's ``r``; unused by Quest, whose pages hold ``page_size`` tokens), the budget
+    resolved from each row's own visible count; ``gqa_select`` and ``aggregate`` (one of ``GQA_AGGREGATES``) as in
+    the decode references.  Computed in
     fp32 in blocks of rows of at most ``block_elements`` score entries (default 2^24 on the CPU, 2^27 on a
     GPU).  Returns [B, HQ, L, D] in q's dtype; a row that sees no token gives zeros.
     """
@@ -168,6 +191,7 @@ def teacher_forced_rows(
     B, HQ, L, D = q.shape
     S = k.shape[2]
     dd = resolve_d(d, D, name="r" if method == "sparq" else "d")
+    page_size = check_page_size(page_size)
     scale = default_scale(D, scale)
     starts, lengths = starts.long(), lengths.long()
     n_visible = (lengths - starts).clamp_min(0)
@@ -192,6 +216,6 @@ def teacher_forced_rows(
         visible = (p >= starts[:, r0:r1, None]) & (p < lengths[:, r0:r1, None])  # [B, R, s_end]
         o = _block(method, q[:, :, r0:r1].float(), kf[:, :, :s_end], vf[:, :, :s_end], visible[:, None],
                    n_visible[:, r0:r1], counts[:, r0:r1], dd=dd, scale=scale, gqa_select=gqa_select,
-                   aggregate=aggregate)
+                   aggregate=aggregate, starts=starts[:, r0:r1], lengths=lengths[:, r0:r1], page_size=page_size)
         out[:, :, r0:r1] = o.to(q.dtype)
     return out

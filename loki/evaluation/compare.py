@@ -1,0 +1,540 @@
+"""The field's decode-time sparse-attention methods side by side at matched bytes (``loki compare``).
+
+Every method reads, per decode step, some bytes to score the tokens and then the keys and values of what it
+selected.  Comparing them at one budget ``k`` favours whichever scores cheapest; a user choosing a method needs them
+at equal *bytes*.  This module fixes a target (by default the bytes of the default Loki configuration at
+``k_f``/``d_f``, 0.375 of dense attention at 0.25/0.25), chooses each method's budget so that it reads the target,
+and measures, on the same windows with decode-time semantics (every query row a decode step):
+
+- the perplexity increase over full attention, with its paired 95% interval (:mod:`loki.evaluation.intervals`);
+- the bytes per step it actually read, relative to dense (measured from its selections,
+  :mod:`loki.reference.accounting`);
+- its recall of the exact top-k set and the attention mass its selection captures, per layer and head
+  (:mod:`loki.evaluation.diagnostics`), which locate a loss.
+
+**Matched bytes.**  The byte model of every method lives in one place
+(:func:`loki.reference.accounting.step_bytes_fraction`): a score phase (Loki and Double Sparsity ``d/(2D)``, SparQ
+``r/(2D)``, Quest ``1/16`` for its page metadata, H2O nothing) plus the distinct tokens read per KV head over the
+visible ones, ``u/n``.  ``u`` depends on the data where a selection is made per query head (the union over the group)
+or in pages (Quest's current page is partial), so the budget is solved for on a probe: the queries and keys of the
+first window(s), captured from one dense forward, go through the method's teacher-forced rows
+(:func:`loki.reference.teacher_forced.teacher_forced_rows`) and the bytes are measured (:func:`match_budget`,
+a bracketed secant search on ``k``).  H2O keeps state across steps and is not probed: its budget comes from the byte
+model with one selection per KV head.  The probe sees the dense forward's queries and keys, not the method's own
+(whose later layers drift), so a run whose measured bytes miss the target by more than ``rerun_tolerance`` runs once
+more with its budget corrected by them (H2O up to twice, by the secant through its runs); the table reports the bytes
+measured in the run it shows.
+Methods that read more than the target whatever their budget (exact top-k reads every key: at least 1/2 of dense;
+PCAAttn reads every value) run at the default's budget and are marked *not byte-matched* (the oracles).
+
+The methods (:data:`COMPARE_METHODS`): Loki's default (score-aware basis, one selection per KV group with
+softmax-max), Loki per query head, the paper's Loki (PCA of post-rotary keys, per query head), exact top-k per query
+head and shared (oracles), SparQ (``r = d``), Quest (pages of 16), Double Sparsity (``r = d`` label channels, a Loki
+basis: :mod:`loki.calibration.channels`) and H2O; shared variants and PCAAttn on request.
+
+Shape letters: N windows, T tokens per window, L layers, HQ query heads, HKV key/value heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+__all__ = [
+    "COMPARE_METHODS",
+    "DEFAULT_METHODS",
+    "CompareMethod",
+    "CompareOptions",
+    "BytesProbe",
+    "compare_markdown",
+    "match_budget",
+    "resolve_methods",
+    "run_compare",
+    "write_compare_plot",
+]
+
+
+@dataclass(frozen=True)
+class CompareMethod:
+    """One method of the comparison: an engine ``method`` (:data:`loki.evaluation.perplexity.METHOD_NAMES`) with its
+    ``basis`` (a name of :data:`loki.calibration.BASIS_NAMES`), GQA mode and aggregate; ``uses_d``: it reads ``d``
+    (Loki's dims, SparQ's and Double Sparsity's ``r``); ``oracle``: exact scores (never byte-matched below 1/2)."""
+
+    name: str
+    label: str
+    method: str
+    basis: str | None = None
+    gqa_select: str = "query"
+    aggregate: str = "sum"
+    uses_d: bool = False
+    oracle: bool = False
+    default: bool = False
+
+
+#: Every method ``loki compare`` knows, by name (``--methods``).
+COMPARE_METHODS: dict[str, CompareMethod] = {m.name: m for m in (
+    CompareMethod("full", "full attention", "full"),
+    CompareMethod("loki", "Loki, default (score-aware, shared softmax-max)", "loki", "score", "kv", "softmax-max",
+                  uses_d=True, default=True),
+    CompareMethod("loki[query]", "Loki, score-aware, per query head", "loki", "score", uses_d=True),
+    CompareMethod("loki-pca[query]", "Loki, paper's PCA (post), per query head", "loki", "post", uses_d=True),
+    CompareMethod("loki-pca[kv]", "Loki, paper's PCA (post), shared softmax-max", "loki", "post", "kv", "softmax-max",
+                  uses_d=True),
+    CompareMethod("exact_topk[query]", "exact top-k, per query head (oracle)", "exact_topk", oracle=True),
+    CompareMethod("exact_topk[kv]", "exact top-k, shared softmax-max (oracle)", "exact_topk", None, "kv",
+                  "softmax-max", oracle=True),
+    CompareMethod("sparq", "SparQ (r = d), per query head", "sparq", uses_d=True),
+    CompareMethod("quest", "Quest (pages of 16), per query head", "quest"),
+    CompareMethod("quest[kv]", "Quest (pages of 16), shared softmax-max", "quest", None, "kv", "softmax-max"),
+    CompareMethod("double_sparsity", "Double Sparsity (r = d label channels), per query head", "loki", "channels",
+                  uses_d=True),
+    CompareMethod("double_sparsity[kv]", "Double Sparsity (r = d label channels), shared softmax-max", "loki",
+                  "channels", "kv", "softmax-max", uses_d=True),
+    CompareMethod("h2o", "H2O (heavy hitters + recent), per query head", "h2o"),
+    CompareMethod("pcaattn", "PCAAttn (paper's PCA), every token", "pcaattn", "post", uses_d=True),
+)}
+#: The methods run unless ``--methods`` says otherwise (full attention is always measured, as the reference).
+DEFAULT_METHODS = ("loki", "loki[query]", "loki-pca[query]", "exact_topk[query]", "exact_topk[kv]", "sparq", "quest",
+                   "double_sparsity", "h2o")
+
+
+def resolve_methods(names, config=None) -> list[CompareMethod]:
+    """The :class:`CompareMethod` of every name (ValueError naming an unknown one), full attention first.  With a
+    model ``config`` whose default Loki mode is per query head (no GQA), ``loki`` is that mode and the duplicate
+    ``loki[query]`` is dropped."""
+    names = list(dict.fromkeys(names))
+    bad = [n for n in names if n not in COMPARE_METHODS]
+    if bad:
+        raise ValueError(f"--methods: unknown method(s) {', '.join(bad)}; choose from {', '.join(COMPARE_METHODS)}")
+    out = [COMPARE_METHODS["full"]] + [COMPARE_METHODS[n] for n in names if n != "full"]
+    if config is not None:
+        from loki.settings import GQAMode, LokiSettings
+
+        if LokiSettings(backend="torch").resolve(config).gqa_select is GQAMode.QUERY:
+            out = [replace(m, gqa_select="query", aggregate="sum") if m.default else m for m in out
+                   if m.name != "loki[query]"]
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ the byte model
+def byte_range(m: CompareMethod, d, D: int) -> tuple[float, float]:
+    """``(low, high)``: the bytes per step of method ``m`` selecting nothing and everything (the byte model,
+    :func:`loki.reference.accounting.step_bytes_fraction`)."""
+    from loki.reference.accounting import step_bytes_fraction
+
+    dd = d if m.uses_d else None
+    return step_bytes_fraction(m.method, 0.0, dd, D), step_bytes_fraction(m.method, 1.0, dd, D)
+
+
+def match_budget(bytes_at: Callable[[float], float], target: float, *, low: float, high: float,
+                 tolerance: float = 0.002, max_evals: int = 10) -> dict:
+    """The budget fraction ``k`` in (0, 1] whose bytes ``bytes_at(k)`` (non-decreasing in ``k``) equal ``target``:
+    a secant search kept inside a bracket (bisection when the secant leaves it), from the linear guess between
+    ``low`` (bytes at k -> 0) and ``high`` (at k = 1); stops within ``tolerance`` or after ``max_evals`` probes.
+
+    Returns ``{"k", "bytes", "matched", "evals"}``: ``matched`` False when the target lies below ``low`` (the method
+    reads more whatever its budget; ``k`` None) or above ``high`` (``k`` = 1.0, every token)."""
+    if target <= low + 1e-12:
+        return {"k": None, "bytes": None, "matched": False, "evals": 0}
+    if target >= high:
+        return {"k": 1.0, "bytes": high, "matched": target - high <= tolerance, "evals": 0}
+    lo, hi = 0.0, 1.0
+    f_lo, f_hi = low, high
+    k = (target - low) / (high - low)
+    seen: list[tuple[float, float]] = []
+    for _ in range(max_evals):
+        b = float(bytes_at(k))
+        seen.append((k, b))
+        if abs(b - target) <= tolerance:
+            break
+        if b < target:
+            lo, f_lo = k, b
+        else:
+            hi, f_hi = k, b
+        nxt = lo + (target - f_lo) * (hi - lo) / (f_hi - f_lo) if f_hi > f_lo else 0.5 * (lo + hi)
+        if not lo < nxt < hi or abs(nxt - k) < 1e-6:
+            nxt = 0.5 * (lo + hi)
+        k = nxt
+    k, b = min(seen, key=lambda kb: abs(kb[1] - target))
+    return {"k": k, "bytes": b, "matched": abs(b - target) <= tolerance, "evals": len(seen)}
+
+
+class BytesProbe:
+    """The bytes per decode step of any teacher-forced method on a few windows, without running the model again:
+    the post-rotary queries and keys of every layer, captured from one dense forward, go through
+    :func:`~loki.reference.teacher_forced.teacher_forced_rows` under the bytes tally
+    (:func:`~loki.reference.accounting.tally_selections`).  At most ``rows`` query rows per window are probed, evenly
+    spaced (every row of windows up to that length), each with the tokens it sees in the window."""
+
+    def __init__(self, model, windows: torch.Tensor, bases: dict, *, rows: int = 1024):
+        from loki._hf import config_head_dim
+        from loki.evaluation.agreement import capture_qk
+
+        N, T = windows.shape
+        self.qk = capture_qk(model, windows)
+        dev = next(iter(self.qk.values()))[0].device
+        self.rows = torch.linspace(0, T - 1, min(T, max(1, rows)), device=dev).round().long().unique()
+        self.qk = {layer: (q[:, :, self.rows].contiguous(), k) for layer, (q, k) in self.qk.items()}
+        self.bases = bases
+        self.D = config_head_dim(model.config)
+        R = self.rows.numel()
+        self.starts = torch.zeros(N, R, dtype=torch.long, device=dev)
+        self.lengths = (1 + self.rows)[None].expand(N, R).contiguous()
+        self.cache: dict = {}
+
+    def bytes(self, m: CompareMethod, k: float, d) -> float:
+        """Measured bytes per step (relative to dense) of method ``m`` at budget ``k`` and dims ``d``."""
+        from loki.reference.accounting import step_bytes_fraction, tally_selections
+        from loki.reference.teacher_forced import teacher_forced_rows
+
+        key = (m.name, float(k), d)
+        if key not in self.cache:
+            with torch.no_grad(), tally_selections() as tally:
+                for layer in sorted(self.qk):
+                    q, kk = self.qk[layer]
+                    if m.basis is not None:
+                        b = self.bases[m.basis]
+                        P, Pq = (t.to(device=q.device, dtype=torch.float32) for t in (b.layer(layer),
+                                                                                      b.query_layer(layer)))
+                        B, HQ, R, D = q.shape
+                        HKV = kk.shape[1]
+                        q = (q.float().view(B, HKV, HQ // HKV, R, D) @ Pq[None, :, None]).view(B, HQ, R, D)
+                        kk = kk.float() @ P[None]
+                    teacher_forced_rows(q, kk, kk, self.starts, self.lengths, method=m.method, k_budget=k,
+                                        d=d if m.uses_d else 1.0, gqa_select=m.gqa_select, aggregate=m.aggregate)
+            self.cache[key] = step_bytes_fraction(m.method, tally.selected_fraction, d if m.uses_d else None, self.D)
+        return self.cache[key]
+
+
+# ------------------------------------------------------------------------------------------------ one run
+@dataclass
+class CompareOptions:
+    """Settings of one comparison (see :func:`run_compare`)."""
+
+    windows: tuple[tuple[int, int], ...] = ((8192, 2), (4096, 4), (1024, 8))  # the long profile's
+    methods: tuple[str, ...] = DEFAULT_METHODS
+    k: float = 0.25  # the default configuration's budget (the target's) and the oracles'
+    d: float = 0.25  # Loki's d, SparQ's and Double Sparsity's r
+    target_bytes: float | None = None  # None: the default configuration's bytes at (k, d), measured on the probe
+    tolerance: float = 0.005  # |bytes - target| accepted by the budget search (fractions jump at rational k_f)
+    rerun_tolerance: float = 0.01  # a run whose measured bytes miss the target by more runs again (H2O: twice)
+    probe_windows: int = 1
+    probe_rows: int = 1024  # query rows per probe window (evenly spaced; all of them in shorter windows)
+    h2o_max_len: int = 1024  # H2O decodes token by token: windows up to this length only
+    corpus: str = "wikitext"
+    text_file: str | None = None
+    recipe: object = None  # a CalibrationRecipe (None: the evaluation's default recipe)
+    batch_size: int = 2
+    use_cache: bool = True
+    progress: bool = True
+    log: Callable[[str], None] | None = None
+
+
+def _needed_bases(methods: list[CompareMethod]) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(m.basis for m in methods if m.basis is not None))
+
+
+def _spec(m: CompareMethod, k, d):
+    from loki.evaluation.perplexity import MethodSpec
+
+    if m.method == "full":
+        return MethodSpec(m.name, "full")
+    return MethodSpec(m.name, m.method, k=k, d=d if m.uses_d else 1.0, basis=m.basis, gqa_select=m.gqa_select,
+                      aggregate=m.aggregate)
+
+
+def _default_method(methods: list[CompareMethod]) -> CompareMethod:
+    return next((m for m in methods if m.default), COMPARE_METHODS["loki"])
+
+
+def run_compare(model, tokenizer, opts: CompareOptions | None = None) -> dict:
+    """Run the comparison; returns the JSON-able results (``settings``, and per window set ``runs``: the target, and
+    a row per method with its budget, bytes, perplexity increase and interval, and diagnostics)."""
+    from loki._hf import config_head_dim
+    from loki.evaluation.bases import DEFAULT_RECIPE, get_bases
+    from loki.evaluation.data import load_corpus, token_windows
+    from loki.evaluation.intervals import paired_increase
+    from loki.evaluation.perplexity import perplexity
+
+    opts = opts or CompareOptions()
+    log = opts.log or (lambda msg: None)
+    t_start = time.perf_counter()
+    methods = resolve_methods(opts.methods, model.config)
+    D = config_head_dim(model.config)
+    recipe = (opts.recipe or DEFAULT_RECIPE)
+    default = _default_method(methods)
+    need = _needed_bases(methods + [default])
+    bases = get_bases(model, tokenizer, need, recipe, use_cache=opts.use_cache, progress=opts.progress, log=log)
+    src = load_corpus(opts.corpus, part="eval", path=opts.text_file)
+    results = {
+        "settings": {
+            "model": getattr(model.config, "name_or_path", None), "device": str(model.device),
+            "card": torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else "cpu",
+            "dtype": str(model.dtype).replace("torch.", ""), "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "eval_origin": src.origin, "head_dim": D,
+            "calibration": dict(vars(recipe.resolved(model))), "calib_origin": next(iter(bases.values())).corpus,
+            "k": opts.k, "d": opts.d, "target_bytes": opts.target_bytes, "default_method": default.name,
+            "methods": [m.name for m in methods], "probe_windows": opts.probe_windows, "probe_rows": opts.probe_rows,
+            "tolerance": opts.tolerance, "rerun_tolerance": opts.rerun_tolerance,
+            "windows": [list(w) for w in opts.windows],
+        },
+        "runs": [],
+    }
+    for T, N in opts.windows:
+        windows = token_windows(tokenizer, src, T, N)
+        log(f"{N} x {T} tokens of {src.origin}")
+        probe = BytesProbe(model, windows[: max(1, min(opts.probe_windows, N))], bases, rows=opts.probe_rows)
+        target = opts.target_bytes
+        if target is None:
+            target = probe.bytes(default, opts.k, opts.d)
+        log(f"target: {target:.4f} of dense bytes per decode step ({default.name} at k_f={opts.k:g}, d={opts.d:g})")
+        run = {"seq_len": T, "windows": N, "target_bytes": target, "rows": []}
+        full = None
+        for m in methods:
+            if m.method == "h2o" and T > opts.h2o_max_len:
+                log(f"{m.name}: skipped at {T} tokens (decodes token by token; --h2o-max-len {opts.h2o_max_len})")
+                run["rows"].append({"name": m.name, "label": m.label, "skipped":
+                                    f"H2O decodes token by token: windows up to {opts.h2o_max_len} tokens"})
+                continue
+            t0 = time.perf_counter()
+            k, note, match, adjustable = _choose_budget(m, probe, target, opts, D, default)
+            batch = N if m.method == "h2o" else opts.batch_size
+            diagnose = m.method not in ("full", "pcaattn")
+            r = perplexity(model, windows, _spec(m, k, opts.d), bases, batch_size=batch, diagnostics=diagnose)
+            # the probe ran on the dense forward's queries and keys (H2O: not probed at all); where the method's own
+            # pass reads other bytes, its budget is corrected by them: once where probed, up to twice for H2O
+            tried = [(k, r.bytes_fraction)]
+            reruns = (1 if match is not None else 2) if adjustable else 0
+            while (len(tried) <= reruns and r.bytes_fraction is not None
+                   and abs(r.bytes_fraction - target) > opts.rerun_tolerance):
+                k2 = _corrected_budget(m, probe if match is not None else None, tried, target, opts, D)
+                log(f"{m.name}: read {r.bytes_fraction:.4f} at k_f={k:.4f}; once more at k_f={k2:.4f}")
+                k = k2
+                r = perplexity(model, windows, _spec(m, k, opts.d), bases, batch_size=batch, diagnostics=diagnose)
+                tried.append((k, r.bytes_fraction))
+            if len(tried) > 1:
+                n = len(tried) - 1
+                note = (note + "; " if note else "") + (f"budget corrected {'once' if n == 1 else f'{n} times'} by "
+                                                         "the bytes of its own runs")
+            if full is None and m.method == "full":
+                full = r
+            row = _row(m, r, k, opts.d, note, match, full, paired_increase)
+            row["seconds"] = time.perf_counter() - t0
+            run["rows"].append(row)
+            log(f"{m.name}: k_f={'-' if k is None else f'{k:.4f}'} bytes={_fmt(row.get('bytes_fraction'))} "
+                f"ppl={r.ppl:.4f} ({row['seconds']:.1f} s)")
+        results["runs"].append(run)
+    results["settings"]["seconds"] = time.perf_counter() - t_start
+    return results
+
+
+def _choose_budget(m: CompareMethod, probe: BytesProbe, target: float, opts: CompareOptions, D: int,
+                   default: CompareMethod):
+    """``(k, note, match, adjustable)``: the budget of method ``m`` at the target bytes (module docstring), and
+    whether a run that misses the target may correct it."""
+    if m.method == "full":
+        return 1.0, "", None, False
+    if m.method == "pcaattn":
+        return 1.0, "every token (not a top-k method): not byte-matched", None, False
+    if m is default and opts.target_bytes is None:
+        return opts.k, "defines the target", None, False
+    low, high = byte_range(m, opts.d, D)
+    if m.method == "h2o":
+        k = min(1.0, max(1e-4, (target - low) / (high - low)))
+        return k, "budget from the byte model (H2O is not probed)", None, True
+    match = match_budget(lambda k: probe.bytes(m, k, opts.d), target, low=low, high=high, tolerance=opts.tolerance)
+    if match["k"] is None:
+        why = "scoring reads every key" if m.method == "exact_topk" else "its score phase alone exceeds the target"
+        return opts.k, f"not byte-matched ({why}): the default's k_f", match, False
+    return match["k"], "" if match["matched"] else "closest budget on the probe", match, True
+
+
+def _corrected_budget(m: CompareMethod, probe: BytesProbe | None, tried: list[tuple[float, float]],
+                      target: float, opts: CompareOptions, D: int) -> float:
+    """The budget of another run of ``m`` after runs at ``(k, measured bytes)`` in ``tried``: where probed, the probe's
+    curve shifted by what the last run read beyond it, solved again; else (H2O) the secant through the last two runs,
+    or from one run ``k`` scaled by the selected part."""
+    low, high = byte_range(m, opts.d, D)
+    k, measured = tried[-1]
+    if probe is None:
+        if len(tried) >= 2 and tried[-1][1] != tried[-2][1]:
+            (k0, b0), (k1, b1) = tried[-2], tried[-1]
+            return min(1.0, max(1e-4, k1 + (target - b1) * (k1 - k0) / (b1 - b0)))
+        return min(1.0, max(1e-4, k * (target - low) / max(1e-9, measured - low)))
+    shift = measured - probe.bytes(m, k, opts.d)
+    again = match_budget(lambda x: probe.bytes(m, x, opts.d) + shift, target, low=low + shift, high=high + shift,
+                         tolerance=opts.tolerance)
+    return again["k"] if again["k"] is not None else k
+
+
+def _row(m: CompareMethod, r, k, d, note: str, match: dict | None, full, paired_increase) -> dict:
+    row = {"name": m.name, "label": m.label, "method": m.method, "basis": m.basis, "gqa_select": m.gqa_select,
+           "aggregate": m.aggregate, "default": m.default, "oracle": m.oracle, "k": k,
+           "d": d if m.uses_d else None, "note": note, "ppl": r.ppl, "nll": r.nll, "tokens": r.tokens,
+           "bytes_fraction": r.bytes_fraction, "score_fraction": r.score_fraction,
+           "selected_fraction": r.selected_fraction, "probe": match}
+    if full is not None:
+        inc = paired_increase(r.token_nll, full.token_nll)
+        row.update(increase=inc["increase"], increase_lo=inc["lo"], increase_hi=inc["hi"])
+    dg = r.diagnostics
+    if dg is not None:
+        row.update(recall=dg["recall_mean"], mass=dg["mass_mean"], oracle_mass=dg["oracle_mass_mean"],
+                   diagnostics=dg)
+    return row
+
+
+# ------------------------------------------------------------------------------------------------ report
+def _fmt(x, nd: int = 3) -> str:
+    return "-" if x is None else f"{x:.{nd}f}"
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{100 * x:+.1f}%"
+
+
+def _increase_cell(r: dict) -> str:
+    if "increase" not in r:
+        return "-"
+    return f"{_pct(r['increase'])} [{100 * r['increase_lo']:+.1f}, {100 * r['increase_hi']:+.1f}]"
+
+
+def compare_markdown(results: dict) -> str:
+    """The report: per window set, one table of every method at the target bytes, the per-layer recall of each
+    method, and the heads where the default loses most."""
+    st = results["settings"]
+    lines = [
+        "# Sparse attention methods at matched bytes",
+        "",
+        f"Model {st['model']} on {st['card']} ({st['dtype']}), text {st['eval_origin']}; decode-time semantics (row i "
+        "keeps its budget of the i + 1 tokens it sees); bases calibrated on "
+        f"{st['calib_origin']} ({st['calibration'].get('num_tokens')} tokens, positions "
+        f"[0, {st['calibration'].get('max_positions')})). Target: the bytes per decode step of "
+        f"`{st['default_method']}` at k_f = {st['k']:g}, d_f = {st['d']:g}"
+        + (f" (given: {st['target_bytes']:.4f})" if st["target_bytes"] is not None else " (measured on the probe)")
+        + "; each method's budget k_f is chosen to read them (probed on up to "
+        f"{st.get('probe_rows', 1024)} rows of the first {st['probe_windows']} window(s); H2O from the byte model; a "
+        f"run missing the target by more than {st.get('rerun_tolerance', 0.01):g} runs again with its budget "
+        "corrected by its measured bytes, once, H2O up to twice). "
+        "Increase of perplexity over full attention with its paired 95% interval; bytes measured from the "
+        "selections; recall of the exact top-k set and attention mass captured (the exact top-k set's in "
+        "parentheses), means over informative rows, layers and query heads.",
+        "",
+    ]
+    for run in results["runs"]:
+        T, N = run["seq_len"], run["windows"]
+        lines += [f"## {T} x {N} tokens (target {run['target_bytes']:.4f} of dense)", "",
+                  "| method | k_f | d or r | bytes / dense | perplexity | increase over full [95%] | top-k recall | "
+                  "attention mass (oracle) | note |",
+                  "|---|---:|---:|---:|---:|---|---:|---|---|"]
+        for r in run["rows"]:
+            if "skipped" in r:
+                lines.append(f"| {r['label']} | | | | | | | | skipped: {r['skipped']} |")
+                continue
+            name = f"**{r['label']}**" if r["default"] else r["label"]
+            k = "-" if r["method"] == "full" else _fmt(r["k"], 4)
+            d = "-" if r["d"] is None else f"{r['d']:g}"
+            mass = "-" if r.get("mass") is None else f"{r['mass']:.3f} ({r['oracle_mass']:.3f})"
+            inc = "0 (reference)" if r["method"] == "full" else _increase_cell(r)
+            lines.append(f"| {name} | {k} | {d} | {_fmt(r['bytes_fraction'])} | {r['ppl']:.3f} | {inc} | "
+                         f"{_fmt(r.get('recall'))} | {mass} | {r['note']} |")
+        lines += ["", *_layer_table(run), "", *_worst_heads(run), ""]
+    lines.append(f"Ran in {st.get('seconds', 0):.0f} s ({st['threads']} torch threads, torch {st['torch']}).")
+    return "\n".join(lines) + "\n"
+
+
+def _layer_table(run: dict) -> list[str]:
+    rows = [r for r in run["rows"] if r.get("diagnostics") and r["diagnostics"]["layers"]]
+    if not rows:
+        return []
+    layers = rows[0]["diagnostics"]["layers"]
+    out = ["Top-k recall per layer (informative rows, mean over query heads):", "",
+           "| layer | " + " | ".join(r["name"] for r in rows) + " |", "|---:|" + "---:|" * len(rows)]
+    for i, layer in enumerate(layers):
+        cells = []
+        for r in rows:
+            v = r["diagnostics"]["recall_per_layer"][i] if i < len(r["diagnostics"]["recall_per_layer"]) else None
+            cells.append(_fmt(v))
+        out.append(f"| {layer} | " + " | ".join(cells) + " |")
+    return out
+
+
+def _worst_heads(run: dict, n: int = 5) -> list[str]:
+    r = next((r for r in run["rows"] if r.get("default") and r.get("diagnostics")), None)
+    if r is None or not r["diagnostics"]["layers"]:
+        return []
+    dg = r["diagnostics"]
+    heads = [(dg["mass_kv"][i][h], layer, h, dg["recall_kv"][i][h]) for i, layer in enumerate(dg["layers"])
+             for h in range(len(dg["mass_kv"][i])) if dg["mass_kv"][i][h] is not None]
+    heads.sort()
+    out = [f"The KV heads where `{r['name']}` captures the least attention mass (recall of the exact top-k set):", ""]
+    out += [f"- layer {layer}, KV head {h}: mass {m:.3f}, recall {rc:.3f}" for m, layer, h, rc in heads[:n]]
+    return out
+
+
+def write_compare_plot(results: dict, path) -> Path | None:
+    """The plot of accuracy against bytes: per window set, the perplexity increase over full attention (with its 95%
+    interval; top) and the attention mass captured (bottom) against the bytes per decode step relative to dense,
+    linear axes; one colour and marker per method named in the legend with its increase, the default a large black
+    star (bold in the legend), the target bytes dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from loki._io import atomic_path
+
+    runs = [run for run in results["runs"] if any("increase" in r and r.get("bytes_fraction") is not None
+                                                  and r["method"] != "full" for r in run["rows"])]
+    if not runs:
+        return None
+    fig, axes = plt.subplots(2, len(runs), figsize=(7.5 * len(runs), 9), squeeze=False)
+    cmap = plt.get_cmap("tab10")
+    names = [m for m in COMPARE_METHODS if m != "full"]
+    markers = "oDs^v<>phPX"
+    for col, run in enumerate(runs):
+        top, bottom = axes[0][col], axes[1][col]
+        for r in run["rows"]:
+            if r.get("method") in (None, "full") or r.get("bytes_fraction") is None or "increase" not in r:
+                continue
+            i = names.index(r["name"])
+            x = r["bytes_fraction"]
+            color = "black" if r["default"] else cmap(i % 10)
+            size = 15 if r["default"] else 7
+            marker = "*" if r["default"] else markers[i % len(markers)]
+            y, lo, hi = 100 * r["increase"], 100 * r["increase_lo"], 100 * r["increase_hi"]
+            label = (f"{r['name']}{' (default)' if r['default'] else ''}: {y:+.1f}% at {x:.3f}"
+                     + (", not byte-matched" if "not byte-matched" in r.get("note", "") else ""))
+            top.errorbar([x], [y], yerr=[[y - lo], [hi - y]], marker=marker, markersize=size, color=color,
+                         capsize=3, linestyle="none", label=label, zorder=3 if r["default"] else 2)
+            if r.get("mass") is not None:
+                bottom.plot([x], [r["mass"]], marker=marker, markersize=size, color=color, linestyle="none",
+                            label=f"{r['name']}: {r['mass']:.3f}", zorder=3 if r["default"] else 2)
+        for ax in (top, bottom):
+            ax.axvline(run["target_bytes"], color="grey", linestyle="--", linewidth=1)
+            ax.grid(True, alpha=0.3)
+            ax.set_xlabel("bytes read per decode step / dense attention (linear)")
+            leg = ax.legend(fontsize=7, loc="best")
+            for text in leg.get_texts():
+                if "(default)" in text.get_text() or text.get_text().startswith("loki:"):
+                    text.set_fontweight("bold")
+        top.axhline(0, color="grey", linewidth=0.8)
+        top.set_ylabel("perplexity increase over full (%, linear; 95% interval)")
+        top.set_title(f"{run['seq_len']} x {run['windows']} tokens; dashed: target {run['target_bytes']:.3f} of dense")
+        bottom.set_ylabel("attention mass captured by the selection (linear)")
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=110, format="png")
+    plt.close(fig)
+    return path
+
+
+def default_log(msg: str) -> None:
+    print(f"[loki compare] {msg}", file=sys.stderr, flush=True)
+
