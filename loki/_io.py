@@ -35,8 +35,7 @@ def output_file_problem(path: str | os.PathLike, option: str, *, existing: str =
 
     The folder must exist and accept a new file (a temporary file is created and removed); ``path`` must not be a
     folder.  ``existing`` says what happens to a file already at ``path``: ``"replace"`` (it is replaced; it must
-    be writable), ``"refuse"`` (refused, naming ``force_option`` when there is one) or ``"basis"`` (only a Loki
-    basis file is replaced: model weights or any other file are refused).
+    be writable) or ``"refuse"`` (refused, naming ``force_option`` when there is one).
     """
     p = Path(path).expanduser()
     if p.is_dir():
@@ -50,13 +49,6 @@ def output_file_problem(path: str | os.PathLike, option: str, *, existing: str =
         if existing == "refuse":
             hint = f" (pass {force_option} to replace it)" if force_option else ""
             return f"{option} {p} already exists{hint}"
-        if existing == "basis":
-            from loki.basis import is_basis_file
-
-            if not is_basis_file(p):
-                what = " (model weights?)" if p.suffix == ".safetensors" else ""
-                return (f"{option} {p} exists and is not a Loki basis file{what}; only a basis file is replaced, "
-                        "this one is never overwritten: give another path")
         if not os.access(p, os.W_OK):
             return f"{option} {p} is not writable"
     return _probe(folder, option)

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .masks import masked_softmax, per_query_head, topk_mask
 from .selection import selection_mask
 
 __all__ = ["BYTE_METHODS", "DIAGNOSTIC_FIELDS", "QUEST_PAGE_SIZE", "DiagnosticsTally", "SelectionTally",
@@ -223,8 +224,6 @@ def selection_quality(sel: torch.Tensor, exact: torch.Tensor, visible: torch.Ten
     the lowest position).  Returns ``{"recall", "mass", "oracle_mass"}``, each [B, HQ, R] float64:
     ``|sel & E| / counts`` (0 where counts = 0), the exact attention probability (``softmax(scale * exact)`` over
     the visible tokens) summed over ``sel``, and over the exact top-k set ``E``."""
-    from .teacher_forced import masked_softmax, per_query_head, topk_mask
-
     HQ = exact.shape[1]
     if sel.shape[1] != HQ:
         sel = per_query_head(sel, HQ)

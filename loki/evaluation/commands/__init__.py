@@ -146,6 +146,17 @@ def check_output_file(path: str | os.PathLike, option: str, *, existing: str = "
     (a temporary file is created and removed); ``existing`` decides about a file already there: "replace",
     "refuse" (unless ``force_option``) or "basis" (only a Loki basis file); see
     :func:`loki._io.output_file_problem`."""
+    if existing == "basis":
+        from pathlib import Path
+
+        from loki.basis import is_basis_file
+
+        p = Path(path).expanduser()
+        if p.is_file() and not is_basis_file(p):
+            what = " (model weights?)" if p.suffix == ".safetensors" else ""
+            return (f"{option} {p} exists and is not a Loki basis file{what}; only a basis file is replaced, "
+                    "this one is never overwritten: give another path")
+        existing = "replace"
     return output_file_problem(path, option, existing=existing, force_option=force_option)
 
 

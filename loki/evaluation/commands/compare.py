@@ -123,7 +123,8 @@ def run(args: argparse.Namespace) -> int:
 
     from loki._io import atomic_write
     from loki.evaluation.bases import DEFAULT_RECIPE
-    from loki.evaluation.compare import CompareOptions, compare_markdown, default_log, run_compare, write_compare_plot
+    from loki.evaluation.compare import CompareOptions, default_log, run_compare
+    from loki.evaluation.compare_report import compare_markdown, write_compare_plot
 
     recipe = replace(DEFAULT_RECIPE, corpus=args.calib_corpus)
     if args.calib_tokens is not None:

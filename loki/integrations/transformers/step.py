@@ -242,7 +242,7 @@ def build_step_plan(*, settings: ResolvedSettings, B: int, L: int, device, cache
             index[key] = len(groups)
             groups.append(_group(key, k, B, L, device, q_pos, span, mask4d))
         layer_group.append(index[key])
-    runner = choose_runner(settings, L, device, needs_grad, has_cache=bool(stores))
+    runner = choose_runner(settings, L, device, needs_grad, has_cache=len(stores) > 0)
     return StepPlan(settings, groups, layer_group, L, runner, stores, static is not None)
 
 
