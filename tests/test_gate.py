@@ -387,8 +387,9 @@ def test_repository_thresholds_name_real_benchmarks():
 
 def test_known_misses_are_reported_and_fail_unless_allowed(tree):
     """A failure listed in known_misses is still printed as a failure and fails the gate, unless
-    allow_known_misses; a listed entry that no longer fails is reported as stale; an unlisted failure always
-    fails."""
+    allow_known_misses; a listed entry whose measured value now passes is reported as stale, one that this run
+    did not measure (here: a regression entry of a commit without a predecessor) only as not checked; an
+    unlisted failure always fails."""
     slow = {k: list(v) for k, v in GOOD.items()}
     slow["bench_kernels.Decode.track_speedup_vs_sdpa"] = [2.1, 1.7]
     write_results(tree / "results", A, slow, date=1000)
@@ -397,6 +398,8 @@ def test_known_misses_are_reported_and_fail_unless_allowed(tree):
          "params": {"shape": "B16-S4096"}, "measured": 2.1, "reason": "measured 2.1x: target missed"},
         {"kind": "regression", "benchmark": "bench_kernels.Decode.track_loki_ms", "commit": "aaaa",
          "measured": 0.2, "reason": "noise"},
+        {"kind": "threshold", "benchmark": "bench_accuracy.Accuracy.track_jaccard", "measured": 0.55,
+         "reason": "was below its limit"},
     ])
     (tree / "thresholds.json").write_text(json.dumps(thresholds))
     ok, checks, text = gate_run(tree, A)
@@ -406,7 +409,10 @@ def test_known_misses_are_reported_and_fail_unless_allowed(tree):
             in text and "[known miss: measured 2.1x: target missed]" in text)
     assert "gate: FAILED: only known misses (1)" in text
     assert ("known miss no longer fails (remove it from known_misses): "
+            "threshold bench_accuracy.Accuracy.track_jaccard") in text
+    assert ("known miss not checked here (no measured value of it in these results): "
             "regression bench_kernels.Decode.track_loki_ms") in text
+    assert "remove it from known_misses): regression" not in text
     ok, _, text = gate_run(tree, A, allow_known_misses=True)
     assert ok and "gate: PASSED with 1 known misses" in text
     common = ["--results", str(tree / "results"), "--machine", MACHINE, "--thresholds", str(tree / "thresholds.json"),
@@ -751,3 +757,141 @@ def test_asv_plugin_publish_links_the_repository(tmp_path):
     plugin.wrap_publish(Bare, log, environ={})
     Bare.run(conf=type("Conf", (), {"project_url": "", "show_commit_url": "", "repo": str(tmp_path)})())
     assert log.warnings and "no repository address" in log.warnings[0]
+
+
+# ------------------------------------------------------------------------------------ gate inputs are checked
+def _cli(tree, *extra):
+    """``ci/gate.py`` as a user runs it: (exit status, stdout, stderr)."""
+    proc = subprocess.run([sys.executable, str(GATE_PATH), "--results", str(tree / "results"), "--machine", MACHINE,
+                           "--thresholds", str(tree / "thresholds.json"), "--accuracy-thresholds",
+                           str(tree / "accuracy.json"), "--repo", str(tree), *extra],
+                          capture_output=True, text=True, check=False)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def _one_line_error(rc, out, err, *needles):
+    assert rc == 2, (rc, out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gate: error: ") and "Traceback" not in err, err
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+
+
+def test_two_results_files_for_one_commit_are_an_error_naming_both(tree):
+    """A relabelled copy of an older results file claiming the gated commit: the gate names both files and stops
+    (exit 2) instead of gating whichever sorts first."""
+    first = write_results(tree / "results", A, GOOD, date=1000)
+    slow = dict(GOOD, **{"bench_kernels.Decode.track_speedup_vs_sdpa": [1.0, 1.0]})
+    other = write_results(tree / "results", B, slow, date=500)
+    data = json.loads(other.read_text())
+    data["commit_hash"] = A  # relabelled, then saved under a name of its own commit
+    copy = other.with_name(f"{A[:8]}-{ENV}-copy.json")
+    copy.write_text(json.dumps(data))
+    other.unlink()
+    rc, out, err = _cli(tree, "--commit", A)
+    _one_line_error(rc, out, err, "two results files claim commit aaaaaaaaaaaa", first.name, copy.name)
+    # a file whose name is not its commit's (relabelled in place) is refused as well
+    copy.unlink()
+    data["commit_hash"] = "c" * 40
+    (tree / "results" / MACHINE / f"{B[:8]}-{ENV}.json").write_text(json.dumps(data))
+    rc, out, err = _cli(tree, "--commit", A)
+    _one_line_error(rc, out, err, "claims commit cccccccccccc but its name says 'bbbbbbbb'")
+
+
+@pytest.mark.parametrize("side, value, needle", [
+    ("min", -5.0, "checks[0].min"),  # a minimum speed-up of -5x would pass everything
+    ("min", 0.0, "checks[0].min"),
+    ("min", float("nan"), "finite"),
+    ("min", "2.3", "finite"),
+])
+def test_speed_limits_must_be_finite_and_positive(tree, side, value, needle):
+    write_results(tree / "results", A, GOOD, date=1000)
+    thresholds = json.loads(json.dumps(THRESHOLDS))
+    thresholds["checks"][0] = {"benchmark": "bench_kernels.Decode.track_speedup_vs_sdpa",
+                               "params": {"shape": "B16-S4096"}, side: value}
+    (tree / "thresholds.json").write_text(json.dumps(thresholds, allow_nan=True))
+    _one_line_error(*_cli(tree, "--commit", A), needle)
+
+
+@pytest.mark.parametrize("where, value", [
+    (("perplexity", "max_delta"), 0.0),  # a perplexity limit of 0 fails everything: refused, not gated
+    (("perplexity", "max_delta"), -0.1),
+    (("profiles", "check", "jaccard_min", "k0.25-d0.25", "min"), 1.5),  # a Jaccard index above 1 can never be met
+    (("profiles", "check", "jaccard_min", "k0.25-d0.25", "min"), -1.0),
+])
+def test_accuracy_limits_must_be_finite_and_of_the_right_sign(tree, where, value):
+    write_results(tree / "results", A, GOOD, date=1000)
+    accuracy = json.loads(json.dumps(ACCURACY))
+    node = accuracy
+    for key in where[:-1]:
+        node = node[key]
+    node[where[-1]] = value
+    (tree / "accuracy.json").write_text(json.dumps(accuracy))
+    _one_line_error(*_cli(tree, "--commit", A), "/".join(where), "is not a usable limit")
+
+
+def test_known_miss_values_and_regression_settings_are_checked(tree):
+    write_results(tree / "results", A, GOOD, date=1000)
+    for bad, needle in [
+        ({"known_misses": [{"kind": "threshold", "benchmark": "x", "reason": "r", "measured": 0.0}]}, "measured"),
+        ({"regression": {"factor": 0.5}}, "regression.factor"),
+        ({"regression": {"window": 0}}, "regression.window"),
+        ({"directions": {"by_unit": {"ms": "faster"}}}, "directions.by_unit"),
+        ({"checks": []}, "'checks'"),
+        ({"checks": [{"benchmark": "bench_kernels.Decode.track_loki_ms"}]}, "min, max"),
+    ]:
+        (tree / "thresholds.json").write_text(json.dumps(dict(THRESHOLDS, **bad)))
+        _one_line_error(*_cli(tree, "--commit", A), needle)
+
+
+def test_malformed_inputs_are_one_line_errors_with_exit_status_2(tree):
+    """Exit status 1 means "a check failed": an input that cannot be read is 2, with one line naming it."""
+    write_results(tree / "results", A, GOOD, date=1000)
+    readme = ROOT / "README.md"
+    rc, out, err = _cli(tree, "--commit", A, "--thresholds", str(readme))
+    _one_line_error(rc, out, err, "README.md is not valid JSON")
+    (tree / "results" / "benchmarks.json").write_text("{not json")
+    _one_line_error(*_cli(tree, "--commit", A), "benchmarks.json is not valid JSON")
+    (tree / "results" / "benchmarks.json").write_text(json.dumps({"bench_x.A.track_y": 3}))
+    _one_line_error(*_cli(tree, "--commit", A), "benchmarks.json is malformed")
+    write_results(tree / "results", A, GOOD, date=1000)  # restores benchmarks.json
+    (tree / "accuracy.json").write_text("[1, 2]")
+    _one_line_error(*_cli(tree, "--commit", A), "accuracy.json must hold a JSON object")
+    (tree / "accuracy.json").write_text(json.dumps(ACCURACY))
+    path = tree / "results" / MACHINE / f"{A[:8]}-{ENV}.json"
+    data = json.loads(path.read_text())
+    data["results"]["bench_kernels.Decode.track_loki_ms"] = 7
+    path.write_text(json.dumps(data))
+    _one_line_error(*_cli(tree, "--commit", A), "is not a row")
+
+
+def test_passed_only_when_a_measured_value_was_checked(tree):
+    """--allow-missing accepts results without a value, but they are reported MISSING (not ok), the summary counts
+    them as not checked, and a gate whose every gated result lacks a value fails: PASSED needs a measured value."""
+    partial = {k: v for k, v in GOOD.items() if k.startswith("bench_accuracy")}
+    write_results(tree / "results", A, partial, date=1000)
+    ok, checks, text = gate_run(tree, A, allow_missing=True)
+    assert ok, text
+    missing = [c for c in checks if c.status == "MISSING"]
+    assert [c.label for c in missing] == ["bench_kernels.Decode.track_speedup_vs_sdpa(shape=B16-S4096)"]
+    assert re.search(r"^MISSING\s+threshold\s+bench_kernels.Decode.track_speedup_vs_sdpa", text, re.M), text
+    assert "gate: PASSED (2 measured values checked; 1 gated results without a value NOT checked" in text
+    nothing = {"bench_kernels.Decode.track_speedup_vs_sdpa": [float("nan"), float("nan")]}
+    write_results(tree / "results", B, nothing, date=2000)
+    ok, checks, text = gate_run(tree, B, allow_missing=True, bench="track_speedup|track_ppl")
+    assert not ok and checks and not any(c.measured for c in checks), text
+    assert "gate: FAILED: no measured value was checked" in text and "PASSED" not in text
+
+
+def test_stale_advice_only_for_measured_values(tree):
+    """A known miss whose result is absent is not 'no longer failing': the gate says it was not checked."""
+    (tree / "thresholds.json").write_text(json.dumps(dict(THRESHOLDS, known_misses=[_known()])))
+    partial = {k: v for k, v in GOOD.items() if k != "bench_kernels.Decode.track_speedup_vs_sdpa"}
+    write_results(tree / "results", A, partial, date=1000)
+    ok, _, text = gate_run(tree, A, allow_missing=True)
+    assert ok and "no longer fails" not in text, text
+    assert "known miss not checked here" in text
+    write_results(tree / "results", A, GOOD, date=1000)  # measured and within its limit: now it is stale
+    _, _, text = gate_run(tree, A)
+    assert "known miss no longer fails (remove it from known_misses): threshold " in text
+
