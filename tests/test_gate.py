@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import io
 import json
+import os
 import re
 import subprocess
 import sys
@@ -699,9 +700,13 @@ def test_asv_regressions_page_scans_exactly_the_lower_is_better_benchmarks():
 class _Log:
     def __init__(self):
         self.warnings = []
+        self.infos = []
 
     def warning(self, msg):
         self.warnings.append(msg)
+
+    def info(self, msg):
+        self.infos.append(msg)
 
 
 def test_asv_plugin_run_without_commit_hash_says_so_and_writes_nothing_under_results(tmp_path):
@@ -895,3 +900,94 @@ def test_stale_advice_only_for_measured_values(tree):
     _, _, text = gate_run(tree, A)
     assert "known miss no longer fails (remove it from known_misses): threshold " in text
 
+
+# ------------------------------------------------------------------------------------ n/a reasons, machine, CPU run
+def _benchmarks_common():
+    sys.path.insert(0, str(ROOT))
+    try:
+        import benchmarks._common as common
+    finally:
+        sys.path.remove(str(ROOT))
+    return common
+
+
+def test_every_na_is_reported_with_its_reason(tree, monkeypatch, capsys):
+    """ASV drops the message of a skip: the benchmarks record it (benchmarks._common.skip: stderr and the skip log)
+    and the plugin's report after a run lists every n/a case of the run's results with it, grouped; a case that
+    recorded none is named as such."""
+    common = _benchmarks_common()
+    plugin = _load_ci_module("asv_plugin")
+    log_path = tree / "skips.jsonl"
+    monkeypatch.setenv(common.SKIP_LOG_ENV, str(log_path))
+    assert plugin.SKIP_LOG_ENV == common.SKIP_LOG_ENV
+    with pytest.raises(common.SkipNotImplemented, match="needs a CUDA device"):
+        common.skip("bench_kernels.Decode", "needs a CUDA device", "B16-S4096")
+    assert "n/a: bench_kernels.Decode(B16-S4096): needs a CUDA device" in capsys.readouterr().err
+    nan = float("nan")
+    write_results(tree / "results", A, dict(GOOD, **{"bench_kernels.Decode.track_loki_ms": [nan, nan]}), date=1000)
+    lines = plugin.na_report(str(tree / "results"), str(log_path))
+    assert lines == ["n/a because needs a CUDA device: 1 case(s) of bench_kernels.Decode",
+                     "n/a without a recorded reason: 1 case(s): bench_kernels.Decode.track_loki_ms(B1-S4096)"]
+    assert plugin.na_cases(str(tree / "results")) == [("bench_kernels.Decode.track_loki_ms", ("B16-S4096",)),
+                                                     ("bench_kernels.Decode.track_loki_ms", ("B1-S4096",))]
+
+
+def test_asv_plugin_run_sets_the_skip_log_and_reports_after(tmp_path):
+    plugin = _load_ci_module("asv_plugin")
+    common = _benchmarks_common()
+
+    class Run:
+        @classmethod
+        def run(cls, conf, **kwargs):
+            try:
+                common.skip("bench_e2e.EndToEndDecode", "needs a CUDA device", "llama2-7b-B8-S4096")
+            except common.SkipNotImplemented:
+                pass
+            return 0
+
+    log = _Log()
+    seen = []
+    plugin.wrap_run(Run, log, lambda kwargs, log: seen.append(kwargs))
+    conf = type("Conf", (), {"environment_type": "existing", "env_dir": str(tmp_path / "env"),
+                             "results_dir": str(tmp_path / "results")})()
+    assert Run.run(conf=conf, set_commit_hash="a" * 40) == 0
+    assert seen == [{"set_commit_hash": "a" * 40}]  # the machine check ran first
+    assert log.infos == ["n/a because needs a CUDA device: 1 case(s) of bench_e2e.EndToEndDecode"]
+    assert plugin.SKIP_LOG_ENV not in os.environ
+
+
+def test_asv_run_without_machine_information_records_the_defaults(tmp_path):
+    """The naive `asv run` off a console: ASV would fail on "No information stored about machine"; the plugin
+    records ASV's defaults (as `asv machine --yes`) under the machine name and says so."""
+    plugin = _load_ci_module("asv_plugin")
+    machine_file = tmp_path / "asv-machine.json"
+    log = _Log()
+    plugin._ensure_machine({"machine": "cpu-test", "_machine_file": str(machine_file)}, log)
+    data = json.loads(machine_file.read_text())
+    assert data["cpu-test"]["machine"] == "cpu-test" and data["cpu-test"]["num_cpu"]
+    assert len(log.warnings) == 1 and "recorded ASV's defaults" in log.warnings[0]
+    plugin._ensure_machine({"machine": "cpu-test", "_machine_file": str(machine_file)}, log)
+    assert len(log.warnings) == 1  # stored now: nothing to say
+
+
+def _session_left(pattern: str) -> list[str]:
+    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True, check=False).stdout
+    return [line for line in out.splitlines() if pattern in line]
+
+
+def test_cpu_recipe_stops_at_its_time_limit_and_leaves_no_process(tmp_path):
+    """ci/asv_cpu.py runs ASV in a session of its own: past the time limit it stops ASV and every benchmark process
+    (ASV puts each in a process group of its own, which a plain timeout leaves running), checks that none is left
+    and exits 124; its configuration and results live under --out, never under .asv/results."""
+    out = tmp_path / "asv-cpu"
+    env = dict(os.environ, HOME=str(tmp_path))  # asv machine --yes writes ~/.asv-machine.json
+    proc = subprocess.run([sys.executable, str(ROOT / "ci" / "asv_cpu.py"), "--out", str(out), "--time-limit", "12",
+                           "--bench", "^bench_kernels"], capture_output=True, text=True, env=env, timeout=120,
+                          check=False)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 124, text
+    assert "time limit of" in text and "stopped ASV and its benchmark processes; none left" in text, text
+    assert not _session_left(str(out)), _session_left(str(out))
+    conf = json.loads((out / "asv.conf.json").read_text())
+    assert conf["results_dir"] == str(out / "results") and "plugins" not in conf
+    assert all(re.match(r"^\[asv-cpu \d\d:\d\d\] ", line) for line in proc.stdout.splitlines()), proc.stdout
