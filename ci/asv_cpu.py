@@ -191,7 +191,9 @@ def main(argv=None) -> int:
     for f in (skips, progress):
         f.unlink(missing_ok=True)
     threads = args.threads or min(2, os.cpu_count() or 1)
-    env = dict(os.environ, **{SKIP_LOG_ENV: str(skips), PROGRESS_ENV: str(progress),
+    # the benchmark processes import this checkout's loki (ASV drops PYTHONPATH; ASV_PYTHONPATH is its own)
+    env = dict(os.environ, ASV_PYTHONPATH=os.environ.get("ASV_PYTHONPATH", str(ROOT)),
+               **{SKIP_LOG_ENV: str(skips), PROGRESS_ENV: str(progress),
                               "OMP_NUM_THREADS": str(threads), "LOKI_ASV_THREADS": str(threads),
                               "TOKENIZERS_PARALLELISM": "false"})
     py = sys.executable

@@ -13,6 +13,8 @@ configuration's folder before every command).
 - ``asv run`` without stored machine information: ASV asks its questions at a console and fails elsewhere ("No
   information stored about machine"); the plugin records ASV's defaults instead, as ``asv machine --yes`` does, and
   says so (name the machine with ``asv machine --machine NAME --yes`` or ``asv run --machine NAME``).
+- ``asv run`` ended by SIGTERM (``timeout``, a cancelled job) stops its benchmark processes: the plugin turns the
+  signal into an interrupt, so ASV's own cleanup kills the process groups it put them in.
 - ``asv publish``: the pages link every point to its commit and the header to the project.  With
   ``project_url`` / ``show_commit_url`` left empty in ``asv.conf.json`` they are filled from the repository's
   address: ``$LOKI_ASV_REPO_URL``, else ``$GITHUB_SERVER_URL/$GITHUB_REPOSITORY`` (the GPU job), else git's
@@ -27,9 +29,11 @@ import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 __all__ = ["SKIP_LOG_ENV", "UNSAVED", "na_report", "repository_url", "setup", "wrap_publish", "wrap_run"]
@@ -137,6 +141,25 @@ def _ensure_machine(kwargs, log) -> None:
                 f"machine --machine {name} --yes`) in ~/.asv-machine.json; results are filed under that machine name")
 
 
+def _interrupt_on_sigterm():
+    """Make SIGTERM (``timeout``, a job's cancel) interrupt ``asv run`` like Ctrl-C, so that ASV's own cleanup stops
+    its benchmark processes: ASV puts each in a process group of its own and kills those groups on an exception,
+    but a plain SIGTERM ends ASV at once and leaves them running.  Returns the previous handler to restore, or None
+    (not the main thread, or a handler of someone else's is in place)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous not in (signal.SIG_DFL, None):
+        return None
+
+    def interrupt(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # `timeout` signals the process group too: clean up once
+        raise KeyboardInterrupt(f"asv run: signal {signum} (SIGTERM): stopping the benchmark processes")
+
+    signal.signal(signal.SIGTERM, interrupt)
+    return previous
+
+
 def wrap_run(run_cls, log, ensure_machine=None) -> None:
     """Wrap ``run_cls.run`` (asv's ``Run.run`` classmethod) once: a run in an existing environment without
     ``set_commit_hash`` warns and writes under the scratch folder instead of ``results_dir``; every n/a case is
@@ -154,9 +177,12 @@ def wrap_run(run_cls, log, ensure_machine=None) -> None:
         previous = os.environ.get(SKIP_LOG_ENV)
         os.environ[SKIP_LOG_ENV] = skip_log
         since = time.time() - 1.0
+        handler = _interrupt_on_sigterm()
         try:
             return original(cls, conf, *args, **kwargs)
         finally:
+            if handler is not None:
+                signal.signal(signal.SIGTERM, handler)
             if previous is None:
                 os.environ.pop(SKIP_LOG_ENV, None)
             else:
