@@ -45,12 +45,23 @@ lacks, fail unless ``allow_missing``: a run never passes by having nothing to ch
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from loki.evaluation.gate_rows import _gate, default_gqa, in_default_mode, primary_setting, row_role  # noqa: F401
 
-__all__ = ["DEFAULT_THRESHOLDS", "evaluate_gates", "load_thresholds", "primary_setting", "retrieval_cells",
-           "row_key", "row_role", "update_thresholds", "verdict"]
+__all__ = ["DEFAULT_THRESHOLDS", "EXIT_RULE", "check_thresholds", "evaluate_gates", "load_thresholds",
+           "primary_setting", "retrieval_cells", "row_key", "row_role", "update_thresholds", "verdict"]
+
+#: The exit-status rule of ``loki check`` (:func:`verdict`; ``--help`` and the report state it).
+EXIT_RULE = (
+    "Exit status: 0 when no gate fails; 1 when a gate fails; 2 on a bad argument or input file. Every accuracy\n"
+    "gate is decided on its 95% interval: it fails only when the interval lies entirely beyond its bound, so a\n"
+    "target whose point estimate misses but whose interval reaches it is reported 'missed, not significant' and\n"
+    "does not fail. A significant miss recorded as a known miss of the profile fails unless --allow-known-misses\n"
+    "(and fails even then when significantly worse than recorded); a part that ran and left nothing to check\n"
+    "fails unless --allow-missing; a run with no gates fails."
+)
 
 #: The thresholds file shipped with the package.
 DEFAULT_THRESHOLDS = Path(__file__).resolve().parent / "accuracy_thresholds.json"
@@ -64,6 +75,60 @@ def load_thresholds(path: str | Path | None = None) -> dict:
         return json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
         raise ValueError(f"accuracy thresholds file {path} is not valid JSON: {exc}") from None
+
+
+def _limit_problem(value, where: str, low: float = 0.0, high: float | None = None,
+                   low_inclusive: bool = False) -> str | None:
+    """Why ``value`` is not a usable limit (a finite number above ``low``, at most ``high``), or None."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok:
+        ok = (value >= low if low_inclusive else value > low) and (high is None or value <= high)
+    if ok:
+        return None
+    span = f"{'[' if low_inclusive else '('}{low:g}, {'inf)' if high is None else f'{high:g}]'}"
+    return f"{where} must be a finite number in {span}, got {value!r}"
+
+
+def check_thresholds(thresholds: dict, profile: str | None = None) -> str | None:
+    """Why a thresholds dict cannot gate a run of ``profile`` (None when it can): the gates fail closed, so a
+    file that lacks the targets or the profile's regression limits, or holds a limit that is not a finite number
+    of the right sign, is refused instead of gating fewer checks.  ``profile=None`` checks the numbers only."""
+    if not isinstance(thresholds, dict):
+        return "the thresholds file must hold a JSON object"
+    problems = []
+    for key in ("exactness_rel_tol", "ordering_rel_tol", "fast_path_rel_tol", "retrieval_generate_tol"):
+        if key in thresholds:
+            problems.append(_limit_problem(thresholds[key], key, low=0.0, low_inclusive=key == "ordering_rel_tol"))
+    targets = thresholds.get("targets")
+    if profile is not None and not isinstance(targets, dict):
+        return "it has no 'targets' section (the project's accuracy targets)"
+    if isinstance(targets, dict):
+        for i, t in enumerate(targets.get("ppl") or []):
+            if isinstance(t, dict):
+                problems.append(_limit_problem(t.get("max"), f"targets/ppl/{i}/max"))
+        for i, t in enumerate(targets.get("retrieval") or []):
+            if isinstance(t, dict):
+                problems.append(_limit_problem(t.get("max_drop"), f"targets/retrieval/{i}/max_drop", high=1.0,
+                                               low_inclusive=True))
+    profiles = thresholds.get("profiles") or {}
+    if profile is not None:
+        prof = profiles.get(profile) if isinstance(profiles, dict) else None
+        if not isinstance(prof, dict) or not prof.get("ppl_delta_max"):
+            have = ", ".join(sorted(profiles)) if isinstance(profiles, dict) and profiles else "none"
+            return (f"it has no regression limits of profile {profile!r} (profiles/{profile}/ppl_delta_max; "
+                    f"profiles there: {have}); record them with loki check --profile {profile} --update-thresholds")
+    for name, prof in (profiles.items() if isinstance(profiles, dict) else ()):
+        if not isinstance(prof, dict):
+            problems.append(f"profiles/{name} must be a JSON object")
+            continue
+        for section, bound, high in (("ppl_delta_max", "max", None), ("jaccard_min", "min", 1.0),
+                                     ("mass_min", "min", 1.0), ("retrieval_min", "min", 1.0)):
+            for key, entry in (prof.get(section) or {}).items():
+                value = entry.get(bound) if isinstance(entry, dict) else None
+                problems.append(_limit_problem(value, f"profiles/{name}/{section}/{key}/{bound}", high=high,
+                                               low_inclusive=section == "retrieval_min"))
+    problems = [p for p in problems if p]
+    return problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "") if problems else None
 
 
 def row_key(row: dict, primary: tuple[int, float]) -> str:
@@ -369,8 +434,9 @@ def update_thresholds(runs: dict[str, dict], path: str | Path, profile: str, *, 
     first = next(iter(runs.values()))
     primary = primary_setting(first)
     settings = {k: first["settings"][k] for k in ("k", "d", "k_values", "calibration", "windows", "bases", "methods")}
-    if "kv_aggregate" in first["settings"]:  # the aggregate of the shared (kv) rows the limits are recorded for
-        settings["kv_aggregate"] = first["settings"]["kv_aggregate"]
+    for key in ("kv_aggregate", "agreement_tokens"):  # the aggregate of the shared (kv) rows the limits are
+        if first["settings"].get(key) is not None:  # recorded for; the agreement's window where it is shorter
+            settings[key] = first["settings"][key]
     prof = {"settings": settings,
             "measured_on": {t: {"full_ppl": next((round(r["ppl"], 6) for r in res["perplexity"]
                                                   if row_role(r) == "baseline" and r["seq_len"] == primary[0]),
