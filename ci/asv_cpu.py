@@ -134,7 +134,7 @@ def run_streaming(cmd: list[str], env: dict, time_limit: float, progress_file: P
             now = time.monotonic()
             if now - t0 > time_limit:
                 say(f"time limit of {time_limit:.0f} s reached: stopping (nothing of this run is saved: ASV writes "
-                    "results when a run ends)")
+                    "results when a run ends; on a busy machine give it longer with --time-limit)")
                 stop_session(proc, say)
                 return 124
             if progress_file is not None and progress_file.is_file():
@@ -166,8 +166,8 @@ def main(argv=None) -> int:
     ap.add_argument("--bench", default=".", metavar="REGEX", help="benchmarks to run (ASV's --bench; default: all)")
     ap.add_argument("--time-limit", type=float, default=290.0, help="seconds before the run is stopped "
                     "(default: %(default)s)")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads of the accuracy suite (default: the "
-                    "cores, at most 2)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads of the accuracy suite (default: 1 on a "
+                    "machine of two cores or fewer, else 2)")
     ap.add_argument("--no-gate", action="store_true", help="do not run ci/gate.py on the accuracy results")
     args = ap.parse_args(argv)
     if args.time_limit <= 0:
@@ -190,7 +190,9 @@ def main(argv=None) -> int:
     skips, progress = out / "skips.jsonl", out / "progress.log"
     for f in (skips, progress):
         f.unlink(missing_ok=True)
-    threads = args.threads or min(2, os.cpu_count() or 1)
+    # one torch thread on a machine of two cores or fewer (two threads sharing them with other work run several
+    # times slower; loki's own commands decide so too), else two
+    threads = args.threads or (1 if (os.cpu_count() or 1) <= 2 else 2)
     # the benchmark processes import this checkout's loki (ASV drops PYTHONPATH; ASV_PYTHONPATH is its own)
     env = dict(os.environ, ASV_PYTHONPATH=os.environ.get("ASV_PYTHONPATH", str(ROOT)),
                **{SKIP_LOG_ENV: str(skips), PROGRESS_ENV: str(progress),
