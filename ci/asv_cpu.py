@@ -169,6 +169,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch threads of the accuracy suite (default: 1 on a "
                     "machine of two cores or fewer, else 2)")
     ap.add_argument("--no-gate", action="store_true", help="do not run ci/gate.py on the accuracy results")
+    ap.add_argument("--show-stderr", action="store_true", help="ASV's --show-stderr: every benchmark's own output "
+                    "(the n/a reasons are listed after the run either way)")
     args = ap.parse_args(argv)
     if args.time_limit <= 0:
         ap.error(f"--time-limit must be > 0, got {args.time_limit}")
@@ -204,8 +206,9 @@ def main(argv=None) -> int:
                    cwd=ROOT, env=env, capture_output=True, text=True, check=False)
     since = time.time() - 1.0
     cmd = [py, "-m", "asv", "run", "--config", str(conf), "--python=same", "--machine", args.machine,
-           f"--set-commit-hash={commit}", "--quick", "--show-stderr", "--launch-method", "forkserver",
-           "--bench", args.bench]
+           f"--set-commit-hash={commit}", "--quick", "--launch-method", "forkserver", "--bench", args.bench]
+    if args.show_stderr:
+        cmd.append("--show-stderr")
     rc = run_streaming(cmd, env, args.time_limit - (time.monotonic() - t0), progress, say)
     for line in _plugin().na_report(str(out / "results"), str(skips), since):
         say(line)
