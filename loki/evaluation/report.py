@@ -97,7 +97,7 @@ def _legend(fig, axes) -> None:
             if lab not in handles:
                 handles[lab] = h
                 labels.append(lab)
-    fig.tight_layout(rect=(0, 0, 0.80 if len(axes) == 1 else 0.86, 1))
+    fig.tight_layout(rect=(0, 0, 0.74 if len(axes) == 1 else 0.84, 1))
     if labels:
         fig.legend([handles[lab] for lab in labels], labels, loc="center right", fontsize=8, frameon=False)
 
