@@ -19,14 +19,38 @@ evaluation code, the model wheel or the data every benchmark skips and says why.
 
 from __future__ import annotations
 
-from ._common import SkipNotImplemented, unit
+import contextlib
+import os
+
+from ._common import SkipNotImplemented, skip, unit  # noqa: F401 (re-exported)
 from ._shapes import ACCURACY_BASES, ACCURACY_METHODS, ACCURACY_PROFILE
+
+#: A file the suite's progress goes to while ``setup_cache`` runs (ASV shows a benchmark's output only when it ends;
+#: ci/asv_cpu.py sets it and prints each step as it comes).
+PROGRESS_ENV = "LOKI_ASV_PROGRESS"
 
 
 def measure_accuracy(profile: str = ACCURACY_PROFILE) -> dict:
     """Run the suite of ``profile`` (no retrieval, plots or downstream tasks); ``{"ppl": {method: ppl},
     "ppl_delta": {...}, "tokens_per_second": {method: evaluation tokens per second}, "agreement": {basis: {...}},
-    "settings": ...}`` or ``{"skip": reason}``."""
+    "settings": ...}`` or ``{"skip": reason}``.  With ``$LOKI_ASV_PROGRESS`` naming a file, the suite's log lines
+    and progress bars go there as they happen; ``$LOKI_ASV_THREADS`` sets torch's CPU threads."""
+    path = os.environ.get(PROGRESS_ENV)
+    if not path:
+        return _measure_accuracy(profile, None)
+    with open(path, "a", encoding="utf-8", buffering=1) as stream, contextlib.redirect_stderr(stream):
+        return _measure_accuracy(profile, stream)
+
+
+def _measure_accuracy(profile: str, stream) -> dict:
+    if os.environ.get("LOKI_ASV_THREADS", "").isdigit():
+        import torch
+
+        torch.set_num_threads(max(1, int(os.environ["LOKI_ASV_THREADS"])))
+
+    def log(msg):
+        print(f"{msg}", file=stream, flush=True)
+
     try:
         from loki.evaluation.models import EmbeddedModelError, load_default_model
         from loki.evaluation.suite import profile_options, run_suite
@@ -36,7 +60,8 @@ def measure_accuracy(profile: str = ACCURACY_PROFILE) -> dict:
         model, tokenizer = load_default_model(device="auto")
     except (EmbeddedModelError, FileNotFoundError, ImportError) as exc:
         return {"skip": f"the embedded model is not available: {exc}"}
-    opts = profile_options(profile, progress=False, log=None, rank=False, retrieval=None, downstream=False)
+    opts = profile_options(profile, progress=stream is not None, log=log if stream is not None else None, rank=False,
+                           retrieval=None, downstream=False)
     res = run_suite(model, tokenizer, opts)
     rows = {r["name"]: r for r in res["perplexity"]}
     exact = res.get("exactness", [])
@@ -86,9 +111,9 @@ class _AccuracySuite:
 
     setup_cache.timeout = 1200
 
-    def _check(self, cache):
+    def _check(self, cache, case):
         if "skip" in cache:
-            raise SkipNotImplemented(cache["skip"])
+            skip(self, cache["skip"], case)
         if "error" in cache:
             raise RuntimeError(cache["error"])
 
@@ -100,9 +125,9 @@ class Perplexity(_AccuracySuite):
     param_names = ["method"]
 
     def setup(self, cache, method):
-        self._check(cache)
+        self._check(cache, method)
         if method not in cache["ppl"]:
-            raise SkipNotImplemented(f"{method} is not part of this commit's accuracy suite")
+            skip(self, f"{method} is not part of this commit's accuracy suite", method)
 
     @unit("ratio")
     def track_ppl_delta(self, cache, method):
@@ -117,7 +142,7 @@ class Perplexity(_AccuracySuite):
         """Evaluation speed: scored tokens per second of the decode-time-semantics perplexity (teacher-forced
         methods run every query row as a decode step by masks; H2O runs token by token)."""
         if method not in cache["tokens_per_second"]:
-            raise SkipNotImplemented(f"{method}: no timed perplexity run (an exactness setting)")
+            skip(self, f"{method}: no timed perplexity run (an exactness setting)", method)
         return cache["tokens_per_second"][method]
 
 
@@ -128,9 +153,9 @@ class TopkAgreement(_AccuracySuite):
     param_names = ["basis"]
 
     def setup(self, cache, basis):
-        self._check(cache)
+        self._check(cache, basis)
         if basis not in cache["agreement"]:
-            raise SkipNotImplemented(f"basis {basis} was not measured")
+            skip(self, f"basis {basis} was not measured", basis)
 
     @unit("jaccard")
     def track_jaccard(self, cache, basis):

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import os
 
-from ._common import SkipNotImplemented, unit, why_not_runnable_on_gpu
+from ._common import SkipNotImplemented, skip, unit, why_not_runnable_on_gpu  # noqa: F401 (re-exported)
 from ._shapes import E2E_SETTINGS
 
 STEPS = 32
@@ -111,19 +111,20 @@ class EndToEndDecode:
     setup_cache.timeout = 3600
 
     def setup(self, cache, setting):
+        self._case = setting
         if "skip" in cache:
-            raise SkipNotImplemented(cache["skip"])
+            skip(self, cache["skip"], setting)
         self.res = cache["results"].get(setting)
         if self.res is None:
-            raise SkipNotImplemented(f"{setting} was not measured" + (
-                f" ({SETTINGS_ENV} names others)" if os.environ.get(SETTINGS_ENV) else ""))
+            skip(self, f"{setting} was not measured" + (
+                f" ({SETTINGS_ENV} names others)" if os.environ.get(SETTINGS_ENV) else ""), setting)
         if "skipped" in self.res:
-            raise SkipNotImplemented(f"{setting}: {self.res['skipped']}")
+            skip(self, f"{setting}: {self.res['skipped']}", setting)
 
     def _ms(self, path) -> float:
         row = self.res["paths"].get(path, {})
         if "skipped" in row:
-            raise SkipNotImplemented(f"{path}: {row['skipped']}")
+            skip(self, f"{path}: {row['skipped']}", self._case)
         if "ms_median" not in row:
             raise RuntimeError(f"{path}: {row.get('error', 'not measured')}")
         return float(row["ms_median"])
@@ -131,7 +132,7 @@ class EndToEndDecode:
     def _path_value(self, path, key) -> float:
         row = self.res["paths"].get(path, {})
         if "skipped" in row:
-            raise SkipNotImplemented(f"{path}: {row['skipped']}")
+            skip(self, f"{path}: {row['skipped']}", self._case)
         value = row.get(key)
         if value is None:
             why = row.get("generate_error") if key.startswith("generate") else None

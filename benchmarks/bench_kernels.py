@@ -16,7 +16,7 @@ Parameters (``config``): harness configuration ids, ``<model>-B<B>-S<S>-k<k_f>-d
 
 from __future__ import annotations
 
-from ._common import SkipNotImplemented, unit, why_not_runnable_on_gpu
+from ._common import SkipNotImplemented, skip, unit, why_not_runnable_on_gpu  # noqa: F401 (re-exported)
 from ._shapes import KERNEL_CONFIGS, SELECT_CONFIGS, SELECT_SHAPES, SPARQ_CONFIGS, UNAVAILABLE, config_by_id
 
 MIB = 1 << 20
@@ -92,8 +92,9 @@ class _HarnessBenchmark:
     timeout = 1800
 
     def setup(self, cache, config):
+        self._case = config
         if "skip" in cache:
-            raise SkipNotImplemented(cache["skip"])
+            skip(self, cache["skip"], config)
         self.res = cache["results"][config]
         if "error" in self.res:
             raise RuntimeError(f"{config}: {self.res['error']}")
@@ -101,7 +102,7 @@ class _HarnessBenchmark:
     def _row(self, provider) -> dict:
         row = self.res["rows"].get(provider)
         if row is None:
-            raise SkipNotImplemented(f"provider {provider} was not measured")
+            skip(self, f"provider {provider} was not measured", self._case)
         if "ms" not in row:
             raise RuntimeError(f"{provider}: {row.get('error', 'no time')}")
         return row
@@ -115,7 +116,7 @@ class _HarnessBenchmark:
             return float(row["graph_ms"])
         if "graph_error" in row:
             raise RuntimeError(f"{provider} under a CUDA graph: {row['graph_error']}")
-        raise SkipNotImplemented(f"{provider} was not timed under a CUDA graph")
+        skip(self, f"{provider} was not timed under a CUDA graph", self._case)
 
 
 class DecodeAttention(_HarnessBenchmark):
@@ -324,7 +325,7 @@ class SplitSelect:
 
     def setup(self, cache, rows):
         if "skip" in cache:
-            raise SkipNotImplemented(cache["skip"])
+            skip(self, cache["skip"], rows)
         self.res = cache["results"][rows]
         if "error" in self.res:
             raise RuntimeError(f"{rows}: {self.res['error']}")
@@ -345,7 +346,7 @@ class Device:
     def setup(self):
         why = _why_not_runnable()
         if why is not None:
-            raise SkipNotImplemented(why)
+            skip(self, why)
 
     @unit("GB/s")
     def track_copy_bandwidth_gbps(self):

@@ -6,6 +6,15 @@ configuration's folder before every command).
   while still rewriting the benchmark list and the machine file under ``results_dir`` (the committed
   ``.asv/results``).  Such a run now says so, before and after, and writes those two files to a scratch folder
   (``<env_dir>/unsaved-results``, git-ignored): a run that saves nothing changes nothing in the repository.
+- ``asv run`` says why every ``n/a`` is n/a: ASV records a skipped benchmark as ``n/a`` and drops the reason; the
+  benchmarks record it (``benchmarks._common.skip``) in a file named by ``$LOKI_ASV_SKIP_LOG``, which this plugin
+  sets around the run, and after it every n/a case of the results the run wrote is listed with its reason, grouped
+  (:func:`na_report`).
+- ``asv run`` without stored machine information: ASV asks its questions at a console and fails elsewhere ("No
+  information stored about machine"); the plugin records ASV's defaults instead, as ``asv machine --yes`` does, and
+  says so (name the machine with ``asv machine --machine NAME --yes`` or ``asv run --machine NAME``).
+- ``asv run`` ended by SIGTERM (``timeout``, a cancelled job) stops its benchmark processes: the plugin turns the
+  signal into an interrupt, so ASV's own cleanup kills the process groups it put them in.
 - ``asv publish``: the pages link every point to its commit and the header to the project.  With
   ``project_url`` / ``show_commit_url`` left empty in ``asv.conf.json`` they are filled from the repository's
   address: ``$LOKI_ASV_REPO_URL``, else ``$GITHUB_SERVER_URL/$GITHUB_REPOSITORY`` (the GPU job), else git's
@@ -14,11 +23,23 @@ configuration's folder before every command).
 
 from __future__ import annotations
 
+import ast
+import itertools
+import json
+import math
 import os
 import re
+import signal
 import subprocess
+import sys
+import tempfile
+import threading
+import time
 
-__all__ = ["UNSAVED", "repository_url", "setup", "wrap_publish", "wrap_run"]
+__all__ = ["SKIP_LOG_ENV", "UNSAVED", "na_report", "repository_url", "setup", "wrap_publish", "wrap_run"]
+
+#: benchmarks._common.SKIP_LOG_ENV (the benchmarks are not importable from ASV's own process)
+SKIP_LOG_ENV = "LOKI_ASV_SKIP_LOG"
 
 UNSAVED = "unsaved-results"
 
@@ -27,12 +48,151 @@ _MESSAGE = ("asv run saves NO results here: this suite runs in ASV's existing en
             "list and machine file of this run go to {scratch}, not {results} (docs/benchmarks.md)")
 
 
-def wrap_run(run_cls, log) -> None:
+def _param_value(text) -> str:
+    """ASV stores parameter values as their ``repr``: the plain string (``'bf16'`` -> bf16)."""
+    try:
+        value = ast.literal_eval(text) if isinstance(text, str) else text
+    except (ValueError, SyntaxError):
+        return str(text)
+    return value if isinstance(value, str) else str(value)
+
+
+def na_cases(results_dir: str, since: float = 0.0) -> list[tuple[str, tuple[str, ...]]]:
+    """``[(benchmark name, parameter values)]`` of every n/a (skipped: NaN) case in the results files under
+    ``results_dir`` written at or after ``since`` (a time stamp)."""
+    out = []
+    for root, _, files in os.walk(results_dir):
+        for name in sorted(files):
+            path = os.path.join(root, name)
+            if not name.endswith(".json") or name in ("machine.json", "benchmarks.json"):
+                continue
+            if os.path.getmtime(path) < since:
+                continue
+            try:
+                with open(path, encoding="utf-8") as f:
+                    data = json.load(f)
+                cols = data["result_columns"]
+                i_res, i_par = cols.index("result"), cols.index("params")
+                rows = data["results"].items()
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                continue
+            for bench, row in rows:
+                row = list(row) + [None] * (len(cols) - len(row))
+                params = row[i_par] or []
+                values = row[i_res] if isinstance(row[i_res], list) else [row[i_res]]
+                combos = list(itertools.product(*params)) if params else [()]
+                for combo, value in zip(combos, values):
+                    if isinstance(value, float) and math.isnan(value):
+                        out.append((bench, tuple(_param_value(v) for v in combo)))
+    return out
+
+
+def na_report(results_dir: str | None, log_path: str | None, since: float = 0.0) -> list[str]:
+    """Every n/a case of the run with its reason, grouped by reason: one line per reason with the count of cases
+    and the benchmark classes.  The reasons are those the benchmarks recorded in ``log_path``
+    (``benchmarks._common.skip``); n/a cases of the results files the run wrote under ``results_dir``
+    (:func:`na_cases`) that recorded none get a line of their own, naming them."""
+    reasons: dict[tuple[str, tuple[str, ...]], str] = {}
+    if log_path and os.path.isfile(log_path):
+        with open(log_path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    e = json.loads(line)
+                    reasons[(e["benchmark"], tuple(e["params"]))] = e["reason"]
+                except (ValueError, KeyError, TypeError):
+                    continue
+    groups: dict[str, set[str]] = {}
+    for (cls, params), why in reasons.items():
+        groups.setdefault(why, set()).add(cls + (f"({', '.join(params)})" if params else ""))
+    unexplained = []
+    for bench, params in na_cases(results_dir, since) if results_dir else ():
+        cls = ".".join(bench.split(".")[:2])
+        if (cls, params) not in reasons and (cls, ()) not in reasons:
+            unexplained.append(bench + (f"({', '.join(params)})" if params else ""))
+    lines = []
+    for why, cases in sorted(groups.items(), key=lambda kv: -len(kv[1])):
+        classes = sorted({c.split("(")[0] for c in cases})
+        lines.append(f"n/a because {why}: {len(cases)} case(s) of {', '.join(classes)}")
+    if unexplained:
+        lines.append(f"n/a without a recorded reason: {len(unexplained)} case(s): {', '.join(unexplained[:5])}"
+                     + (" ..." if len(unexplained) > 5 else ""))
+    return lines
+
+
+def _ensure_machine(kwargs, log) -> None:
+    """Record ASV's default machine information (as ``asv machine --yes``) when none is stored for the machine a
+    run will use and there is no console to ask at: ASV would fail with "No information stored about machine"."""
+    try:
+        from asv.machine import Machine, MachineCollection
+        from asv.util import UserError
+    except ImportError:  # pragma: no cover - an ASV without these classes asks as it always did
+        return
+    name = kwargs.get("machine") or Machine.get_unique_machine_name()
+    try:
+        MachineCollection.load(name, _path=kwargs.get("_machine_file"))
+        return
+    except UserError:
+        pass
+    if sys.stdout.isatty() and not kwargs.get("machine"):
+        return  # ASV asks its questions at the console
+    info = dict(Machine.get_defaults(), machine=name)
+    MachineCollection.save(name, {k: info[k] for k, _ in Machine.fields}, _path=kwargs.get("_machine_file"))
+    log.warning(f"asv run: no machine information was stored for {name!r}; recorded ASV's defaults (as `asv "
+                f"machine --machine {name} --yes`) in ~/.asv-machine.json; results are filed under that machine name")
+
+
+def _interrupt_on_sigterm():
+    """Make SIGTERM (``timeout``, a job's cancel) interrupt ``asv run`` like Ctrl-C, so that ASV's own cleanup stops
+    its benchmark processes: ASV puts each in a process group of its own and kills those groups on an exception,
+    but a plain SIGTERM ends ASV at once and leaves them running.  Returns the previous handler to restore, or None
+    (not the main thread, or a handler of someone else's is in place)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous not in (signal.SIG_DFL, None):
+        return None
+
+    def interrupt(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # `timeout` signals the process group too: clean up once
+        raise KeyboardInterrupt(f"asv run: signal {signum} (SIGTERM): stopping the benchmark processes")
+
+    signal.signal(signal.SIGTERM, interrupt)
+    return previous
+
+
+def wrap_run(run_cls, log, ensure_machine=None) -> None:
     """Wrap ``run_cls.run`` (asv's ``Run.run`` classmethod) once: a run in an existing environment without
-    ``set_commit_hash`` warns and writes under the scratch folder instead of ``results_dir``."""
+    ``set_commit_hash`` warns and writes under the scratch folder instead of ``results_dir``; every n/a case is
+    listed with its reason after the run; ``ensure_machine(kwargs, log)`` (:func:`_ensure_machine` under ASV) runs
+    first."""
     if getattr(run_cls.run, "_loki_wrapped", False):
         return
     original = run_cls.run.__func__
+
+    def measured(cls, conf, *args, **kwargs):
+        if ensure_machine is not None:
+            ensure_machine(kwargs, log)
+        fd, skip_log = tempfile.mkstemp(prefix="loki-asv-skips-", suffix=".jsonl")
+        os.close(fd)
+        previous = os.environ.get(SKIP_LOG_ENV)
+        os.environ[SKIP_LOG_ENV] = skip_log
+        since = time.time() - 1.0
+        handler = _interrupt_on_sigterm()
+        try:
+            return original(cls, conf, *args, **kwargs)
+        finally:
+            if handler is not None:
+                signal.signal(signal.SIGTERM, handler)
+            if previous is None:
+                os.environ.pop(SKIP_LOG_ENV, None)
+            else:
+                os.environ[SKIP_LOG_ENV] = previous
+            for line in na_report(conf.results_dir, skip_log, since):
+                log.info(line)
+            try:
+                os.unlink(skip_log)
+            except OSError:
+                pass
 
     def run(cls, conf, *args, **kwargs):
         if kwargs.get("set_commit_hash") is None and getattr(conf, "environment_type", None) == "existing":
@@ -41,10 +201,10 @@ def wrap_run(run_cls, log) -> None:
             log.warning(msg)
             conf.results_dir = scratch
             try:
-                return original(cls, conf, *args, **kwargs)
+                return measured(cls, conf, *args, **kwargs)
             finally:
                 log.warning(msg)
-        return original(cls, conf, *args, **kwargs)
+        return measured(cls, conf, *args, **kwargs)
 
     run._loki_wrapped = True
     run_cls.run = classmethod(run)
@@ -106,5 +266,5 @@ def setup() -> None:
     from asv.commands.run import Run
     from asv.console import log
 
-    wrap_run(Run, log)
+    wrap_run(Run, log, _ensure_machine)
     wrap_publish(Publish, log)

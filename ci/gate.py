@@ -111,12 +111,11 @@ class ResultsFile:
     @classmethod
     def load(cls, path: str | os.PathLike) -> ResultsFile:
         path = Path(path)
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
-            raise GateError(f"cannot read ASV results file {path}: {exc}") from exc
-        if data.get("version") != 2 or "result_columns" not in data:
+        data = read_json(path, "ASV results file")
+        if data.get("version") != 2 or not isinstance(data.get("result_columns"), list):
             raise GateError(f"{path}: not an ASV results file of api version 2 (asv 0.6)")
+        if not isinstance(data.get("commit_hash"), str) or not isinstance(data.get("results", {}), dict):
+            raise GateError(f"{path}: an ASV results file needs 'commit_hash' (a string) and 'results' (an object)")
         columns = data["result_columns"]
         try:
             i_result, i_params = columns.index("result"), columns.index("params")
@@ -131,9 +130,13 @@ class ResultsFile:
             machine=(data.get("params") or {}).get("machine", path.parent.name),
         )
         for name, row in data.get("results", {}).items():
+            if not isinstance(row, list):
+                raise GateError(f"{path}: results[{name!r}] is not a row of {len(columns)} columns")
             row = list(row) + [None] * (len(columns) - len(row))  # ASV drops trailing None columns
             params = row[i_params] or []
             result = row[i_result]
+            if not isinstance(params, list) or not all(isinstance(p, list) for p in params):
+                raise GateError(f"{path}: results[{name!r}] has parameters that are not lists of values")
             n_cases = math.prod(len(p) for p in params) if params else 1
             if result is None:
                 result = [None] * n_cases
@@ -158,22 +161,62 @@ class ResultsFile:
         return out
 
 
+def read_json(path: str | os.PathLike, what: str) -> dict:
+    """A JSON object from ``path``; any problem (missing, unreadable, not JSON, not an object) is a one-line
+    :class:`GateError` naming ``what`` and the file (exit status 2), never a traceback."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise GateError(f"{what} {path} cannot be read: {exc.strerror if isinstance(exc, OSError) else exc}") \
+            from None
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise GateError(f"{what} {path} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise GateError(f"{what} {path} must hold a JSON object, not {type(data).__name__}")
+    return data
+
+
 def load_results(results_dir: str | os.PathLike, machine: str) -> list[ResultsFile]:
-    """All results files of one machine (``machine.json`` and ``benchmarks.json`` are not results)."""
+    """All results files of one machine (``machine.json`` and ``benchmarks.json`` are not results).  Two files
+    that claim one commit in one environment are an error naming both (the gate would otherwise read whichever
+    sorts first), as is a file whose name is not that of the commit it claims (ASV names every file
+    ``<hash8>-<env>.json``: a renamed or relabelled file)."""
     mdir = Path(results_dir) / machine
     if not mdir.is_dir():
         raise GateError(f"no results for machine {machine!r}: {mdir} does not exist")
     files = [ResultsFile.load(p) for p in sorted(mdir.glob("*.json")) if p.name not in SKIP_FILES]
-    return [f for f in files if f.machine == machine]
+    files = [f for f in files if f.machine == machine]
+    seen: dict[tuple[str, str], ResultsFile] = {}
+    for f in files:
+        prefix = f.path.name.split("-", 1)[0].lower()
+        if not f.commit_hash.lower().startswith(prefix) or len(prefix) < 7:
+            raise GateError(f"{f.path} claims commit {f.commit_hash[:12]} but its name says {prefix!r}: ASV names "
+                            "a results file <hash8>-<env>.json after its commit (a renamed or relabelled file?)")
+        key = (f.commit_hash.lower(), f.env_name)
+        if key in seen:
+            raise GateError(f"two results files claim commit {f.commit_hash[:12]} in environment {f.env_name!r}: "
+                            f"{seen[key].path} and {f.path}; keep one")
+        seen[key] = f
+    return files
 
 
 def load_benchmark_meta(results_dir: str | os.PathLike) -> dict[str, dict]:
-    """``benchmarks.json`` (units, parameter names) or ``{}`` when ASV has not written it."""
+    """``benchmarks.json`` (units, parameter names) or ``{}`` when ASV has not written it; a file that is not
+    ASV's benchmark list is an error (exit status 2)."""
     path = Path(results_dir) / "benchmarks.json"
     if not path.is_file():
         return {}
-    data = json.loads(path.read_text(encoding="utf-8"))
-    return {k: v for k, v in data.items() if isinstance(v, dict)}
+    data = read_json(path, "the ASV benchmark list")
+    meta = {k: v for k, v in data.items() if k != "version"}
+    bad = [k for k, v in meta.items() if not isinstance(v, dict) or not isinstance(v.get("unit", ""), str)
+           or not isinstance(v.get("param_names", []), list)]
+    if bad:
+        raise GateError(f"the ASV benchmark list {path} is malformed: entry {bad[0]!r} is not a benchmark "
+                        "(an object with 'unit' and 'param_names'); regenerate it with python ci/asv_benchmark_list.py")
+    return meta
 
 
 # --------------------------------------------------------------------------------------------------
@@ -280,6 +323,105 @@ def _lookup(doc, pointer: str):
     return node
 
 
+#: Units whose values lie in [0, 1] (a limit above 1 could never bind); every unit of the suite is positive.
+FRACTION_UNITS = {"fraction", "jaccard"}
+
+
+def check_limit(value, where: str, unit: str | None = None) -> float:
+    """A threshold limit: a finite number above 0 (every quantity the suite gates is positive: a minimum of 0 or
+    below passes everything, a maximum of 0 or below fails everything), at most 1 for a fraction and 100 for a
+    percentage.  Anything else is a :class:`GateError` naming ``where`` (the gates fail closed)."""
+    if not _is_number(value):
+        raise GateError(f"{where} must be a finite number, got {value!r}")
+    high = 1.0 if unit in FRACTION_UNITS else (100.0 if unit == "%" else None)
+    if value <= 0 or (high is not None and value > high):
+        span = f"(0, {high:g}]" if high is not None else "above 0"
+        raise GateError(f"{where} = {value!r} is not a usable limit: it must be {span}"
+                        + (f" (unit {unit})" if unit else ""))
+    return float(value)
+
+
+def _unit_of(pattern: str, meta: dict[str, dict]) -> str | None:
+    """The one unit of the benchmarks ``pattern`` matches (None when none or several)."""
+    units = {m.get("unit") for name, m in meta.items() if fnmatch.fnmatchcase(name, pattern)}
+    return units.pop() if len(units) == 1 else None
+
+
+def _is_str_map(value) -> bool:
+    return isinstance(value, dict) and all(isinstance(k, str) for k in value)
+
+
+def validate_thresholds(thresholds: dict, path: str) -> None:
+    """The shape of ``ci/thresholds.json``: every key the gate reads has the right type and every number is finite
+    and of the right sign, so that a malformed file is a one-line error (exit status 2), never a traceback and
+    never a gate that silently checks less.  The limits themselves are checked by :func:`load_rules`."""
+    def bad(where, want):
+        raise GateError(f"{path}: {where} must be {want}")
+
+    checks = thresholds.get("checks")
+    if not isinstance(checks, list) or not checks:
+        bad("'checks'", "a non-empty list of limits (benchmark, params, min/max or min_from/max_from)")
+    for i, spec in enumerate(checks):
+        if not isinstance(spec, dict) or not isinstance(spec.get("benchmark"), str):
+            bad(f"checks[{i}]", "an object with a 'benchmark' pattern")
+        if not _is_str_map(spec.get("params", {})):
+            bad(f"checks[{i}].params", "an object of parameter values")
+        if not any(k in spec for k in ("min", "max", "min_from", "max_from")):
+            bad(f"checks[{i}] ({spec['benchmark']})", "given min, max, min_from or max_from")
+        for side in ("min_from", "max_from"):
+            if side in spec and not isinstance(spec[side], str):
+                bad(f"checks[{i}].{side}", "a pointer into the accuracy thresholds (a/b/c)")
+    reg = thresholds.get("regression", {})
+    if not isinstance(reg, dict):
+        bad("'regression'", "an object")
+    factor = reg.get("factor", 1.25)
+    if not _is_number(factor) or factor < 1:
+        bad("regression.factor", f"a finite number >= 1, got {factor!r}")
+    floor = reg.get("min_abs_change", 0.0)
+    if not _is_number(floor) or floor < 0:
+        bad("regression.min_abs_change", f"a finite number >= 0, got {floor!r}")
+    window = reg.get("window", 5)
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        bad("regression.window", f"an integer >= 1, got {window!r}")
+    overrides = reg.get("overrides", [])
+    if not isinstance(overrides, list):
+        bad("regression.overrides", "a list")
+    for i, o in enumerate(overrides):
+        pats = o.get("benchmark") if isinstance(o, dict) else None
+        if not (isinstance(pats, str) or (isinstance(pats, list) and pats and all(isinstance(x, str) for x in pats))):
+            bad(f"regression.overrides[{i}]", "an object with 'benchmark' (a pattern or a list of patterns)")
+        if not _is_str_map(o.get("params", {})):
+            bad(f"regression.overrides[{i}].params", "an object of parameter patterns")
+        if "factor" in o and (not _is_number(o["factor"]) or o["factor"] < 1):
+            bad(f"regression.overrides[{i}].factor", f"a finite number >= 1, got {o['factor']!r}")
+        if "min_abs_change" in o and (not _is_number(o["min_abs_change"]) or o["min_abs_change"] < 0):
+            bad(f"regression.overrides[{i}].min_abs_change", f"a finite number >= 0, got {o['min_abs_change']!r}")
+        if "skip" in o and (not isinstance(o["skip"], str) or not o["skip"]):
+            bad(f"regression.overrides[{i}].skip", "the reason (a non-empty string)")
+    directions = thresholds.get("directions", {})
+    if not isinstance(directions, dict):
+        bad("'directions'", "an object")
+    for key in ("by_name", "by_unit"):
+        table = directions.get(key, {})
+        if not isinstance(table, dict):
+            bad(f"directions.{key}", "an object")
+        for k, v in table.items():
+            if not k.startswith("_") and v not in ("lower", "higher", "none"):
+                bad(f"directions.{key}[{k!r}]", f"lower, higher or none, got {v!r}")
+    tol = thresholds.get("known_miss_tolerance", 0.05)
+    if not _is_number(tol) or tol < 0:
+        bad("known_miss_tolerance", f"a finite number >= 0, got {tol!r}")
+    acc = thresholds.get("accuracy")
+    if acc is not None:
+        if not isinstance(acc, dict) or not isinstance(acc.get("profile"), str) \
+                or not isinstance(acc.get("limits", []), list):
+            bad("'accuracy'", "an object with 'profile' (a name) and 'limits' (a list)")
+        for i, lim in enumerate(acc.get("limits", [])):
+            if not isinstance(lim, dict) or not all(isinstance(lim.get(k), str)
+                                                    for k in ("section", "bound", "benchmark", "param")):
+                bad(f"accuracy.limits[{i}]", "an object with section, bound, benchmark and param (strings)")
+
+
 @dataclass
 class Rule:
     benchmark: str  # fnmatch pattern on the full ASV name (module.Class.track_x)
@@ -294,7 +436,8 @@ class Rule:
         )
 
 
-def load_rules(thresholds: dict, accuracy: dict | None, thresholds_path: str, accuracy_path: str) -> list[Rule]:
+def load_rules(thresholds: dict, accuracy: dict | None, thresholds_path: str, accuracy_path: str,
+               meta: dict[str, dict] | None = None) -> list[Rule]:
     """Threshold rules.
 
     ``checks``: literal ``min``/``max`` (speed) or ``min_from``/``max_from`` pointers into the accuracy file.
@@ -303,22 +446,29 @@ def load_rules(thresholds: dict, accuracy: dict | None, thresholds_path: str, ac
     case whose parameter ``param`` is ``name`` (the accuracy file owns the numbers; nothing is copied).
     """
     acc_name = Path(accuracy_path).name
+    meta = meta or {}
     rules = []
     for i, spec in enumerate(thresholds.get("checks", [])):
         bounds = {}
         source = spec.get("why", f"{Path(thresholds_path).name}#checks/{i}")
+        unit = _unit_of(spec["benchmark"], meta)
         for side in ("min", "max"):
             if side in spec:
-                bounds[side] = float(spec[side])
+                bounds[side] = check_limit(spec[side], f"{thresholds_path}: checks[{i}].{side} ({spec['benchmark']})",
+                                           unit)
             elif f"{side}_from" in spec:
                 if accuracy is None:
                     raise GateError(f"{thresholds_path}: check {i} reads {accuracy_path}, which does not exist")
                 pointer = spec[f"{side}_from"]
                 try:
-                    bounds[side] = float(_lookup(accuracy, pointer))
-                except (KeyError, IndexError, ValueError, TypeError) as exc:
-                    raise GateError(f"{accuracy_path} has no number at {pointer!r} (check {i})") from exc
+                    value = _lookup(accuracy, pointer)
+                except (KeyError, IndexError, ValueError, TypeError):
+                    raise GateError(f"{accuracy_path} has no number at {pointer!r} (check {i})") from None
+                bounds[side] = check_limit(value, f"{accuracy_path}: {pointer} (check {i}, {spec['benchmark']})", unit)
                 source = f"{acc_name}:{pointer}"
+        if "min" in bounds and "max" in bounds and bounds["min"] > bounds["max"]:
+            raise GateError(f"{thresholds_path}: checks[{i}] ({spec['benchmark']}) has min {bounds['min']:g} above "
+                            f"max {bounds['max']:g}: nothing could pass")
         if not bounds:
             raise GateError(f"{thresholds_path}: check {i} has neither min nor max")
         rules.append(
@@ -336,17 +486,23 @@ def load_rules(thresholds: dict, accuracy: dict | None, thresholds_path: str, ac
             raise GateError(f"{thresholds_path}: the accuracy limits are read from {accuracy_path}, which does not "
                             "exist (--accuracy-thresholds)")
         profile = acc_spec["profile"]
-        prof = accuracy.get("profiles", {}).get(profile)
-        if not prof:
+        prof = (accuracy.get("profiles") or {}).get(profile) if isinstance(accuracy.get("profiles"), dict) else None
+        if not isinstance(prof, dict) or not prof:
             raise GateError(f"{accuracy_path} has no profile {profile!r} (named by 'accuracy' in {thresholds_path})")
         for lim in acc_spec.get("limits", []):
             section, bound = lim["section"], lim["bound"]
             if bound not in ("min", "max"):
                 raise GateError(f"{thresholds_path}: accuracy limit bound must be min or max, got {bound!r}")
-            for name, entry in (prof.get(section) or {}).items():
+            entries = prof.get(section)
+            if not isinstance(entries, dict) or not entries:
+                raise GateError(f"{accuracy_path}: profiles/{profile}/{section} has no limits (named by 'accuracy' "
+                                f"in {thresholds_path}): the gate would check less")
+            unit = _unit_of(lim["benchmark"], meta)
+            for name, entry in entries.items():
                 value = entry.get(bound) if isinstance(entry, dict) else entry
-                if not isinstance(value, (int, float)):
+                if value is None:
                     raise GateError(f"{accuracy_path}: profiles/{profile}/{section}/{name} has no {bound!r}")
+                value = check_limit(value, f"{accuracy_path}: profiles/{profile}/{section}/{name}/{bound}", unit)
                 rules.append(
                     Rule(
                         benchmark=lim["benchmark"],
@@ -458,14 +614,21 @@ def load_known_misses(thresholds: dict, thresholds_path: str = "thresholds.json"
     if isinstance(spec, dict):
         spec = spec.get("entries", [])
     default_tol = float(thresholds.get("known_miss_tolerance", 0.05))
+    if not isinstance(spec, list):
+        raise GateError(f"{thresholds_path}: known_misses must be a list of entries")
     out = []
     for i, e in enumerate(spec):
+        if not isinstance(e, dict):
+            raise GateError(f"{thresholds_path}: known_misses[{i}] must be an object")
         if e.get("kind") not in ("threshold", "regression") or not e.get("benchmark") or not e.get("reason"):
             raise GateError(f"{thresholds_path}: known_misses[{i}] needs kind (threshold|regression), "
                             "benchmark and reason")
-        if not _is_number(e.get("measured")):
+        if not _is_number(e.get("measured")) or e["measured"] <= 0:
             raise GateError(f"{thresholds_path}: known_misses[{i}] ({e['benchmark']}) needs 'measured': the value "
-                            "the miss was recorded with (a worse value then fails)")
+                            f"the miss was recorded with, a finite number above 0 (a worse value then fails); got "
+                            f"{e.get('measured')!r}")
+        if not _is_str_map(e.get("params", {})) or not isinstance(e.get("commit") or "", str):
+            raise GateError(f"{thresholds_path}: known_misses[{i}] params must be an object and commit a hash prefix")
         tol = e.get("tolerance", default_tol)
         if not _is_number(tol) or tol < 0:
             raise GateError(f"{thresholds_path}: known_misses[{i}] tolerance must be a number >= 0, got {tol!r}")
@@ -496,6 +659,19 @@ class Check:
     note: str = ""
     known: str = ""  # the reason of the known-miss entry that excuses this failing check ("" when none)
     better: str | None = None  # "lower" or "higher": the direction of the limit
+
+    @property
+    def measured(self) -> bool:
+        """The check compared a measured value with its limit (not an absent, failed or skipped result)."""
+        return _is_number(self.value)
+
+    @property
+    def status(self) -> str:
+        """``ok`` (a measured value within its limit), ``MISSING`` (no value, accepted by --allow-missing),
+        ``KNOWN`` (a failure a known miss excuses) or ``FAIL``."""
+        if self.ok:
+            return "ok" if self.measured else "MISSING"
+        return "KNOWN" if self.known else "FAIL"
 
     @property
     def label(self) -> str:
@@ -546,14 +722,16 @@ def run_gate(
     is no worse than recorded do not fail the gate; they are reported all the same.  No checks at all fails."""
     pattern = _compile_bench(bench)
     thresholds_path, accuracy_path = Path(thresholds_path), Path(accuracy_path)
-    thresholds = json.loads(thresholds_path.read_text(encoding="utf-8"))
-    accuracy = json.loads(accuracy_path.read_text(encoding="utf-8")) if accuracy_path.is_file() else None
-    rules = load_rules(thresholds, accuracy, str(thresholds_path), str(accuracy_path))
+    thresholds = read_json(thresholds_path, "the thresholds file (--thresholds)")
+    validate_thresholds(thresholds, str(thresholds_path))
+    accuracy = read_json(accuracy_path, "the accuracy thresholds file (--accuracy-thresholds)") \
+        if accuracy_path.exists() else None
+    meta = load_benchmark_meta(results_dir)
+    rules = load_rules(thresholds, accuracy, str(thresholds_path), str(accuracy_path), meta)
     known_misses = load_known_misses(thresholds, str(thresholds_path))
     window = int(thresholds.get("regression", {}).get("window", 5))
 
     files = load_results(results_dir, machine)
-    meta = load_benchmark_meta(results_dir)
     current = resolve_commit(files, commit, repo, env)
     history, how = resolve_history(files, current, previous, repo, window)
     if pattern is not None:
@@ -567,6 +745,8 @@ def run_gate(
 
     def param_names(name):
         return meta.get(name, {}).get("param_names")
+
+    coverage = module_coverage(current, meta, pattern)
 
     checks: list[Check] = []
 
@@ -663,15 +843,58 @@ def run_gate(
                 else:
                     c.note = f"{c.note}; known miss does not excuse it: {why}"
                 break
-    stale = [k for i, k in enumerate(applicable) if i not in used]
-    _print_report(out, machine, current, history, how, checks, stale, allow_known_misses, not_compared, bench)
-    return bool(checks) and all(c.ok or (allow_known_misses and c.known) for c in checks), checks
+    # an entry is stale (the miss is gone: remove it) only where a measured value it names now passes; an entry
+    # whose check has no value here, or that no check of this run names, says nothing about the miss
+    stale, unchecked = [], []
+    for i, k in enumerate(applicable):
+        if i in used:
+            continue
+        named = [c for c in checks if k.matches(c)]
+        (stale if any(c.ok and c.measured for c in named) else unchecked).append(k)
+    _print_report(out, machine, current, history, how, checks, stale, allow_known_misses, not_compared, bench,
+                  unchecked, coverage)
+    return verdict(checks, allow_known_misses), checks
+
+
+def module_coverage(current: ResultsFile, meta: dict[str, dict], pattern=None) -> tuple[list[str], list[str]]:
+    """(classes with a measured value in ``current``, classes of ``benchmarks.json`` without one), as
+    ``module.Class`` names, both restricted to ``pattern`` (``--bench``)."""
+    def cls(name):
+        return ".".join(name.split(".")[:2])
+
+    have = sorted({cls(n) for n, vals in current.values.items() if any(_is_number(v) for v in vals)})
+    known = {cls(n) for n in meta if pattern is None or pattern.search(n)}
+    return have, sorted(known - set(have))
+
+
+def record_command(current: ResultsFile, lacking: list[str]) -> str:
+    """The command that records the classes ``lacking`` at ``current``'s commit on its machine (the GPU machine,
+    with its interpreter; ``ci/run_asv_history.sh`` checks the commit out and adds to its results file)."""
+    names = "|".join(c.split(".", 1)[1] for c in lacking)
+    modules = sorted({c.split(".")[0] for c in lacking})
+    regex = f"^{modules[0]}\\.({names})\\." if len(modules) == 1 else "^(" + "|".join(
+        c.replace(".", "\\.") for c in lacking) + ")\\."
+    h = current.commit_hash[:12]
+    return f"ci/run_asv_history.sh --force --bench '{regex}' {h}~1..{h} -- --quick --show-stderr"
+
+
+def verdict(checks: list[Check], allow_known_misses: bool = False) -> bool:
+    """The gate passes when every check passed (or is a known miss, with ``allow_known_misses``) and at least one
+    check compared a measured value: results accepted as missing (``--allow-missing``) are not a pass."""
+    return (any(c.measured for c in checks)
+            and all(c.ok or (allow_known_misses and c.known) for c in checks))
 
 
 def _print_report(out, machine, current, history, how, checks, stale=(), allow_known_misses=False,
-                  not_compared=None, bench=None):
+                  not_compared=None, bench=None, unchecked=(), coverage=None):
     p = lambda *a: print(*a, file=out)
     p(f"gate: machine {machine}, commit {current.commit_hash[:12]} ({current.env_name})")
+    if coverage is not None:
+        have, lacking = coverage
+        p(f"gate: this commit's results hold {', '.join(have) or 'no measured benchmark'}")
+        if lacking:
+            p(f"gate: they lack {', '.join(lacking)} (gated results of these fail as absent; record them on the "
+              f"machine: {record_command(current, lacking)})")
     if not history:
         p("gate: no previous results on this machine: regression check skipped")
     else:
@@ -681,17 +904,19 @@ def _print_report(out, machine, current, history, how, checks, stale=(), allow_k
               + ", ".join(f.commit_hash[:8] for f in history) + ")")
     rows = [("status", "check", "benchmark", "value", "limit", "note")]
     for c in checks:
-        rows.append(("ok" if c.ok else ("KNOWN" if c.known else "FAIL"), c.kind, c.label, _fmt(c.value), c.limit,
-                     c.note))
+        rows.append((c.status, c.kind, c.label, _fmt(c.value), c.limit, c.note))
     widths = [min(max(len(r[i]) for r in rows), 90) for i in range(5)]
     for r in rows:
         p("  ".join(r[i].ljust(widths[i]) for i in range(5)) + "  " + r[5])
     failed = [c for c in checks if not c.ok]
     known = [c for c in failed if c.known]
+    missing = [c for c in checks if c.ok and not c.measured]
+    measured = [c for c in checks if c.measured]
     n_thr = sum(c.kind == "threshold" for c in checks)
     n_reg = sum(c.kind == "regression" for c in checks)
     p(f"gate: {len(checks)} checks ({n_thr} threshold, {n_reg} regression), {len(failed)} failed"
-      + (f" ({len(known)} of them known misses listed in known_misses)" if known else ""))
+      + (f" ({len(known)} of them known misses listed in known_misses)" if known else "")
+      + (f", {len(missing)} without a value accepted by --allow-missing (not checked)" if missing else ""))
     for why, n in (not_compared or {}).items():
         p(f"gate: {n} regression cases not compared: {why}")
     for c in failed:
@@ -702,14 +927,21 @@ def _print_report(out, machine, current, history, how, checks, stale=(), allow_k
             p(f"FAIL regression: {c.label} = {_fmt(c.value)}, allowed {c.limit}; {c.note}{tag}")
     for k in stale:
         p(f"gate: known miss no longer fails (remove it from known_misses): {k.label}")
+    for k in unchecked:
+        p(f"gate: known miss not checked here (no measured value of it in these results): {k.label}")
     unknown = [c for c in failed if not c.known]
+    not_checked = f"; {len(missing)} gated results without a value NOT checked (--allow-missing)" if missing else ""
     if not checks:
         what = f"--bench {bench!r} selects no benchmark with a check" if bench else "nothing to check"
         p(f"gate: FAILED: no checks ran ({what}); a gate that checks nothing does not pass")
+    elif not measured:
+        p(f"gate: FAILED: no measured value was checked ({len(missing)} gated results without a value); a gate "
+          "that checks nothing does not pass")
     elif not failed:
-        p("gate: PASSED")
+        p(f"gate: PASSED ({len(measured)} measured values checked{not_checked})")
     elif not unknown and allow_known_misses:
-        p(f"gate: PASSED with {len(known)} known misses (--allow-known-misses); the targets above are still missed")
+        p(f"gate: PASSED with {len(known)} known misses (--allow-known-misses; {len(measured)} measured values "
+          f"checked{not_checked}); the targets above are still missed")
     elif not unknown:
         p(f"gate: FAILED: only known misses ({len(known)}); --allow-known-misses accepts them")
     else:

@@ -193,7 +193,7 @@ def test_the_shipped_thresholds_hold_every_gate_of_every_profile():
     (lambda d: d["profiles"].pop("check"), ["profiles/check (the whole profile)"]),
     (lambda d: d["profiles"]["check"]["ppl_delta_max"].pop("loki-score[kv]"),
      ["profiles/check/ppl_delta_max/loki-score[kv]"]),
-    (lambda d: d["profiles"]["check"].pop("retrieval_min"), ["4 gate(s)", "profiles/check/retrieval_min/"]),
+    (lambda d: d["profiles"]["check"].pop("retrieval_min"), ["2 gate(s)", "profiles/check/retrieval_min/"]),
     (lambda d: d["profiles"]["check"]["jaccard_min"]["score"].update(min="0.5"), ["jaccard_min/score"]),
     (lambda d: d.pop("targets"), ["targets/ppl window=8192 k=0.25"]),
     (lambda d: d.update(profiles={}, targets={}), ["lacks 6 gate(s)", "targets/ppl", "and 3 more"]),

@@ -438,11 +438,48 @@ def test_readme_report_and_gates_read_one_set_of_targets(tmp_path):
     assert targets_markdown(thr) in doc, "docs/accuracy.md's targets table differs from accuracy_thresholds.json"
     assert "fidelity" not in thr and "ppl_rel_max" not in json.dumps(thr), "a second set of target numbers"
     res, _ = _long_run(0.14, 0.10, 0.18)
+    res["gates"] = gates.evaluate_gates(res, thr, "long")
     md = report.markdown_report(res, thr)
     assert "## Targets" in md
+    # one verdict per target: the point estimate (met / missed) and whether the miss is significant (the gate)
     assert ("| default Loki, 1024-token windows, k_f = 0.25: perplexity within +8.0% | +8.0% | +14.0% [+10.0%, +18.0%] "
-            "| missed |") in md
-    assert "| default Loki, 8192-token windows, k_f = 0.25: perplexity within +4.0% | +4.0% | - | not measured |" in md
+            "| missed, significant: known miss (fails unless --allow-known-misses) |") in md
+    assert "Not measured in this run (other window lengths or budgets): 8192-token windows, k_f = 0.25" in md
+    res, _ = _long_run(0.10, 0.07, 0.13)
+    res["gates"] = gates.evaluate_gates(res, thr, "long")
+    md = report.markdown_report(res, thr)
+    assert ("| +10.0% [+7.0%, +13.0%] | missed, not significant (the interval reaches the target): passes |") in md
+    res, _ = _long_run(0.20, 0.16, 0.24)  # significantly worse than the recorded known miss
+    res["gates"] = gates.evaluate_gates(res, thr, "long")
+    assert "| +20.0% [+16.0%, +24.0%] | missed, significant: fails |" in report.markdown_report(res, thr)
+
+
+def test_report_opens_with_the_verdict_and_the_exit_rule():
+    """The report's first section answers: does Loki work, at what cost, how fast; then the exit status and the
+    rule that gave it.  A point estimate that misses a target whose interval reaches it is not a failure."""
+    thr = gates.load_thresholds()
+    res, _ = _long_run(0.10, 0.07, 0.13)
+    res["settings"]["d"] = 0.25
+    res["perplexity"][0].update(default=True, bytes_fraction=0.38)
+    res["gates"] = gates.evaluate_gates(res, thr, "long")
+    ok, summary = gates.verdict(res["gates"])
+    res["exit"] = {"status": 0 if ok else 1, "summary": summary}
+    md = report.markdown_report(res, thr)
+    head = md.split("\n## ")[1]
+    assert head.startswith("Verdict")
+    lines = [line for line in head.splitlines() if line.startswith("- **")]
+    assert [line.split("**")[1] for line in lines] == ["Does Loki work on this model?", "At what cost?", "How fast?"]
+    assert "**yes**: every gate passed" in lines[0] and ok
+    assert "+10.0% [95% interval +7.0%, +13.0%] perplexity" in lines[1]
+    assert "target +8%: missed, not significant (the interval reaches the target): passes" in lines[1]
+    assert "reads 0.38 of the bytes of dense attention" in lines[2] and "at most 2.6x faster" in lines[2]
+    assert "Exit status **0** (all gates passed). The rule: 0 when no gate fails; 1 when a gate fails" in head
+    res, _ = _long_run(0.20, 0.16, 0.24)
+    res["gates"] = gates.evaluate_gates(res, thr, "long")
+    ok, summary = gates.verdict(res["gates"])
+    res["exit"] = {"status": 0 if ok else 1, "summary": summary}
+    md = report.markdown_report(res, thr)
+    assert not ok and "**no**: 1 of" in md and "Exit status **1**" in md
 
 
 def test_committed_results_without_role_fields_keep_their_gates():
@@ -573,7 +610,12 @@ def test_cli_help_explains(capsys):
         main(["check", "--help"])
     assert e.value.code == 0
     out = capsys.readouterr().out
-    assert "embedded SmolLM2" in out and "--update-thresholds" in out and "exits 1 when a gate" in out
+    assert "embedded SmolLM2" in out and "--update-thresholds" in out and "--all-methods" in out
+    # one documented exit rule, the one loki.evaluation.gates.verdict applies, and the measured time of the default
+    assert gates.EXIT_RULE in out and "Exit status: 0 when no gate fails; 1 when a gate fails" in out
+    from loki.evaluation.check import CHECK_TIME
+
+    assert " ".join(CHECK_TIME.split()) in " ".join(out.split()) and "2-core" in CHECK_TIME
     assert "--long" in out and "--device" in out and "--dtype" in out
     # the default configuration it gates: one selection per KV group with softmax-max on a GQA model
     assert "--gqa-select" in out and "softmax-max" in out and "per query head" in out
@@ -657,3 +699,76 @@ def test_paired_increase_interval():
     assert paired_increase(worse, ref) == r  # deterministic
     with pytest.raises(ValueError, match="one shape"):
         paired_increase(worse[:, :10], ref)
+
+
+# ------------------------------------------------------------------------------------------ the check profile
+def test_check_profile_measures_the_default_mode_and_the_rest_behind_an_option():
+    """``loki check`` measures the default GQA mode only (full, exact top-k, the default and the paper's basis);
+    --all-methods adds every setting per query head, H2O and SparQ."""
+    from loki.evaluation import suite
+
+    opts = replace(suite.profile_options("check"), gqa_select="kv")  # as resolved for the embedded GQA model
+    names = [s.name for s in suite.suite_methods(opts, 64, 1024, 0.25)]
+    assert names == ["exact_topk[kv]", "loki-post[kv]", "loki-score[kv]"]
+    more = replace(opts, all_methods=True)
+    names = [s.name for s in suite.suite_methods(more, 64, 1024, 0.25)]
+    assert {"exact_topk[query]", "loki-score[query]", "loki-post[query]", "h2o", "sparq(r=16)"} <= set(names)
+    assert "all_methods" not in suite.profile_options("check").profile_settings()  # the same recorded limits
+    check_settings = suite.profile_options("check").profile_settings()
+    assert check_settings["agreement_tokens"] == 512 and check_settings["windows"] == [[1024, 8]]
+
+
+def test_check_profile_stays_inside_the_positions_its_bases_cover():
+    """No warning about its own configuration: every prompt the check profile feeds Loki, with the question and
+    the longest answer decoded, fits the positions its bases were calibrated on."""
+    from loki.evaluation import retrieval, suite
+
+    for name in ("check", "tests"):
+        opts = suite.profile_options(name)
+        covered = opts.recipe.max_positions
+        assert max(T for T, _ in opts.windows) <= covered, name
+        if opts.retrieval:
+            longest = max(opts.retrieval["context_lens"]) + max(retrieval.MAX_NEW_TOKENS.values())
+            assert longest <= covered, (name, longest, covered)
+
+
+def test_check_log_lines_do_not_garble_progress_bars(capsys):
+    """A [loki check] line written while a progress bar is active comes on a line of its own (tqdm.write), not
+    glued to the bar's text."""
+    import re
+    import sys
+
+    from tqdm import tqdm
+
+    from loki.evaluation import check
+
+    bar = tqdm(total=3, desc="perplexity", file=sys.stderr, ascii=True)
+    bar.update()
+    check._log("a message")
+    bar.update(2)
+    bar.close()
+    err = capsys.readouterr().err
+    assert [seg for seg in re.split(r"[\r\n]", err) if "a message" in seg] == ["[loki check] a message"]
+
+
+def test_check_refuses_a_thresholds_file_without_the_profile(tmp_path, capsys):
+    """The gates fail closed: a thresholds file that lacks the profile's limits (or the targets, or holds a limit
+    of the wrong sign) is an error before the model loads, never a run with fewer gates."""
+    from loki.cli import main
+
+    thr = gates.load_thresholds()
+    cases = {
+        "no-profile": dict(thr, profiles={"tests": thr["profiles"]["tests"]}),
+        "no-targets": {k: v for k, v in thr.items() if k != "targets"},
+        "negative": json.loads(json.dumps(thr).replace('"max": 0.08,', '"max": -0.08,', 1)),
+    }
+    for name, data in cases.items():
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(data))
+        assert main(["check", "--thresholds", str(path), "--out", str(tmp_path / "r"), "--no-progress"]) == 2, name
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: --thresholds {path}: ") and len(err.strip().splitlines()) == 1, err
+        assert not (tmp_path / "r" / "report.md").exists()
+    assert "profiles/check/ppl_delta_max" in gates.check_thresholds(cases["no-profile"], "check")
+    assert "targets/ppl/1/max" in gates.check_thresholds(cases["negative"], "check")
+    assert gates.check_thresholds(thr, "check") is None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import io
 import json
+import os
 import re
 import subprocess
 import sys
@@ -387,8 +388,9 @@ def test_repository_thresholds_name_real_benchmarks():
 
 def test_known_misses_are_reported_and_fail_unless_allowed(tree):
     """A failure listed in known_misses is still printed as a failure and fails the gate, unless
-    allow_known_misses; a listed entry that no longer fails is reported as stale; an unlisted failure always
-    fails."""
+    allow_known_misses; a listed entry whose measured value now passes is reported as stale, one that this run
+    did not measure (here: a regression entry of a commit without a predecessor) only as not checked; an
+    unlisted failure always fails."""
     slow = {k: list(v) for k, v in GOOD.items()}
     slow["bench_kernels.Decode.track_speedup_vs_sdpa"] = [2.1, 1.7]
     write_results(tree / "results", A, slow, date=1000)
@@ -397,6 +399,8 @@ def test_known_misses_are_reported_and_fail_unless_allowed(tree):
          "params": {"shape": "B16-S4096"}, "measured": 2.1, "reason": "measured 2.1x: target missed"},
         {"kind": "regression", "benchmark": "bench_kernels.Decode.track_loki_ms", "commit": "aaaa",
          "measured": 0.2, "reason": "noise"},
+        {"kind": "threshold", "benchmark": "bench_accuracy.Accuracy.track_jaccard", "measured": 0.55,
+         "reason": "was below its limit"},
     ])
     (tree / "thresholds.json").write_text(json.dumps(thresholds))
     ok, checks, text = gate_run(tree, A)
@@ -406,7 +410,10 @@ def test_known_misses_are_reported_and_fail_unless_allowed(tree):
             in text and "[known miss: measured 2.1x: target missed]" in text)
     assert "gate: FAILED: only known misses (1)" in text
     assert ("known miss no longer fails (remove it from known_misses): "
+            "threshold bench_accuracy.Accuracy.track_jaccard") in text
+    assert ("known miss not checked here (no measured value of it in these results): "
             "regression bench_kernels.Decode.track_loki_ms") in text
+    assert "remove it from known_misses): regression" not in text
     ok, _, text = gate_run(tree, A, allow_known_misses=True)
     assert ok and "gate: PASSED with 1 known misses" in text
     common = ["--results", str(tree / "results"), "--machine", MACHINE, "--thresholds", str(tree / "thresholds.json"),
@@ -693,9 +700,13 @@ def test_asv_regressions_page_scans_exactly_the_lower_is_better_benchmarks():
 class _Log:
     def __init__(self):
         self.warnings = []
+        self.infos = []
 
     def warning(self, msg):
         self.warnings.append(msg)
+
+    def info(self, msg):
+        self.infos.append(msg)
 
 
 def test_asv_plugin_run_without_commit_hash_says_so_and_writes_nothing_under_results(tmp_path):
@@ -751,3 +762,255 @@ def test_asv_plugin_publish_links_the_repository(tmp_path):
     plugin.wrap_publish(Bare, log, environ={})
     Bare.run(conf=type("Conf", (), {"project_url": "", "show_commit_url": "", "repo": str(tmp_path)})())
     assert log.warnings and "no repository address" in log.warnings[0]
+
+
+# ------------------------------------------------------------------------------------ gate inputs are checked
+def _cli(tree, *extra):
+    """``ci/gate.py`` as a user runs it: (exit status, stdout, stderr)."""
+    proc = subprocess.run([sys.executable, str(GATE_PATH), "--results", str(tree / "results"), "--machine", MACHINE,
+                           "--thresholds", str(tree / "thresholds.json"), "--accuracy-thresholds",
+                           str(tree / "accuracy.json"), "--repo", str(tree), *extra],
+                          capture_output=True, text=True, check=False)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def _one_line_error(rc, out, err, *needles):
+    assert rc == 2, (rc, out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gate: error: ") and "Traceback" not in err, err
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+
+
+def test_two_results_files_for_one_commit_are_an_error_naming_both(tree):
+    """A relabelled copy of an older results file claiming the gated commit: the gate names both files and stops
+    (exit 2) instead of gating whichever sorts first."""
+    first = write_results(tree / "results", A, GOOD, date=1000)
+    slow = dict(GOOD, **{"bench_kernels.Decode.track_speedup_vs_sdpa": [1.0, 1.0]})
+    other = write_results(tree / "results", B, slow, date=500)
+    data = json.loads(other.read_text())
+    data["commit_hash"] = A  # relabelled, then saved under a name of its own commit
+    copy = other.with_name(f"{A[:8]}-{ENV}-copy.json")
+    copy.write_text(json.dumps(data))
+    other.unlink()
+    rc, out, err = _cli(tree, "--commit", A)
+    _one_line_error(rc, out, err, "two results files claim commit aaaaaaaaaaaa", first.name, copy.name)
+    # a file whose name is not its commit's (relabelled in place) is refused as well
+    copy.unlink()
+    data["commit_hash"] = "c" * 40
+    (tree / "results" / MACHINE / f"{B[:8]}-{ENV}.json").write_text(json.dumps(data))
+    rc, out, err = _cli(tree, "--commit", A)
+    _one_line_error(rc, out, err, "claims commit cccccccccccc but its name says 'bbbbbbbb'")
+
+
+@pytest.mark.parametrize("side, value, needle", [
+    ("min", -5.0, "checks[0].min"),  # a minimum speed-up of -5x would pass everything
+    ("min", 0.0, "checks[0].min"),
+    ("min", float("nan"), "finite"),
+    ("min", "2.3", "finite"),
+])
+def test_speed_limits_must_be_finite_and_positive(tree, side, value, needle):
+    write_results(tree / "results", A, GOOD, date=1000)
+    thresholds = json.loads(json.dumps(THRESHOLDS))
+    thresholds["checks"][0] = {"benchmark": "bench_kernels.Decode.track_speedup_vs_sdpa",
+                               "params": {"shape": "B16-S4096"}, side: value}
+    (tree / "thresholds.json").write_text(json.dumps(thresholds, allow_nan=True))
+    _one_line_error(*_cli(tree, "--commit", A), needle)
+
+
+@pytest.mark.parametrize("where, value", [
+    (("perplexity", "max_delta"), 0.0),  # a perplexity limit of 0 fails everything: refused, not gated
+    (("perplexity", "max_delta"), -0.1),
+    (("profiles", "check", "jaccard_min", "k0.25-d0.25", "min"), 1.5),  # a Jaccard index above 1 can never be met
+    (("profiles", "check", "jaccard_min", "k0.25-d0.25", "min"), -1.0),
+])
+def test_accuracy_limits_must_be_finite_and_of_the_right_sign(tree, where, value):
+    write_results(tree / "results", A, GOOD, date=1000)
+    accuracy = json.loads(json.dumps(ACCURACY))
+    node = accuracy
+    for key in where[:-1]:
+        node = node[key]
+    node[where[-1]] = value
+    (tree / "accuracy.json").write_text(json.dumps(accuracy))
+    _one_line_error(*_cli(tree, "--commit", A), "/".join(where), "is not a usable limit")
+
+
+def test_known_miss_values_and_regression_settings_are_checked(tree):
+    write_results(tree / "results", A, GOOD, date=1000)
+    for bad, needle in [
+        ({"known_misses": [{"kind": "threshold", "benchmark": "x", "reason": "r", "measured": 0.0}]}, "measured"),
+        ({"regression": {"factor": 0.5}}, "regression.factor"),
+        ({"regression": {"window": 0}}, "regression.window"),
+        ({"directions": {"by_unit": {"ms": "faster"}}}, "directions.by_unit"),
+        ({"checks": []}, "'checks'"),
+        ({"checks": [{"benchmark": "bench_kernels.Decode.track_loki_ms"}]}, "min, max"),
+    ]:
+        (tree / "thresholds.json").write_text(json.dumps(dict(THRESHOLDS, **bad)))
+        _one_line_error(*_cli(tree, "--commit", A), needle)
+
+
+def test_malformed_inputs_are_one_line_errors_with_exit_status_2(tree):
+    """Exit status 1 means "a check failed": an input that cannot be read is 2, with one line naming it."""
+    write_results(tree / "results", A, GOOD, date=1000)
+    readme = ROOT / "README.md"
+    rc, out, err = _cli(tree, "--commit", A, "--thresholds", str(readme))
+    _one_line_error(rc, out, err, "README.md is not valid JSON")
+    (tree / "results" / "benchmarks.json").write_text("{not json")
+    _one_line_error(*_cli(tree, "--commit", A), "benchmarks.json is not valid JSON")
+    (tree / "results" / "benchmarks.json").write_text(json.dumps({"bench_x.A.track_y": 3}))
+    _one_line_error(*_cli(tree, "--commit", A), "benchmarks.json is malformed")
+    write_results(tree / "results", A, GOOD, date=1000)  # restores benchmarks.json
+    (tree / "accuracy.json").write_text("[1, 2]")
+    _one_line_error(*_cli(tree, "--commit", A), "accuracy.json must hold a JSON object")
+    (tree / "accuracy.json").write_text(json.dumps(ACCURACY))
+    path = tree / "results" / MACHINE / f"{A[:8]}-{ENV}.json"
+    data = json.loads(path.read_text())
+    data["results"]["bench_kernels.Decode.track_loki_ms"] = 7
+    path.write_text(json.dumps(data))
+    _one_line_error(*_cli(tree, "--commit", A), "is not a row")
+
+
+def test_passed_only_when_a_measured_value_was_checked(tree):
+    """--allow-missing accepts results without a value, but they are reported MISSING (not ok), the summary counts
+    them as not checked, and a gate whose every gated result lacks a value fails: PASSED needs a measured value."""
+    partial = {k: v for k, v in GOOD.items() if k.startswith("bench_accuracy")}
+    write_results(tree / "results", A, partial, date=1000)
+    ok, checks, text = gate_run(tree, A, allow_missing=True)
+    assert ok, text
+    missing = [c for c in checks if c.status == "MISSING"]
+    assert [c.label for c in missing] == ["bench_kernels.Decode.track_speedup_vs_sdpa(shape=B16-S4096)"]
+    assert re.search(r"^MISSING\s+threshold\s+bench_kernels.Decode.track_speedup_vs_sdpa", text, re.M), text
+    assert "gate: PASSED (2 measured values checked; 1 gated results without a value NOT checked" in text
+    nothing = {"bench_kernels.Decode.track_speedup_vs_sdpa": [float("nan"), float("nan")]}
+    write_results(tree / "results", B, nothing, date=2000)
+    ok, checks, text = gate_run(tree, B, allow_missing=True, bench="track_speedup|track_ppl")
+    assert not ok and checks and not any(c.measured for c in checks), text
+    assert "gate: FAILED: no measured value was checked" in text and "PASSED" not in text
+
+
+def test_stale_advice_only_for_measured_values(tree):
+    """A known miss whose result is absent is not 'no longer failing': the gate says it was not checked."""
+    (tree / "thresholds.json").write_text(json.dumps(dict(THRESHOLDS, known_misses=[_known()])))
+    partial = {k: v for k, v in GOOD.items() if k != "bench_kernels.Decode.track_speedup_vs_sdpa"}
+    write_results(tree / "results", A, partial, date=1000)
+    ok, _, text = gate_run(tree, A, allow_missing=True)
+    assert ok and "no longer fails" not in text, text
+    assert "known miss not checked here" in text
+    write_results(tree / "results", A, GOOD, date=1000)  # measured and within its limit: now it is stale
+    _, _, text = gate_run(tree, A)
+    assert "known miss no longer fails (remove it from known_misses): threshold " in text
+
+
+# ------------------------------------------------------------------------------------ n/a reasons, machine, CPU run
+def _benchmarks_common():
+    sys.path.insert(0, str(ROOT))
+    try:
+        import benchmarks._common as common
+    finally:
+        sys.path.remove(str(ROOT))
+    return common
+
+
+def test_every_na_is_reported_with_its_reason(tree, monkeypatch, capsys):
+    """ASV drops the message of a skip: the benchmarks record it (benchmarks._common.skip: stderr and the skip log)
+    and the plugin's report after a run lists every n/a case of the run's results with it, grouped; a case that
+    recorded none is named as such."""
+    common = _benchmarks_common()
+    plugin = _load_ci_module("asv_plugin")
+    log_path = tree / "skips.jsonl"
+    monkeypatch.setenv(common.SKIP_LOG_ENV, str(log_path))
+    assert plugin.SKIP_LOG_ENV == common.SKIP_LOG_ENV
+    with pytest.raises(common.SkipNotImplemented, match="needs a CUDA device"):
+        common.skip("bench_kernels.Decode", "needs a CUDA device", "B16-S4096")
+    assert "n/a: bench_kernels.Decode(B16-S4096): needs a CUDA device" in capsys.readouterr().err
+    nan = float("nan")
+    write_results(tree / "results", A, dict(GOOD, **{"bench_kernels.Decode.track_loki_ms": [nan, nan]}), date=1000)
+    lines = plugin.na_report(str(tree / "results"), str(log_path))
+    assert lines == ["n/a because needs a CUDA device: 1 case(s) of bench_kernels.Decode",
+                     "n/a without a recorded reason: 1 case(s): bench_kernels.Decode.track_loki_ms(B1-S4096)"]
+    assert plugin.na_cases(str(tree / "results")) == [("bench_kernels.Decode.track_loki_ms", ("B16-S4096",)),
+                                                     ("bench_kernels.Decode.track_loki_ms", ("B1-S4096",))]
+
+
+def test_asv_plugin_run_sets_the_skip_log_and_reports_after(tmp_path):
+    plugin = _load_ci_module("asv_plugin")
+    common = _benchmarks_common()
+
+    class Run:
+        @classmethod
+        def run(cls, conf, **kwargs):
+            try:
+                common.skip("bench_e2e.EndToEndDecode", "needs a CUDA device", "llama2-7b-B8-S4096")
+            except common.SkipNotImplemented:
+                pass
+            return 0
+
+    log = _Log()
+    seen = []
+    plugin.wrap_run(Run, log, lambda kwargs, log: seen.append(kwargs))
+    conf = type("Conf", (), {"environment_type": "existing", "env_dir": str(tmp_path / "env"),
+                             "results_dir": str(tmp_path / "results")})()
+    assert Run.run(conf=conf, set_commit_hash="a" * 40) == 0
+    assert seen == [{"set_commit_hash": "a" * 40}]  # the machine check ran first
+    assert log.infos == ["n/a because needs a CUDA device: 1 case(s) of bench_e2e.EndToEndDecode"]
+    assert plugin.SKIP_LOG_ENV not in os.environ
+
+
+def test_asv_run_without_machine_information_records_the_defaults(tmp_path):
+    """The naive `asv run` off a console: ASV would fail on "No information stored about machine"; the plugin
+    records ASV's defaults (as `asv machine --yes`) under the machine name and says so."""
+    plugin = _load_ci_module("asv_plugin")
+    machine_file = tmp_path / "asv-machine.json"
+    log = _Log()
+    plugin._ensure_machine({"machine": "cpu-test", "_machine_file": str(machine_file)}, log)
+    data = json.loads(machine_file.read_text())
+    assert data["cpu-test"]["machine"] == "cpu-test" and data["cpu-test"]["num_cpu"]
+    assert len(log.warnings) == 1 and "recorded ASV's defaults" in log.warnings[0]
+    plugin._ensure_machine({"machine": "cpu-test", "_machine_file": str(machine_file)}, log)
+    assert len(log.warnings) == 1  # stored now: nothing to say
+
+
+def _session_left(pattern: str) -> list[str]:
+    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True, check=False).stdout
+    return [line for line in out.splitlines() if pattern in line]
+
+
+def test_cpu_recipe_stops_at_its_time_limit_and_leaves_no_process(tmp_path):
+    """ci/asv_cpu.py runs ASV in a session of its own: past the time limit it stops ASV and every benchmark process
+    (ASV puts each in a process group of its own, which a plain timeout leaves running), checks that none is left
+    and exits 124; its configuration and results live under --out, never under .asv/results."""
+    out = tmp_path / "asv-cpu"
+    env = dict(os.environ, HOME=str(tmp_path))  # asv machine --yes writes ~/.asv-machine.json
+    proc = subprocess.run([sys.executable, str(ROOT / "ci" / "asv_cpu.py"), "--out", str(out), "--time-limit", "12",
+                           "--bench", "^bench_kernels"], capture_output=True, text=True, env=env, timeout=120,
+                          check=False)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 124, text
+    assert "time limit of" in text and "stopped ASV and its benchmark processes; none left" in text, text
+    assert not _session_left(str(out)), _session_left(str(out))
+    conf = json.loads((out / "asv.conf.json").read_text())
+    assert conf["results_dir"] == str(out / "results") and "plugins" not in conf
+    assert all(re.match(r"^\[asv-cpu \d\d:\d\d\] ", line) for line in proc.stdout.splitlines()), proc.stdout
+
+
+def test_asv_run_ended_by_sigterm_interrupts_so_that_asv_stops_its_processes():
+    """`timeout` ends asv run with SIGTERM, which would kill ASV alone and orphan its benchmark processes (each in a
+    process group of its own; seen: a setup_cache computing on at 74% CPU).  The plugin turns the first SIGTERM into
+    KeyboardInterrupt, on which ASV kills those groups, and ignores a second one (timeout signals its process group
+    too) while ASV cleans up.  (Checked by hand with `timeout -s TERM 45 asv run --bench ^bench_accuracy`: no
+    process left; without the handler the forkserver and setup_cache processes ran on.)"""
+    code = (
+        "import importlib.util, os, signal, sys, time\n"
+        "spec = importlib.util.spec_from_file_location('p', sys.argv[1])\n"
+        "p = importlib.util.module_from_spec(spec); spec.loader.exec_module(p)\n"
+        "previous = p._interrupt_on_sigterm()\n"
+        "assert previous == signal.SIG_DFL\n"
+        "try:\n"
+        "    os.kill(os.getpid(), signal.SIGTERM); time.sleep(5); print('not interrupted')\n"
+        "except KeyboardInterrupt as exc:\n"
+        "    os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.2); print('interrupted:', exc)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, str(ROOT / "ci" / "asv_plugin.py")], capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("interrupted: asv run: signal 15 (SIGTERM)"), proc.stdout

@@ -26,7 +26,8 @@
 #   COMMIT...          commits to record (hash or prefix, `main`); default: the carried list (carry/commits)
 #   --budget S         seconds this command may take, publishing included (default 540)
 #   --out DIR          results tarball, pages tarball, log (default $OUT, else <state>/out)
-#   --bench LIST       groups to record: e2e,accuracy,select (default e2e,accuracy; select: bench_kernels.SplitSelect)
+#   --bench LIST       groups to record: e2e,accuracy,select,kernels (default e2e,accuracy; select:
+#                      bench_kernels.SplitSelect; kernels: bench_kernels.DecodeAttention, SparQComparison, Device)
 #   --e2e-settings L   record bench_e2e for these setting ids only (comma-separated, LOKI_ASV_E2E_SETTINGS; ASV
 #                      keeps the values already recorded for the others); the run is due unless the commit's file
 #                      holds results of every one of them
@@ -86,11 +87,13 @@ RESERVE=40            # seconds kept for the pages, the tarballs and the summary
 DEFAULT_EST_e2e=${LOKI_ASV_EST_E2E:-240}  # bench_e2e: two settings x (two compiled paths of ~30 s, two eager ones)
 DEFAULT_EST_accuracy=${LOKI_ASV_EST_ACCURACY:-150}  # bench_accuracy: model conversion, 3 bases, 8 methods, compiles
 DEFAULT_EST_select=${LOKI_ASV_EST_SELECT:-60}  # bench_kernels.SplitSelect: two shapes, compiled once
+DEFAULT_EST_kernels=${LOKI_ASV_EST_KERNELS:-90}  # the kernel benchmarks: 29-66 s per commit in the first history
 VIRTUAL=0  # --dry-run: the estimated seconds of the runs it lists, so that it shows which would be skipped
-declare -A MODULE=([e2e]=bench_e2e [accuracy]=bench_accuracy [select]=bench_kernels.SplitSelect)
+declare -A MODULE=([e2e]=bench_e2e [accuracy]=bench_accuracy [select]=bench_kernels.SplitSelect
+                  [kernels]='bench_kernels.(DecodeAttention|SparQComparison|Device)')
 IFS=, read -r -a GROUPS_WANTED <<< "$BENCH"
 for g in "${GROUPS_WANTED[@]}"; do
-  [ -n "${MODULE[$g]:-}" ] || { echo "gpu_asv_run: --bench takes e2e, accuracy and/or select, got $g" >&2; exit 2; }
+  [ -n "${MODULE[$g]:-}" ] || { echo "gpu_asv_run: --bench takes e2e, accuracy, select and/or kernels, got $g" >&2; exit 2; }
 done
 
 say() { echo "gpu_asv_run [$(( $(date +%s) - START ))s] $*"; }
@@ -273,7 +276,7 @@ sys.exit(0 if all(w in got for w in want) else 1)
 PYEOF
       continue
     fi
-    grep -q "\"${MODULE[$1]}\." "$f" && return 0
+    grep -qE "\"${MODULE[$1]}\." "$f" && return 0
   done
   return 1
 }

@@ -23,10 +23,19 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
-from loki.evaluation.gates import DEFAULT_THRESHOLDS, evaluate_gates, load_thresholds, update_thresholds, verdict
+from loki.evaluation.gates import (
+    DEFAULT_THRESHOLDS,
+    EXIT_RULE,
+    check_thresholds,
+    evaluate_gates,
+    load_thresholds,
+    update_thresholds,
+    verdict,
+)
 from loki.evaluation.suite import PROFILES, SuiteOptions, profile_options, run_suite
 from loki.provenance import provenance
 
@@ -34,9 +43,44 @@ __all__ = ["add_arguments", "run"]
 
 _TEXTS = ("wikitext", "wikipedia", "book")
 
+#: The measured time of the check profile (stated in --help; the README quotes it).
+CHECK_TIME = ("5.4 min for loki check; 7.0 min wall and 543 s of CPU for bash scripts/check.sh from a fresh clone, "
+              "the install included (a 2-core CPU shared with other jobs, 2 torch threads)")
+
+
+def _profiles_text() -> str:
+    """The profiles in --help, one indented entry each."""
+    import textwrap
+
+    entries = [
+        ("check", "(the default; for the CPU) 8 x 1024 WikiText-2 tokens, bases of 8,192 tokens covering those "
+                  "positions, the default GQA mode only, retrieval at 512 tokens; --all-methods adds every setting "
+                  f"per query head, H2O and SparQ. Measured: {CHECK_TIME}."),
+        ("tests", "what CI gates: 4 x 512 tokens, bases of 4,096 tokens."),
+        ("long", "(--long; for a GPU) windows of 1024/4096/8192 tokens, k_f 0.25/0.125/0.0625, every method in both "
+                 "GQA modes, the paper's protocol, the fixed counts 512/1024/2048 at 8192 tokens, retrieval at 1k-8k "
+                 "and the fast path's own accuracy; about 25 minutes on an H100, splittable with --k-counts none, "
+                 "--no-retrieval, --no-fast-path and --retrieval-only."),
+    ]
+    return "Profiles:\n" + "\n".join(textwrap.fill(text, width=110, initial_indent=f"  {name:7s}",
+                                                   subsequent_indent=" " * 9, break_on_hyphens=False)
+                                     for name, text in entries)
+
+
 
 def _log(msg: str) -> None:
-    print(f"[loki check] {msg}", file=sys.stderr, flush=True)
+    """A progress line on stderr, written through tqdm so that an active progress bar is redrawn below it."""
+    from tqdm.auto import tqdm
+
+    tqdm.write(f"[loki check] {msg}", file=sys.stderr)
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """``warnings.showwarning`` while the suite runs: one line through tqdm (no garbled progress bar)."""
+    from tqdm.auto import tqdm
+
+    tqdm.write(f"[loki check] warning: {category.__name__}: {message} ({Path(filename).name}:{lineno})",
+               file=sys.stderr)
 
 
 def _windows(text: str) -> tuple[tuple[int, int], ...]:
@@ -84,25 +128,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.description = (
-        "The main accuracy job on the embedded SmolLM2-135M-Instruct (or --model). It calibrates the bases of the\n"
-        "profile (PCA pre/post and the score-aware default; cached under $LOKI_CACHE or ~/.cache/loki), measures\n"
-        "the perplexity increase over full attention of exact top-k, Loki, H2O and SparQ at matched budgets with\n"
-        "decode-time semantics (row i selects ceil(k_f (i+1)) of the i+1 tokens it sees) and paired 95% intervals,\n"
-        "top-k agreement, Rank@90 and the synthetic retrieval suite, writes OUT/report.md, OUT/results.json and\n"
-        "PNG plots, and exits 1 when a gate fails.\n\n"
-        "The default Loki configuration (the row the targets and gates read): the score-aware basis in the model's\n"
-        "default GQA mode, as enable_loki resolves it: on a GQA model such as the embedded SmolLM2 (9 query / 3 KV\n"
-        "heads) one selection per KV group with each head's scores softmax-normalised before the group's maximum\n"
-        "(rows [kv], aggregate softmax-max: the configuration the speed benchmarks time), with every setting also\n"
-        "measured per query head (rows [query]) as a comparison; on a model without GQA per query head\n"
-        "(--gqa-select query keeps per-query-head selection as the default on any model).\n\n"
-        "Profiles: check (default; the CPU: 8 x 1024 WikiText-2 tokens, a few minutes on 2 cores), tests (what CI\n"
-        "gates: 4 x 512), long (--long; for a GPU: windows of 1024/4096/8192 tokens, k_f 0.25/0.125/0.0625, the\n"
-        "paper's protocol, the fixed counts 512/1024/2048 at 8192 tokens, retrieval at 1k-8k, and the fast path's own\n"
-        "accuracy: 2 x 8192 tokens decoded token by token through the compiled static cache in fp32 and bf16, and\n"
-        "the retrieval suite's answers through generate on the compiled static cache against the engine's; about 25\n"
-        "minutes on an H100 in all, measured in parts: --k-counts none, --no-retrieval, --no-fast-path and\n"
-        "--retrieval-only split it into shorter commands)."
+        "The main accuracy job on the embedded SmolLM2-135M-Instruct (or --model): does Loki work on this model, at\n"
+        "what cost, how fast. It calibrates the profile's bases (PCA post-rotary and the score-aware default;\n"
+        "cached under $LOKI_CACHE or ~/.cache/loki), measures the perplexity increase over full attention of the\n"
+        "default Loki configuration, the paper's PCA basis and exact top-k at the same budget with decode-time\n"
+        "semantics (row i selects ceil(k_f (i+1)) of the i+1 tokens it sees), each with its paired 95% interval,\n"
+        "top-k agreement, Rank@90 and the synthetic retrieval suite, and writes OUT/report.md (opening with a\n"
+        "three-line verdict), OUT/results.json and PNG plots.\n\n"
+        "The default Loki configuration (the row the targets and gates read): the score-aware basis, k_f = d_f =\n"
+        "0.25, in the model's default GQA mode as enable_loki resolves it: on a GQA model such as the embedded\n"
+        "SmolLM2 (9 query / 3 KV heads) one selection per KV group from softmax-normalised scores (rows [kv],\n"
+        "aggregate softmax-max, the configuration the speed benchmarks time); per query head otherwise.\n\n"
+        + _profiles_text() + "\n\n"
+        + EXIT_RULE
     )
     parser.add_argument("--profile", default="check", choices=tuple(PROFILES), help="suite profile (default: check)")
     parser.add_argument("--long", action="store_true", help="the long-context profile (same as --profile long)")
@@ -152,6 +190,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--retrieval-only", action="store_true",
                         help="run the synthetic retrieval suite only (with --update-thresholds: record its limits, "
                         "keeping the profile's perplexity limits)")
+    parser.add_argument("--all-methods", action="store_true",
+                        help="check profile: also every setting per query head, H2O (token by token) and SparQ, "
+                        "beside the default GQA mode's rows (slower; the profile's regression limits still apply "
+                        "to the rows it records)")
     parser.add_argument("--downstream", action="store_true",
                         help="also the downstream-accuracy gates (local lm-eval tasks COPA and ARC-Easy)")
     parser.add_argument("--threads", type=int, default=None,
@@ -192,11 +234,14 @@ def _options(args) -> SuiteOptions:
         opts = replace(opts, perplexity=False, rank=False, generalization=False, downstream=False)
     if args.downstream:
         opts = replace(opts, downstream=True)
+    if args.all_methods:
+        opts = replace(opts, all_methods=True)
     return opts
 
 
-def _print_summary(results: dict, gates: list[dict], report: Path, summary: str) -> None:
-    from loki.evaluation.report import budget_cell, bytes_cell
+def _print_summary(results: dict, gates: list[dict], report: Path, summary: str, thresholds: dict) -> None:
+    """The rows, the gates and, last, the verdict (the report's opening lines) on stdout."""
+    from loki.evaluation.report import budget_cell, bytes_cell, verdict_lines
 
     print(f"{'setting':28s} {'T':>5s} {'k':>8s} {'ppl':>9s} {'vs full':>9s} {'95% interval':>20s} {'bytes':>6s}")
     for r in results["perplexity"]:
@@ -216,6 +261,8 @@ def _print_summary(results: dict, gates: list[dict], report: Path, summary: str)
         status = "PASS" if g["passed"] else ("KNOWN" if g.get("known") else "FAIL")
         print(f"[{status}] {g['name']}: {g.get('value')} ({bound}){note}{known}")
     print(f"report: {report} ({results['seconds']:.0f} s); {summary}")
+    for line in verdict_lines(results, thresholds):
+        print(line.replace("**", "").replace("`", ""))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -227,8 +274,7 @@ def run(args: argparse.Namespace) -> int:
         quiet_progress,
         set_threads,
     )
-    from loki.evaluation.models import load_default_model, load_model, resolve_device
-    from loki.evaluation.report import write_report
+    from loki.evaluation.models import resolve_device
 
     out = Path(args.out)
     err = check_output_folder(out, "--out")  # a folder that cannot be written must not cost the whole run
@@ -252,7 +298,12 @@ def run(args: argparse.Namespace) -> int:
             return fail(f"--thresholds: {exc}")
         thresholds = {}
     except ValueError as exc:
-        return fail(f"--thresholds: {exc}")
+        return fail(f"--thresholds {args.thresholds}: {exc}")
+    profile = "long" if args.long else args.profile
+    # the gates fail closed: a file that lacks the targets or the profile's limits is refused, never gates less
+    problem = check_thresholds(thresholds, None if args.update_thresholds else profile)
+    if problem:
+        return fail(f"--thresholds {args.thresholds}: {problem}")
     texts = [t.strip() for t in args.record_texts.split(",") if t.strip()]
     if args.update_thresholds:  # the recorded limits are the run's result: their file is checked first too
         if any(t not in _TEXTS for t in texts) or not texts:
@@ -271,6 +322,17 @@ def run(args: argparse.Namespace) -> int:
     set_threads(args.threads)
     quiet_progress(not args.no_progress)
     t0 = time.perf_counter()
+    show_warning, warnings.showwarning = warnings.showwarning, _show_warning
+    try:
+        return _run(args, opts, out, device, texts, thresholds, t0)
+    finally:
+        warnings.showwarning = show_warning
+
+
+def _run(args, opts: SuiteOptions, out: Path, device, texts: list[str], thresholds: dict, t0: float) -> int:
+    from loki.evaluation.models import load_default_model, load_model
+    from loki.evaluation.report import write_report
+
     _log(f"loading the model on {device} ({args.dtype}); profile {opts.profile!r}")
     kw = dict(device=device, dtype=args.dtype)
     model, tokenizer = load_model(args.model, **kw) if args.model else load_default_model(progress=_log, **kw)
@@ -293,9 +355,11 @@ def run(args: argparse.Namespace) -> int:
     gates = evaluate_gates(results, thresholds, opts.profile, allow_missing=args.allow_missing)
     ok, summary = verdict(gates, allow_known_misses=args.allow_known_misses)
     results["gates"] = gates
+    results["exit"] = {"status": 0 if ok else 1, "summary": summary, "allow_known_misses": args.allow_known_misses,
+                       "allow_missing": args.allow_missing}
     results["seconds"] = time.perf_counter() - t0
     results["provenance"] = provenance(getattr(model, "device", device))
     files = write_report(results, out, thresholds=thresholds)
-    _print_summary(results, gates, files["markdown"], summary)
+    _print_summary(results, gates, files["markdown"], summary, thresholds)
     return 0 if ok else 1
 

@@ -48,64 +48,20 @@ import json
 from pathlib import Path
 
 from loki.evaluation.gate_rows import _gate, default_gqa, in_default_mode, primary_setting, row_role  # noqa: F401
+from loki.evaluation.thresholds import DEFAULT_THRESHOLDS, check_thresholds, load_thresholds, missing_gates
 
-__all__ = ["DEFAULT_THRESHOLDS", "evaluate_gates", "load_thresholds", "missing_gates", "primary_setting",
-           "retrieval_cells", "row_key", "row_role", "update_thresholds", "verdict"]
+__all__ = ["DEFAULT_THRESHOLDS", "EXIT_RULE", "check_thresholds", "evaluate_gates", "load_thresholds", "missing_gates",
+           "primary_setting", "retrieval_cells", "row_key", "row_role", "update_thresholds", "verdict"]
 
-#: The thresholds file shipped with the package.
-DEFAULT_THRESHOLDS = Path(__file__).resolve().parent / "accuracy_thresholds.json"
-
-
-def load_thresholds(path: str | Path | None = None, *, profile: str | None = None) -> dict:
-    """The thresholds file ``path`` (default: the shipped one).  With ``profile``, the file must hold every gate
-    the shipped file defines for that profile (:func:`missing_gates`): a file that lacks one is a ``ValueError``,
-    never a run with fewer gates."""
-    path = Path(path) if path is not None else DEFAULT_THRESHOLDS
-    if not path.is_file():
-        raise FileNotFoundError(f"accuracy thresholds file {path} does not exist or is not a file")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"accuracy thresholds file {path} is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"accuracy thresholds file {path} must hold a JSON object, got {type(data).__name__}")
-    missing = missing_gates(data, profile) if profile is not None else []
-    if missing:
-        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
-        raise ValueError(f"accuracy thresholds file {path} lacks {len(missing)} gate(s) of profile {profile!r} that "
-                         f"the shipped file defines: {'; '.join(missing[:3])}{more} (the shipped file: "
-                         f"{DEFAULT_THRESHOLDS})")
-    return data
-
-
-def missing_gates(thresholds: dict, profile: str) -> list[str]:
-    """The gates of ``profile`` the shipped thresholds file defines and ``thresholds`` lacks or gives no finite
-    number: the targets (by window or context and k) and the profile's regression limits (by section and name;
-    compared only when the profile was recorded with the shipped settings, otherwise its limits are for another
-    configuration and the run says so)."""
-    import math
-
-    shipped = json.loads(DEFAULT_THRESHOLDS.read_text(encoding="utf-8"))
-    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)  # noqa: E731
-    missing = []
-    for kind, place, limit in (("ppl", "window", "max"), ("retrieval", "context", "max_drop")):
-        theirs = (thresholds.get("targets") or {}).get(kind) if isinstance(thresholds.get("targets"), dict) else None
-        got = {(t.get(place), t.get("k")) for t in theirs or () if isinstance(t, dict) and number(t.get(limit))}
-        missing += [f"targets/{kind} {place}={t[place]} k={t['k']}" for t in shipped.get("targets", {}).get(kind, ())
-                    if (t[place], t["k"]) not in got]
-    want = shipped.get("profiles", {}).get(profile)
-    profiles = thresholds.get("profiles")
-    prof = profiles.get(profile) if isinstance(profiles, dict) else None
-    if want and not isinstance(prof, dict):
-        return [*missing, f"profiles/{profile} (the whole profile)"]
-    if want and prof.get("settings") == want.get("settings"):
-        for section, limit in (("ppl_delta_max", "max"), ("jaccard_min", "min"), ("mass_min", "min"),
-                               ("retrieval_min", "min")):
-            have = prof.get(section) if isinstance(prof.get(section), dict) else {}
-            missing += [f"profiles/{profile}/{section}/{name}" for name in want.get(section, {})
-                        if not (isinstance(have.get(name), dict) and number(have[name].get(limit)))]
-    return missing
-
+#: The exit-status rule of ``loki check`` (:func:`verdict`; ``--help`` and the report state it).
+EXIT_RULE = (
+    "Exit status: 0 when no gate fails; 1 when a gate fails; 2 on a bad argument or input file. Every accuracy\n"
+    "gate is decided on its 95% interval: it fails only when the interval lies entirely beyond its bound, so a\n"
+    "target whose point estimate misses but whose interval reaches it is reported 'missed, not significant' and\n"
+    "does not fail. A significant miss recorded as a known miss of the profile fails unless --allow-known-misses\n"
+    "(and fails even then when significantly worse than recorded); a part that ran and left nothing to check\n"
+    "fails unless --allow-missing; a run with no gates fails."
+)
 
 def row_key(row: dict, primary: tuple[int, float]) -> str:
     """The thresholds' name of a perplexity row: its name at the primary (length, k_f), else
@@ -410,8 +366,9 @@ def update_thresholds(runs: dict[str, dict], path: str | Path, profile: str, *, 
     first = next(iter(runs.values()))
     primary = primary_setting(first)
     settings = {k: first["settings"][k] for k in ("k", "d", "k_values", "calibration", "windows", "bases", "methods")}
-    if "kv_aggregate" in first["settings"]:  # the aggregate of the shared (kv) rows the limits are recorded for
-        settings["kv_aggregate"] = first["settings"]["kv_aggregate"]
+    for key in ("kv_aggregate", "agreement_tokens"):  # the aggregate of the shared (kv) rows the limits are
+        if first["settings"].get(key) is not None:  # recorded for; the agreement's window where it is shorter
+            settings[key] = first["settings"][key]
     prof = {"settings": settings,
             "measured_on": {t: {"full_ppl": next((round(r["ppl"], 6) for r in res["perplexity"]
                                                   if row_role(r) == "baseline" and r["seq_len"] == primary[0]),

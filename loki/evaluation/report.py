@@ -13,10 +13,12 @@ import json
 import os
 from pathlib import Path
 
-from loki._io import atomic_path, atomic_write
+from loki._io import atomic_write
+
+from .report_plots import budget_cell, write_bytes_plot, write_length_plot
 
 __all__ = ["budget_cell", "bytes_cell", "default_configuration", "markdown_report", "perplexity_table",
-           "write_bytes_plot", "write_length_plot", "write_report"]
+           "verdict_lines", "write_bytes_plot", "write_length_plot", "write_report"]
 
 
 def _fmt(x, nd=3):
@@ -35,20 +37,16 @@ def _increase(r: dict) -> str:
     return f"{100 * r['increase']:+.2f}% [{100 * r['increase_lo']:+.2f}, {100 * r['increase_hi']:+.2f}]"
 
 
-def default_configuration(settings: dict) -> str:
+def default_configuration(settings: dict, query_rows: bool = True) -> str:
     """The run's default Loki configuration in words: the default basis in the default GQA mode (results written
-    before ``default_gqa_select`` existed: per query head, the default of then)."""
+    before ``default_gqa_select`` existed: per query head, the default of then); ``query_rows``: the run has
+    per-query-head rows beside a shared default (named as the comparison)."""
     basis, mode = settings.get("default_basis"), settings.get("default_gqa_select", "query")
     if mode == "kv":
         return (f"`loki-{basis}[kv]`, the {basis} basis with one selection per KV group, aggregate "
-                f"{settings.get('default_aggregate')} (the configuration the speed benchmarks time); the `[query]` "
-                "rows select per query head, a comparison")
+                f"{settings.get('default_aggregate')} (the configuration the speed benchmarks time)"
+                + ("; the `[query]` rows select per query head, a comparison" if query_rows else ""))
     return f"`loki-{basis}[query]`, the {basis} basis with per-query-head selection"
-
-
-def budget_cell(k) -> str:
-    """A budget in a table: a fraction k_f as ``0.25``, a count of tokens as ``512 tok``."""
-    return f"{k} tok" if isinstance(k, int) and not isinstance(k, bool) else f"{k:g}"
 
 
 def bytes_cell(r: dict) -> str:
@@ -78,117 +76,118 @@ def perplexity_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write_bytes_plot(rows: list[dict], out_dir, filename: str = "ppl_vs_bytes.png") -> dict[str, str]:
-    """``ppl_vs_bytes.png``: the perplexity increase over full attention (with its 95% interval) against the
-    bytes a decode step reads relative to dense attention (``bytes_fraction``), one panel per window length, one
-    line per setting through its budgets (one colour per setting, one marker per method and basis, dashed for
-    a shared selection per KV group).
-    Rows without an increase or a measured ``bytes_fraction`` are left out.  Returns ``{"ppl_vs_bytes": name}``
-    (``{}`` when no row has both)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [r for r in rows if r.get("method") != "full" and "increase" in r and r.get("bytes_fraction") is not None]
-    if not rows:
-        return {}
-    lengths = sorted({r.get("seq_len") for r in rows}, reverse=True)
-    names = sorted({r["name"] for r in rows})
-    families = sorted({n.split("[")[0] for n in names})
-    cmap = plt.get_cmap("tab20")
-    fig, axes = plt.subplots(1, len(lengths), figsize=(6 * len(lengths), 4.5), squeeze=False)
-    for ax, T in zip(axes[0], lengths):
-        for name in names:
-            pts = sorted((r["bytes_fraction"], r["increase"], r["increase_lo"], r["increase_hi"], r["k"])
-                         for r in rows if r["name"] == name and r.get("seq_len") == T)
-            if not pts:
-                continue
-            i = families.index(name.split("[")[0])
-            shared = "[kv" in name
-            color, marker = cmap(names.index(name) % cmap.N), "osD^v<>ph*"[i % 10]
-            x = [p[0] for p in pts]
-            y = [100 * p[1] for p in pts]
-            err = [[100 * (p[1] - p[2]) for p in pts], [100 * (p[3] - p[1]) for p in pts]]
-            ax.errorbar(x, y, yerr=err, marker=marker, color=color, capsize=3, label=name,
-                        linestyle="--" if shared else "-")
-            for p in pts:
-                ax.annotate(budget_cell(p[4]), (p[0], 100 * p[1]), fontsize=6, textcoords="offset points",
-                            xytext=(3, 3), color=color)
-        ax.set_yscale("symlog", linthresh=10)
-        ax.set_xlabel("bytes read per decode step / dense")
-        ax.set_ylabel("perplexity increase over full attention (%)")
-        ax.set_title(f"{T}-token windows")
-        ax.grid(True, alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=6)
-    fig.tight_layout()
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with atomic_path(out_dir / filename) as tmp:
-        fig.savefig(tmp, dpi=110, format="png")
-    plt.close(fig)
-    return {"ppl_vs_bytes": filename}
+def _pct_iv(v: float, lo: float, hi: float) -> str:
+    return f"{100 * v:+.1f}% [95% interval {100 * lo:+.1f}%, {100 * hi:+.1f}%]"
 
 
-def write_length_plot(results: dict, out_dir) -> dict[str, str]:
-    """``ppl_vs_length.png``: the perplexity increase over full attention (with its 95% interval) against the
-    window length, one panel per k_f, one line per setting.  Returns ``{"ppl_vs_length": file name}``."""
-    import matplotlib
+def _primary_rows(results: dict) -> tuple[dict | None, dict | None]:
+    """The default Loki row and the exact top-k row of the same GQA mode at the primary budget, at the first window
+    length of the run (the primary one) that has a default row."""
+    from loki.evaluation.gate_rows import default_gqa, in_default_mode, primary_setting, row_role
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    _, k0 = primary_setting(results)
+    gqa = default_gqa(results)
+    basis = results["settings"].get("default_basis")
+    for T, _ in results["settings"].get("windows", []):
+        rows = [r for r in results.get("perplexity", []) if r.get("seq_len") == T and r.get("k") == k0
+                and "increase_lo" in r]
+        default = next((r for r in rows if r.get("default")), None) or next(
+            (r for r in rows if row_role(r) == "loki" and r.get("basis") == basis and in_default_mode(r, gqa)), None)
+        if default is not None:
+            oracle = next((r for r in rows if row_role(r) == "oracle" and in_default_mode(r, gqa)), None)
+            return default, oracle
+    return None, None
 
-    from loki.evaluation.perplexity import budget_label
 
-    rows = [r for r in results.get("perplexity", []) if r["method"] != "full" and "increase" in r]
-    ks = sorted({r["k"] for r in rows}, key=lambda k: (isinstance(k, int), -k))  # fractions first, then counts
-    if not rows:
-        return {}
-    # one colour and marker per setting in every panel (a setting missing from a panel must not shift the others):
-    # a method's GQA modes share a hue and marker, dark for "query" (or none), light for "kv"
-    names = sorted({r["name"] for r in rows})
-    families = sorted({n.split("[")[0] for n in names})
-    cmap = plt.get_cmap("tab20")
-    style = {}
-    for name in names:
-        i = families.index(name.split("[")[0])
-        style[name] = (cmap((2 * i + name.endswith("[kv]")) % cmap.N), "osD^v<>ph*"[i % 10])
-    fig, axes = plt.subplots(1, len(ks), figsize=(5 * len(ks), 4), squeeze=False)
-    for ax, k in zip(axes[0], ks):
-        names = sorted({r["name"] for r in rows if r["k"] == k})
-        for name in names:
-            pts = sorted((r["seq_len"], r["increase"], r["increase_lo"], r["increase_hi"]) for r in rows
-                         if r["k"] == k and r["name"] == name)
-            if len(pts) < 2:
-                continue
-            x = [p[0] for p in pts]
-            y = [100 * p[1] for p in pts]
-            err = [[100 * (p[1] - p[2]) for p in pts], [100 * (p[3] - p[1]) for p in pts]]
-            color, marker = style[name]
-            ax.errorbar(x, y, yerr=err, marker=marker, color=color, capsize=3, label=name)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("symlog", linthresh=10)
-        ax.set_xlabel("window (tokens)")
-        ax.set_ylabel("perplexity increase over full attention (%)")
-        ax.set_title(budget_label(k))
-        ax.grid(True, alpha=0.3)
-    for ax in axes[0]:
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
-    fig.tight_layout()
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with atomic_path(out_dir / "ppl_vs_length.png") as tmp:
-        fig.savefig(tmp, dpi=110, format="png")
-    plt.close(fig)
-    return {"ppl_vs_length": "ppl_vs_length.png"}
+def _retrieval_counts(results: dict, default: dict | None, oracle: dict | None) -> str:
+    cells = {c["name"]: c for c in results.get("retrieval", {}).get("cells", []) if c.get("task") == "all"}
+    d, o = cells.get((default or {}).get("name")), cells.get((oracle or {}).get("name"))
+    if not d or not d.get("n"):
+        return ""
+    text = f"; retrieval at {d['context_len']} tokens: {d['correct']} of {d['n']} answers"
+    if o and o.get("n"):
+        text += f" (exact top-k {o['correct']}, full attention {round(d['full_accuracy'] * d['n'])})"
+    return text
+
+
+def verdict_lines(results: dict, thresholds: dict | None = None) -> list[str]:
+    """The report's opening: three lines (does Loki work on this model, at what cost, how fast) and the exit
+    status with its rule (:data:`loki.evaluation.gates.EXIT_RULE`)."""
+    from loki.evaluation.gate_rows import primary_setting
+    from loki.evaluation.gates import EXIT_RULE
+    from loki.evaluation.targets import target_status
+
+    s = results.get("settings", {})
+    if not s.get("windows"):
+        return []
+    gates = results.get("gates") or []
+    failed = [g for g in gates if not g["passed"]]
+    known = [g for g in failed if g.get("known")]
+    unknown = [g for g in failed if not g.get("known")]
+    ext = results.get("exit") or {}
+    default, oracle = _primary_rows(results)
+    k0 = primary_setting(results)[1]
+    T0 = default["seq_len"] if default is not None else s["windows"][0][0]
+    n = next((w[1] for w in s["windows"] if w[0] == T0), "?")
+    if not gates:
+        works = "not decided: no gate ran"
+    elif unknown:
+        works = (f"**no**: {len(unknown)} of {len(gates)} gates failed (see Gates): "
+                 + "; ".join(g["name"] for g in unknown[:3]) + ("; ..." if len(unknown) > 3 else ""))
+    elif known:
+        works = (f"**yes, with {len(known)} known miss(es)** of the targets (recorded, no worse than recorded"
+                 + ("; accepted by --allow-known-misses" if ext.get("allow_known_misses") else
+                    "; they fail the run unless --allow-known-misses") + ")")
+    else:
+        works = f"**yes**: every gate passed ({len(gates)} of {len(gates)})"
+    if default is not None:
+        works += (f". The default configuration `{default['name']}` raises perplexity by "
+                  f"{100 * default['increase']:+.1f}% over full attention")
+        if oracle is not None:
+            works += (f", exact top-k at the same budget (the best any selection of that size does) by "
+                      f"{100 * oracle['increase']:+.1f}%")
+        works += _retrieval_counts(results, default, oracle)
+    lines = [f"- **Does Loki work on this model?** {works}."]
+    if default is not None:
+        cost = (f"{_pct_iv(default['increase'], default['increase_lo'], default['increase_hi'])} perplexity on "
+                f"{n} x {T0} tokens of {s.get('eval_origin')}, at k = {budget_cell(k0)}, d_f = {s.get('d')}")
+        if default.get("bytes_fraction") is not None:
+            cost += f", reading {default['bytes_fraction']:.2f} of dense attention's bytes per decode step"
+        tgt = [t for t in target_status(results, thresholds if thresholds is not None else _shipped())
+               if t["kind"] == "ppl" and t.get("measured") == default["increase"]]
+        if tgt:
+            cost += f"; target {100 * tgt[0]['bound']:+.0f}%: {tgt[0]['verdict']}"
+        lines.append(f"- **At what cost?** {cost}.")
+        speed = ("this run measures accuracy, not speed (the CPU's PyTorch reference is not the GPU kernels)")
+        if default.get("bytes_fraction"):
+            speed += (f"; a decode step of the default reads {default['bytes_fraction']:.2f} of the bytes of dense "
+                      f"attention, so its attention can be at most {1 / default['bytes_fraction']:.1f}x faster "
+                      "where attention is bandwidth-bound; GPU timings: `loki bench` and the ASV history "
+                      "(docs/benchmarks.md)")
+        lines.append(f"- **How fast?** {speed[0].upper() + speed[1:]}. This run: "
+                     f"{_fmt((results.get('seconds') or 0) / 60, 1)} min on {s.get('threads')} torch thread(s) "
+                     f"({s.get('card')}).")
+    status = ext.get("status", 0 if gates and not unknown and (not known or ext.get("allow_known_misses")) else 1)
+    rule = EXIT_RULE.replace("\n", " ").split(": ", 1)[1]
+    lines += ["", f"Exit status **{status}**" + (f" ({ext['summary']})" if ext.get("summary") else "")
+              + f". The rule: {rule}"]
+    return lines
+
+
+def _shipped() -> dict:
+    from loki.evaluation.gates import load_thresholds
+
+    return load_thresholds()
 
 
 def markdown_report(results: dict, thresholds: dict | None = None) -> str:
-    """The markdown report of a run; the Targets section reads ``thresholds`` (default: the shipped file)."""
+    """The markdown report of a run, opening with the verdict (:func:`verdict_lines`); the Targets section reads
+    ``thresholds`` (default: the shipped file)."""
     s = results.get("settings", {})
     out = ["# Loki accuracy report", ""]
+    verdict = verdict_lines(results, thresholds)
+    if verdict:
+        out += ["## Verdict", "", *verdict, ""]
     if s:
         cal = s.get("calibration", {})
         out += [
@@ -197,7 +196,8 @@ def markdown_report(results: dict, thresholds: dict | None = None) -> str:
             + ", ".join(f"{t} x {n}" for t, n in s.get("windows", [])),
             f"- calibration: {s.get('calib_origin')}, {cal.get('num_tokens')} tokens in sequences of "
             f"{cal.get('seq_len')}, positions [0, {cal.get('max_positions')}); default basis: {s.get('default_basis')}",
-            f"- default Loki configuration: {default_configuration(s)}",
+            f"- default Loki configuration: "
+            f"{default_configuration(s, any(r.get('gqa_select') == 'query' for r in results.get('perplexity', [])))}",
             f"- budgets: k = {', '.join(budget_cell(k) for k in s.get('k_values', [s.get('k')]))} (primary "
             f"{budget_cell(s.get('k'))})" + (f", fixed counts {', '.join(budget_cell(k) for k in s['k_counts'])} at "
                                              f"{s.get('count_window')}-token windows" if s.get("k_counts") else "")
@@ -250,14 +250,16 @@ def markdown_report(results: dict, thresholds: dict | None = None) -> str:
     out += _fast_path_section(results.get("fast_path"))
     if results.get("agreement"):
         out += ["## Top-k agreement with exact top-k", "",
-                "Jaccard of Loki's selection with the exact top-k, and the exact attention mass on the selection "
-                "(the exact top-k's own mass is the ceiling), averaged over layers, heads and informative rows of "
-                "one window, at the primary k_f.", "",
+                "Jaccard of Loki's selection with the exact top-k (both selecting per query head), and the exact "
+                "attention mass on the selection (the exact top-k's own mass is the ceiling), averaged over layers, "
+                "heads and informative rows of one window, at the primary k_f.", "",
                 "| window | basis | Jaccard | mass captured | exact top-k mass |", "|---|---|---:|---:|---:|"]
         by_len = results.get("agreement_by_length") or {str(s.get("windows", [[0]])[0][0]): results["agreement"]}
+        first = s.get("agreement_tokens")
         for T, per in by_len.items():
+            where = f"first {first} tokens of one {T}-token window" if first and first < int(T) else T
             for name, a in per.items():
-                out.append(f"| {T} | {name} | {a['jaccard_mean']:.4f} | {a['mass_mean']:.4f} | "
+                out.append(f"| {where} | {name} | {a['jaccard_mean']:.4f} | {a['mass_mean']:.4f} | "
                            f"{a['mass_exact_mean']:.4f} |")
         out.append("")
     if results.get("retrieval"):
@@ -329,7 +331,7 @@ def _fast_path_section(fp: dict | None) -> list[str]:
 
 def _targets_section(results: dict, thresholds: dict | None) -> list[str]:
     """The project's accuracy targets (:mod:`loki.evaluation.targets`) against this run: the point estimate
-    decides met / missed (the README's reading), the gates decide on the interval."""
+    decides met / missed, the interval whether a miss is significant (what the gate decides)."""
     from loki.evaluation.gates import load_thresholds
     from loki.evaluation.targets import target_status
 
@@ -341,11 +343,20 @@ def _targets_section(results: dict, thresholds: dict | None) -> list[str]:
     if not rows:
         return []
     out = ["## Targets (loki/evaluation/accuracy_thresholds.json)", "",
-           "| target | bound | this run [95% interval] | point estimate |", "|---|---:|---|---|"]
+           "A target is met when the point estimate is within it; a miss is significant, and fails its gate, only "
+           "when the whole 95% interval lies beyond the target.", "",
+           "| target | bound | this run [95% interval] | verdict |", "|---|---:|---|---|"]
     for r in rows:
+        if "measured" not in r:
+            continue
         fmt = (lambda x: f"{100 * x:+.1f}%") if r["kind"] == "ppl" else (lambda x: f"{100 * x:+.1f} points")
-        got = f"{fmt(r['measured'])} [{fmt(r['lo'])}, {fmt(r['hi'])}]" if "measured" in r else "-"
-        out.append(f"| {r['target']} | {fmt(r['bound'])} | {got} | {r['status']} |")
+        got = f"{fmt(r['measured'])} [{fmt(r['lo'])}, {fmt(r['hi'])}]"
+        out.append(f"| {r['target']} | {fmt(r['bound'])} | {got} | {r['verdict']} |")
+    if len(out) == 6:  # no target measured: no table
+        out = out[:4]
+    absent = [r["target"].replace("default Loki, ", "") for r in rows if "measured" not in r]
+    if absent:
+        out += ["", "Not measured in this run (other window lengths or budgets): " + "; ".join(absent) + "."]
     return out + [""]
 
 

@@ -14,9 +14,13 @@ budget, where the gates look):
 
 - ``tests`` (CI, the CPU): 4 x 512 WikiText-2 tokens, bases fitted on 4,096 tokens covering the 512 positions
   used, the gates' methods (exact top-k, Loki with PCA pre/post and score-aware bases, H2O).
-- ``check`` (``loki check``, the CPU default): 8 x 1024 tokens, bases covering the 1024 positions used, full
-  attention, exact top-k, the default (score-aware) and the paper's (PCA post) Loki, top-k agreement, Rank@90
-  plots, the retrieval suite's small version (1k tokens, 4 samples per task); about 7 minutes on 2 cores.
+- ``check`` (``loki check``, the CPU default): 8 x 1024 WikiText-2 tokens, bases covering the 1024 positions
+  used (8,192 calibration tokens), the default configuration's GQA mode only: full attention, exact top-k, the
+  default (score-aware) and the paper's (PCA post) Loki; top-k agreement on the first 512 tokens of one window,
+  Rank@90, the retrieval suite's small version (512-token prompts, 4 samples per task, full attention, exact top-k
+  and the default Loki; prompt and answer stay inside the calibrated positions).  ``all_methods``
+  (``loki check --all-methods``) adds the comparisons: every setting per query head as well, H2O and SparQ.
+  Measured on the 2-core CPU: see ``loki check --help``.
 - ``long`` (``loki check --long``, meant for a GPU): windows of 1024, 4096 and 8192 tokens, k_f in {0.25, 0.125,
   0.0625}, every method in both GQA modes (on a model without GQA too), the paper's protocol beside, bases of the
   default recipe (the model's whole context), agreement at every length, the retrieval suite at 1k-8k,
@@ -79,9 +83,13 @@ class SuiteOptions:
     eval_corpus: str = "wikitext"
     windows: tuple[tuple[int, int], ...] = ((1024, 8),)  # (tokens, count); the first is the primary length
     methods: str = "check"  # method set of suite_methods: "tests", "check" or "long"
+    # the check profile's comparisons beside its default-mode rows: every setting per query head too, H2O and
+    # SparQ (not part of the profile's settings: the rows the profile records keep their limits)
+    all_methods: bool = False
     perplexity: bool = True  # the perplexity part (False: a run of the other parts only)
     paper_protocol: bool = False
     agreement: bool = True
+    agreement_tokens: int | None = None  # the agreement's window: the first N tokens of one window (None: all)
     fast_path: bool = False  # the fast path's perplexity beside the engine's (loki.evaluation.fast_path; CUDA)
     retrieval_generate: bool = False  # the retrieval answers through generate beside the engine's (CUDA)
     rank: bool = True
@@ -125,13 +133,16 @@ class SuiteOptions:
 
     @property
     def gqa_modes(self) -> tuple[str, ...]:
-        """The GQA modes the perplexity part measures, the default first: both in the long profile, else the
-        default one and, where that is "kv", per query head as the comparison.  Needs a resolved
+        """The GQA modes the perplexity part measures, the default first: the default one only in the check
+        profile (unless :attr:`all_methods`), both in the long profile, else the default one and, where that is
+        "kv", per query head as the comparison.  Needs a resolved
         :attr:`gqa_select` (:func:`resolve_gqa`)."""
         if self.gqa_select not in ("query", "kv"):
             raise ValueError(f"gqa_select={self.gqa_select!r} is not resolved: run_suite resolves 'auto' against the "
                              "model (resolve_gqa(opts, model.config))")
         other = "query" if self.gqa_select == "kv" else "kv"
+        if self.methods == "check" and not self.all_methods:
+            return (self.gqa_select,)
         return (self.gqa_select, other) if self.methods == "long" or self.gqa_select == "kv" else ("query",)
 
     def is_default(self, method: str, basis: str | None, gqa_select: str, aggregate: str) -> bool:
@@ -141,17 +152,20 @@ class SuiteOptions:
 
     def profile_settings(self) -> dict:
         """The settings a profile's regression thresholds are tied to."""
-        return {"k": self.k, "d": self.d, "k_values": list(self.all_k), "calibration": dict(vars(self.recipe)),
-                "windows": [list(w) for w in self.windows], "bases": list(self.bases), "methods": self.methods,
-                "kv_aggregate": self.kv_aggregate}
+        out = {"k": self.k, "d": self.d, "k_values": list(self.all_k), "calibration": dict(vars(self.recipe)),
+               "windows": [list(w) for w in self.windows], "bases": list(self.bases), "methods": self.methods,
+               "kv_aggregate": self.kv_aggregate}
+        if self.agreement_tokens is not None:
+            out["agreement_tokens"] = self.agreement_tokens
+        return out
 
 
 PROFILES: dict[str, SuiteOptions] = {
     "tests": SuiteOptions(
         profile="tests", recipe=CalibrationRecipe(num_tokens=4096, seq_len=512, max_positions=512),
         windows=((512, 4),), methods="tests", rank=True, agreement=True),
-    "check": SuiteOptions(profile="check", bases=("post", "score"),
-                          retrieval={"context_lens": (1024,), "samples": 4, "batch_size": 4},
+    "check": SuiteOptions(profile="check", bases=("post", "score"), agreement_tokens=512,
+                          retrieval={"context_lens": (512,), "samples": 4, "batch_size": 4},
                           retrieval_methods="default"),
     "long": SuiteOptions(
         profile="long", k_values=(0.125, 0.0625), k_counts=(512, 1024, 2048), recipe=DEFAULT_RECIPE,
@@ -188,11 +202,11 @@ def suite_methods(opts: SuiteOptions, head_dim: int, T: int, k: float) -> list[M
     specs = standard_methods(k, opts.d, head_dim, rotary=opts.bases, gqa_modes=opts.gqa_modes,
                              pcaattn=long and k == opts.k and "post" in opts.bases, exactness=False,
                              kv_aggregate=opts.kv_aggregate)[1:]
-    if opts.methods == "check":  # the CPU main job: the default and the paper's Loki against the oracle
-        return [s for s in specs if s.method in ("exact_topk", "loki")]
+    if opts.methods == "check" and not opts.all_methods:  # the CPU main job: the default and the paper's Loki
+        return [s for s in specs if s.method in ("exact_topk", "loki")]  # against the oracle
     # H2O decodes token by token: windows up to h2o_max_len, and in the long profile its primary k only
     keep_h2o = T <= opts.h2o_max_len and (k == opts.k or not long)
-    return [s for s in specs if (s.method != "h2o" or keep_h2o) and (s.method != "sparq" or long)]
+    return [s for s in specs if (s.method != "h2o" or keep_h2o) and (s.method != "sparq" or long or opts.all_methods)]
 
 
 def _row(r, T: int, N: int, full=None, opts: SuiteOptions | None = None) -> dict:
@@ -326,8 +340,8 @@ def run_suite(model, tokenizer, opts: SuiteOptions | None = None, out_dir=None) 
         log("top-k agreement (Jaccard, attention mass) per layer and head")
         by_len = {}
         for T, _ in opts.windows:
-            by_len[str(T)] = topk_agreement(model, windows_by_len[T][:1], bases, k_f=opts.k, d=opts.d,
-                                            progress=opts.progress)
+            by_len[str(T)] = topk_agreement(model, windows_by_len[T][:1, :opts.agreement_tokens], bases, k_f=opts.k,
+                                            d=opts.d, progress=opts.progress)
         results["agreement"] = by_len[str(opts.windows[0][0])]
         if len(by_len) > 1:
             results["agreement_by_length"] = {T: {b: {key: a[key] for key in ("jaccard_mean", "mass_mean",
@@ -437,13 +451,14 @@ def _retrieval(model, tokenizer, bases, opts, out_dir, plots) -> dict:
 
     specs = [MethodSpec("full", "full")]
     methods = suite_methods(opts, config_head_dim(model.config), 0, opts.retrieval_k)
-    if opts.retrieval_methods == "all" and not any(s.method == "h2o" for s in methods):
+    every = opts.retrieval_methods == "all" or opts.all_methods
+    if every and not any(s.method == "h2o" for s in methods):
         methods.append(MethodSpec("h2o", "h2o", k=opts.retrieval_k))  # every method, H2O included
     for s in methods:
         if s.method == "pcaattn":
             continue
         default = s.method == "exact_topk" or (s.method == "loki" and s.basis == opts.default_basis)
-        if opts.retrieval_methods == "all" or default:
+        if every or default:
             specs.append(s)
     res = retrieval.evaluate_retrieval(model, tokenizer, specs, bases, progress=opts.progress, **opts.retrieval)
     if out_dir is not None:

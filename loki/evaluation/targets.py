@@ -164,6 +164,15 @@ def _pct(x: float) -> str:
     return f"{100 * x:+.1f}%"
 
 
+def _ppl_gate_name(r: dict, t: PplTarget, k0) -> str:
+    where = f"T={t.window}" + ("" if _same_budget(t.k, k0) else f", {_k_text(t.k)}")
+    return f"fidelity: {r['name']} within {t.max:.0%} of full at {where}"
+
+
+def _retrieval_gate_name(c: dict, t: RetrievalTarget) -> str:
+    return f"target: retrieval {c['name']} within {100 * t.max_drop:g} points of {c['reference']} at {t.context} tokens"
+
+
 def target_gates(results: dict, thresholds: dict, profile: str, *, profile_applies: bool) -> list[dict]:
     """The gates of the targets the run measures (see the module docstring).  ``profile_applies``: the run's
     settings are the profile's, so the profile's known misses apply."""
@@ -179,8 +188,7 @@ def target_gates(results: dict, thresholds: dict, profile: str, *, profile_appli
         r = _default_row(results.get("perplexity", []), default, gqa, t.window, t.k)
         if r is None:
             continue
-        where = f"T={t.window}" + ("" if _same_budget(t.k, k0) else f", {_k_text(t.k)}")
-        g = _gate(f"fidelity: {r['name']} within {t.max:.0%} of full at {where}", r["increase"], t.max,
+        g = _gate(_ppl_gate_name(r, t, k0), r["increase"], t.max,
                   r["increase_lo"] <= t.max, f"interval [{_pct(r['increase_lo'])}, {_pct(r['increase_hi'])}] not "
                   f"all above {t.max:g}")
         _apply_known(g, t.known_misses.get(profile) if profile_applies else None, r["increase_lo"],
@@ -191,8 +199,7 @@ def target_gates(results: dict, thresholds: dict, profile: str, *, profile_appli
         if c is None:
             continue
         d = c["diff"]
-        g = _gate(f"target: retrieval {c['name']} within {100 * t.max_drop:g} points of {c['reference']} at "
-                  f"{t.context} tokens", d["diff"], -t.max_drop, d["hi"] >= -t.max_drop,
+        g = _gate(_retrieval_gate_name(c, t), d["diff"], -t.max_drop, d["hi"] >= -t.max_drop,
                   f"interval [{d['lo']:+.3f}, {d['hi']:+.3f}] not all below {-t.max_drop:g}")
         _apply_known(g, t.known_misses.get(profile) if profile_applies else None, d["lo"], d["hi"], worse="lower",
                      gqa=gqa)
@@ -230,33 +237,55 @@ def _apply_known(g: dict, kms: tuple[KnownMiss, ...] | None, lo: float, hi: floa
 
 
 def target_status(results: dict, thresholds: dict) -> list[dict]:
-    """Per target: ``{"kind", "target", "bound", "measured", "lo", "hi", "status"}`` where status is ``met`` (point
-    estimate within the target), ``missed`` or ``not measured`` in this run."""
+    """Per target: ``{"kind", "target", "bound", "measured", "lo", "hi", "status", "significant", "verdict"}``.
+    ``status`` reads the point estimate (``met``: within the target, ``missed``, or ``not measured`` in this run);
+    ``significant`` says whether the paired 95% interval lies entirely beyond the target (what fails its gate);
+    ``verdict`` says both in words, with the gate's outcome: "met", "missed, not significant (the interval reaches
+    the target): passes", "missed, significant: fails" (or "...: known miss" when the run's gate is excused by a
+    recorded known miss, ``results["gates"]``)."""
     from loki.evaluation.gate_rows import default_gqa, primary_setting
 
     default = results.get("settings", {}).get("default_basis", "score")
     gqa = default_gqa(results)
-    ppl, ret = load_targets(thresholds, primary_setting(results) if results.get("settings") else None)
+    primary = primary_setting(results) if results.get("settings") else None
+    k0 = primary[1] if primary else None
+    ppl, ret = load_targets(thresholds, primary)
+    known = {g["name"]: g for g in results.get("gates") or [] if g.get("known")}
+
+    def judged(row, value, lo, hi, bound, higher_worse, gate_name):
+        met = value <= bound if higher_worse else value >= bound
+        significant = lo > bound if higher_worse else hi < bound
+        if met:
+            text = "met" + (", though the interval reaches beyond it" if (hi > bound if higher_worse else lo < bound)
+                            else "")
+        elif not significant:
+            text = "missed, not significant (the interval reaches the target): passes"
+        else:
+            excused = gate_name in known
+            text = "missed, significant: " + ("known miss (fails unless --allow-known-misses)" if excused
+                                               else "fails")
+        return row | {"measured": value, "lo": lo, "hi": hi, "status": "met" if met else "missed",
+                      "significant": significant, "verdict": text}
+
     out = []
     for t in ppl:
         r = _default_row(results.get("perplexity", []), default, gqa, t.window, t.k)
         row = {"kind": "ppl", "target": f"default Loki, {t.label}: perplexity within {_pct(t.max)}",
                "bound": t.max}
         if r is None:
-            out.append(row | {"status": "not measured"})
+            out.append(row | {"status": "not measured", "verdict": "not measured in this run"})
         else:
-            out.append(row | {"measured": r["increase"], "lo": r["increase_lo"], "hi": r["increase_hi"],
-                              "status": "met" if r["increase"] <= t.max else "missed"})
+            out.append(judged(row, r["increase"], r["increase_lo"], r["increase_hi"], t.max, True,
+                              _ppl_gate_name(r, t, k0)))
     for t in ret:
         c = _default_cell(results, default, gqa, t.context, t.k)
         row = {"kind": "retrieval", "target": f"default Loki, {t.label}: within {100 * t.max_drop:g} points of "
                "exact top-k", "bound": -t.max_drop}
         if c is None:
-            out.append(row | {"status": "not measured"})
+            out.append(row | {"status": "not measured", "verdict": "not measured in this run"})
         else:
             d = c["diff"]
-            out.append(row | {"measured": d["diff"], "lo": d["lo"], "hi": d["hi"],
-                              "status": "met" if d["diff"] >= -t.max_drop else "missed"})
+            out.append(judged(row, d["diff"], d["lo"], d["hi"], -t.max_drop, False, _retrieval_gate_name(c, t)))
     return out
 
 
