@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import os
 
-from ._common import SkipNotImplemented, skip, unit, why_not_runnable_on_gpu  # noqa: F401 (re-exported)
+from .common import SkipNotImplemented, skip, unit, why_not_runnable_on_gpu  # noqa: F401 (re-exported)
 from ._shapes import E2E_SETTINGS
 
 STEPS = 32

@@ -353,8 +353,8 @@ def test_fused_kernel_bad_arguments_are_named(triton_device, change, name):
 
 
 def _key_prefixes(x: torch.Tensor) -> torch.Tensor:
-    """The top 12 bits of the order-preserving uint32 key of fp32 scores (``loki.kernels._keys``): sign, exponent
-    and 3 mantissa bits, what the split select resolves before its final select."""
+    """The top 12 bits of the order-preserving uint32 key of fp32 scores (``loki.kernels.tl_helpers.ordered_key``):
+    sign, exponent and 3 mantissa bits, what the split select resolves before its final select."""
     bits = x.float().contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
     key = torch.where(bits >= 2**31, ~bits & 0xFFFFFFFF, bits | 2**31)
     return key >> 20

@@ -153,7 +153,7 @@ MUTANTS = [
     Mutant("M29", K + "cache_write.py", "offs_j = tl.program_id(2) * BLOCK_J + tl.arange(0, BLOCK_J)",
            "offs_j = tl.arange(0, BLOCK_J)", "cache write: every program writes the first 32 dims",
            tests=["tests/test_static_cache.py", "-k", "write_rotated"]),
-    Mutant("M30", K + "group_softmax.py", "return m_new, l2 * tl.exp(m2 - ref) + tl.exp(x - ref)",
+    Mutant("M30", K + "tl_helpers.py", "return m_new, l2 * tl.exp(m2 - ref) + tl.exp(x - ref)",
            "return m_new, l2 + tl.exp(x - ref)", "running log-sum-exp: sums not rescaled (both softmax kernels)",
            tests=["tests/test_softmax_aggregates_kernels.py"]),
     Mutant("M31", K + "score_select_softmax.py", "l = tl.sum(l2 * tl.exp(m2 - top[:, None]), axis=1)",

@@ -84,7 +84,7 @@ def _select_providers(scores, counts, k, cfg):
 
 def bench_selects(budget_end: float, shapes, dev, smoke=False) -> list[dict]:
     import loki.reference as R
-    from loki.kernels._common import num_sms
+    from loki.kernels.common import num_sms
     from loki.kernels.select_split import split_launch_config
     from loki.testing.invariants import check_selection
 
@@ -179,7 +179,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     import triton
 
-    from loki.kernels._common import interpreting
+    from loki.kernels.common import interpreting
 
     dev = torch.device("cpu" if interpreting() else "cuda")
     if dev.type == "cuda" and not torch.cuda.is_available():

@@ -29,7 +29,7 @@ from loki._triton import tl, triton
 from loki.reference.selection import GQA_SELECT_MODES, check_kernel_aggregate
 from loki.reference.selection import approx_scores as approx_scores_reference
 
-from ._common import check_triton_device, interpreter_tile, interpreting, key_block
+from .common import check_triton_device, interpreter_tile, interpreting, key_block
 from .group_softmax import SOFTMAX_AGGREGATES, launch_group_softmax
 from .launch import launch, new_output, pdl
 

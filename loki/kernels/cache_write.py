@@ -17,7 +17,7 @@ import torch
 from loki._checks import CacheOverflowError
 from loki._triton import tl, triton
 
-from ._common import interpreting
+from .common import interpreting
 from .launch import launch
 
 __all__ = ["check_write", "write_rotated", "write_rotated_reference"]

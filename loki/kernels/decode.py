@@ -32,8 +32,8 @@ from loki.reference.methods import loki_attention as loki_attention_reference
 from loki.reference.selection import budget
 from loki.settings import SOFTMAX_AGGREGATES, GQAMode, LokiSettings
 
-from ._common import check_triton_device
 from .approx_scores import check_key_prefix, launch_approx_scores, launch_softmax_group_scores
+from .common import check_triton_device
 from .launch import new_output
 from .score_select import score_select, score_select_fusable
 from .score_select_softmax import SOFTMAX_FUSED_DEFAULTS, score_select_softmax

@@ -51,8 +51,9 @@ import torch
 from loki._triton import tl, triton
 from loki.settings import SOFTMAX_AGGREGATES as _SOFTMAX
 
-from ._common import interpreter_tile, interpreting, num_sms
+from .common import interpreter_tile, interpreting, num_sms
 from .launch import launch, new_output, pdl
+from .tl_helpers import group_probability, running_lse
 
 __all__ = ["GROUP_SOFTMAX_DEFAULTS", "SOFTMAX_AGGREGATES", "group_softmax_scores", "lse_chunking"]
 
@@ -64,15 +65,6 @@ SOFTMAX_AGGREGATES = tuple(sorted(a.value for a in _SOFTMAX))
 #: ``programs_per_sm`` programs per multiprocessor (rows x chunks) unless the rows are too short, at most
 #: ``max_chunks`` chunks per row, ``tile`` elements ([G, BLOCK_T] scores) per program of the aggregation.
 GROUP_SOFTMAX_DEFAULTS = dict(block=1024, programs_per_sm=4, max_chunks=64, tile=4096)
-
-
-@triton.jit
-def _running_lse(m2, l2, x):
-    """One step of a running (max, sum of exp) kept per lane: the pairs (m2, l2) with the new values x (-inf for
-    none), elementwise; lanes that saw nothing yet stay (-inf, 0) without a NaN."""
-    m_new = tl.maximum(m2, x)
-    ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-    return m_new, l2 * tl.exp(m2 - ref) + tl.exp(x - ref)
 
 
 @triton.jit
@@ -105,22 +97,11 @@ def _lse_partial_kernel(
     for t0 in range(lo, hi, BLOCK):
         offs = t0 + ar
         ok = (offs >= start) & (offs < hi)
-        m2, l2 = _running_lse(m2, l2, tl.load(base + offs, mask=ok, other=float("-inf")) * scale)
+        m2, l2 = running_lse(m2, l2, tl.load(base + offs, mask=ok, other=float("-inf")) * scale)
     m = tl.max(m2, axis=0)  # -inf for a chunk without a valid token
     l = tl.sum(l2 * tl.exp(m2 - tl.where(m == float("-inf"), 0.0, m)), axis=0)
     tl.store(m_ptr + row * NC + c, m)
     tl.store(l_ptr + row * NC + c, l)
-
-
-@triton.jit
-def _group_probability(x, mx, log_sum, scale, SUM: tl.constexpr):
-    """The group's probability score of a [GP, T] tile of scores x (-inf for invalid tokens and padded heads):
-    sum (SUM) or max over axis 0 of exp(y), y = (scale * x - mx) - log_sum (each head's log-softmax; mx, log_sum:
-    [GP], finite).  The max is taken on y (one exp per token); 0 where every y is -inf."""
-    y = (x * scale - mx[:, None]) - log_sum[:, None]
-    if SUM:
-        return tl.sum(tl.exp(y), axis=0)
-    return tl.exp(tl.max(y, axis=0))
 
 
 @triton.jit
@@ -156,7 +137,7 @@ def _group_aggregate_kernel(
     log_sum = tl.log(tl.where(gm, tl.sum(pl * tl.exp(pm - mx[:, None]), axis=1), 1.0))
     x = tl.load(s_ptr + b * stride_sb + hq[:, None] * stride_sh + offs_t[None, :],
                 mask=gm[:, None] & valid[None, :], other=float("-inf"))
-    agg = tl.where(valid, _group_probability(x, mx, log_sum, scale, SUM), float("-inf"))
+    agg = tl.where(valid, group_probability(x, mx, log_sum, scale, SUM), float("-inf"))
     tl.store(agg_ptr + b * stride_ab + h * stride_ah + offs_t, agg, mask=offs_t < S)
 
 

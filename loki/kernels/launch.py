@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from ._common import interpreting
+from .common import interpreting
 
 try:  # triton >= 3.4
     from triton import knobs as _knobs

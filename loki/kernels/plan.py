@@ -27,8 +27,8 @@ from loki._triton import tl, triton
 from loki.settings import LokiSettings, ResolvedSettings
 
 from . import launch as _launch
-from ._common import check_triton_device
 from .approx_scores import check_key_prefix
+from .common import check_triton_device
 
 __all__ = ["DecodeRun", "plan_decode"]
 

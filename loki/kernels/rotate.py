@@ -19,7 +19,7 @@ import torch
 from loki._triton import tl, triton
 from loki.reference import rotate_query as rotate_query_reference
 
-from ._common import check_triton_device
+from .common import check_triton_device
 from .launch import launch, new_output
 
 __all__ = ["rotate_query_fast", "rotate_query_op", "rotate_query_reference", "rotate_query_triton"]

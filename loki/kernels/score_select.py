@@ -25,9 +25,10 @@ import torch
 
 from loki._triton import tl, triton
 
-from ._common import interpreter_tile, interpreting, key_block, num_sms
+from .common import interpreter_tile, interpreting, key_block, num_sms
 from .launch import launch, new_output, pdl
-from .select import TRITON_SELECT_MAX_S, _select_row, compaction_chunk, select_launch_config
+from .select import TRITON_SELECT_MAX_S, compaction_chunk, select_launch_config
+from .tl_helpers import select_row
 
 __all__ = ["FUSED_DEFAULTS", "score_select", "score_select_fusable"]
 
@@ -85,7 +86,7 @@ def _score_select_kernel(
         tl.store(row + offs_s, tl.where(valid, agg, float("-inf")), mask=offs_s < S)
     tl.debug_barrier()  # the row's scores, written by every thread, are read back by every thread
     kk = tl.minimum(tl.load(counts_ptr + b).to(tl.int32), K)  # never more than the K slots of the row
-    _select_row(row, S, kk, idx_ptr + b * stride_ib + h * stride_ih, K, BLOCK, CHUNK, RADIX_BITS, EARLY_EXIT)
+    select_row(row, S, kk, idx_ptr + b * stride_ib + h * stride_ih, K, BLOCK, CHUNK, RADIX_BITS, EARLY_EXIT)
 
 
 def score_select_fusable(rows: int, S: int, device, *, min_rows_per_sm: float | None = None,

@@ -15,7 +15,7 @@ One program per selection row (b, h), h a KV head with the G query heads h*G .. 
    up to the rounding of the sums, and why probabilities rather than the reference's log values).  Measured on
    an H100 (B=16 S=8192, GQA 32/8): a first version kept the heads' (max, sum) in pass 1 (with a reduction
    across the block per head and tile, or with [BLOCK_S, GP] tiles of scores) and took 150 us in pass 1 alone;
-3. ``tl.debug_barrier()``, then the exact threshold select of ``select.py`` (``_select_row``) on that row, as
+3. ``tl.debug_barrier()``, then the exact threshold select of ``select.py`` (``select_row``) on that row, as
    ``score_select.py`` does.
 
 Against the unfused path (per-query-head scores, two group-softmax launches, the select: four launches) this
@@ -37,11 +37,12 @@ import torch
 from loki._checks import resolve_scale
 from loki._triton import tl, triton
 
-from ._common import interpreter_tile, interpreting, key_block, num_sms
-from .group_softmax import SOFTMAX_AGGREGATES, _group_probability, _running_lse
+from .common import interpreter_tile, interpreting, key_block, num_sms
+from .group_softmax import SOFTMAX_AGGREGATES
 from .launch import launch, new_output, pdl
 from .score_select import FUSED_DEFAULTS, check_fused_args
-from .select import _select_row, compaction_chunk, select_launch_config
+from .select import compaction_chunk, select_launch_config
+from .tl_helpers import group_probability, running_lse, select_row
 
 __all__ = ["SOFTMAX_FUSED_DEFAULTS", "score_select_softmax"]
 
@@ -103,7 +104,7 @@ def _score_select_softmax_kernel(
         offs_t = t0 + at
         ok = gm[:, None] & ((offs_t >= start) & (offs_t < length))[None, :]
         x = tl.load(h_base + gi[:, None] * stride_hh + offs_t[None, :], mask=ok, other=float("-inf")) * scale
-        m2, l2 = _running_lse(m2, l2, x)
+        m2, l2 = running_lse(m2, l2, x)
     top = tl.where(gm, tl.max(m2, axis=1), 0.0)  # [GP]: each real head's max (finite: a row has a valid token)
     l = tl.sum(l2 * tl.exp(m2 - top[:, None]), axis=1)
     # pass 2: the group's probability score of every token of the row (-inf outside the valid tokens)
@@ -114,11 +115,11 @@ def _score_select_softmax_kernel(
         valid = (offs_t >= start) & (offs_t < length)
         x = tl.load(h_base + gi[:, None] * stride_hh + offs_t[None, :], mask=gm[:, None] & valid[None, :],
                     other=float("-inf"))
-        agg = tl.where(valid, _group_probability(x, mx, log_sum, scale, SUM), float("-inf"))
+        agg = tl.where(valid, group_probability(x, mx, log_sum, scale, SUM), float("-inf"))
         tl.store(row + offs_t, agg, mask=offs_t < S)
     tl.debug_barrier()  # the row's scores, written by every thread, are read back by every thread
     kk = tl.minimum(tl.load(counts_ptr + b).to(tl.int32), K)  # never more than the K slots of the row
-    _select_row(row, S, kk, idx_ptr + b * stride_ib + h * stride_ih, K, BLOCK, CHUNK, RADIX_BITS, EARLY_EXIT)
+    select_row(row, S, kk, idx_ptr + b * stride_ib + h * stride_ih, K, BLOCK, CHUNK, RADIX_BITS, EARLY_EXIT)
 
 
 def score_select_softmax(q_hat, k_src, d: int, lengths, starts, counts, K: int, *, aggregate: str,

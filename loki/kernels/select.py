@@ -31,10 +31,10 @@ from loki._triton import tl, triton
 from loki.reference.selection import select_topk as select_topk_reference
 from loki.reference.selection import topk_indices
 
-from ._common import NUM_SMS_DEFAULT, check_triton_device, interpreting, num_sms
-from ._keys import _ordered_key
+from .common import NUM_SMS_DEFAULT, check_triton_device, interpreting, num_sms
 from .launch import launch, new_output, pdl
 from .select_split import select_topk_split, use_split_select
+from .tl_helpers import select_row
 
 __all__ = ["SELECT_METHODS", "TRITON_SELECT_MAX_S", "select_topk", "select_topk_reference", "select_launch_config"]
 
@@ -59,83 +59,6 @@ def compaction_chunk(S: int, rows: int, num_sms: int = NUM_SMS_DEFAULT) -> int:
 
 
 @triton.jit
-def _compact(key, pos_in_row, in_row, thr, kk, n_gt_total, gt_base, eq_base, base, K):
-    """Write the positions of keys > thr and of the first ties (== thr) into their slots; -1 into slots
-    kk..K-1 of this chunk's position range.  Returns the updated (gt_base, eq_base)."""
-    gt = (key > thr) & in_row
-    eq = (key == thr) & in_row
-    packed = gt.to(tl.uint32) | (eq.to(tl.uint32) << 16)
-    incl = tl.cumsum(packed, axis=0)
-    pos_gt = gt_base + (incl & 0xFFFF).to(tl.int32) - 1
-    pos_eq = n_gt_total + eq_base + (incl >> 16).to(tl.int32) - 1
-    take_eq = eq & (pos_eq < kk)
-    pos = tl.where(gt, pos_gt, pos_eq)
-    tl.store(base + pos, pos_in_row.to(tl.int32), mask=gt | take_eq)
-    tl.store(base + pos_in_row, tl.full(pos_in_row.shape, -1, tl.int32),
-             mask=(pos_in_row >= kk) & (pos_in_row < K))
-    tot = tl.sum(packed, axis=0)
-    return gt_base + (tot & 0xFFFF).to(tl.int32), eq_base + (tot >> 16).to(tl.int32)
-
-
-@triton.jit
-def _select_row(row, S, kk, base, K, BLOCK: tl.constexpr, CHUNK: tl.constexpr, RADIX_BITS: tl.constexpr,
-                EARLY_EXIT: tl.constexpr):
-    """base[:kk] = positions of the kk largest of the S fp32 scores at ``row``; base[kk:K] = -1.
-
-    Threshold: the largest uint32 T with #(key >= T) >= kk, built from the top bit down (with
-    EARLY_EXIT: the first T on that path with exactly kk keys >= T, when there is one).
-    """
-    offs = tl.arange(0, BLOCK)
-    in_row = offs < S
-    key = _ordered_key(tl.load(row + offs, mask=in_row, other=float("-inf")))
-    key = tl.where(in_row, key, 0)  # below every real key (-inf maps to 0x007FFFFF)
-    one = tl.full((), 1, tl.uint32)
-    thr = tl.zeros((), tl.uint32)
-    if EARLY_EXIT:
-        # any T with exactly kk keys >= T will do: stop as soon as the running threshold has that count
-        n_ge = tl.full((), BLOCK + 1, tl.int32)
-        i = tl.zeros((), tl.int32)
-        while (i < 32) & (n_ge != kk):
-            cand = thr | (one << (31 - i).to(tl.uint32))
-            c = tl.sum((key >= cand).to(tl.int32), axis=0)
-            take = c >= kk
-            thr = tl.where(take, cand, thr)
-            n_ge = tl.where(take, c, n_ge)
-            i += 1
-    elif RADIX_BITS == 1:
-        for i in tl.static_range(32):
-            cand = thr | (one << (31 - i))
-            c = tl.sum((key >= cand).to(tl.int32), axis=0)
-            thr = tl.where(c >= kk, cand, thr)
-    else:
-        for i in tl.static_range(16):
-            c1 = thr | (one << (30 - 2 * i))
-            c2 = thr | ((one + one) << (30 - 2 * i))
-            c3 = c1 | c2
-            # three counts in one reduction: 21-bit fields of an int64 (S <= 32768 < 2^21)
-            packed = ((key >= c1).to(tl.int64) | ((key >= c2).to(tl.int64) << 21)
-                      | ((key >= c3).to(tl.int64) << 42))
-            tot = tl.sum(packed, axis=0)
-            n1 = (tot & 0x1FFFFF).to(tl.int32)
-            n2 = ((tot >> 21) & 0x1FFFFF).to(tl.int32)
-            n3 = (tot >> 42).to(tl.int32)
-            thr = tl.where(n3 >= kk, c3, tl.where(n2 >= kk, c2, tl.where(n1 >= kk, c1, thr)))
-    n_gt_total = tl.sum(((key > thr) & in_row).to(tl.int32), axis=0)
-    zero = tl.zeros((), tl.int32)
-    if BLOCK <= CHUNK:
-        _compact(key, offs, in_row, thr, kk, n_gt_total, zero, zero, base, K)
-    else:
-        gt_base = zero
-        eq_base = zero
-        offs_c = tl.arange(0, CHUNK)
-        for c0 in range(0, S, CHUNK):
-            p = c0 + offs_c
-            m = p < S
-            kc = _ordered_key(tl.load(row + p, mask=m, other=float("-inf")))
-            gt_base, eq_base = _compact(kc, p, m, thr, kk, n_gt_total, gt_base, eq_base, base, K)
-
-
-@triton.jit
 def _threshold_select_kernel(
     scores_ptr, counts_ptr, idx_ptr,
     S, H, K,
@@ -152,7 +75,7 @@ def _threshold_select_kernel(
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     kk = tl.minimum(tl.load(counts_ptr + b).to(tl.int32), K)  # never more than the K slots of the row
-    _select_row(scores_ptr + b * stride_sb + h * stride_sh, S, kk, idx_ptr + b * stride_ib + h * stride_ih, K,
+    select_row(scores_ptr + b * stride_sb + h * stride_sh, S, kk, idx_ptr + b * stride_ib + h * stride_ih, K,
                 BLOCK, CHUNK, RADIX_BITS, EARLY_EXIT)
 
 

@@ -6,7 +6,7 @@ R = B * H rows, C = ceil(S / CH) chunks of CH scores per row.
 Why: the one-program-per-row select of ``select.py`` keeps a row in registers and is latency-bound when there
 are few rows (B=1 with 8 KV heads: 8 programs on 132 multiprocessors), and it stops at
 ``TRITON_SELECT_MAX_S`` keys per row.  Here every row is cut into C chunks and a grid of (R, C) programs
-finds the row's threshold as a radix select over the order-preserving uint32 keys of ``_keys.py``, BITS
+finds the row's threshold as a radix select over the order-preserving uint32 keys of ``tl_helpers.ordered_key``, BITS
 bits of the key per launch:
 
 1. level launches ``l = 1..LEVELS``: each program histograms digit l (bits ``32 - l*BITS ..``) of the keys
@@ -48,9 +48,9 @@ import torch
 from loki._checks import check_counts
 from loki._triton import tl, triton
 
-from ._common import NUM_SMS_DEFAULT, check_triton_device, interpreting, num_sms
-from ._keys import _ordered_key
+from .common import NUM_SMS_DEFAULT, check_triton_device, interpreting, num_sms
 from .launch import launch, new_output, pdl
+from .tl_helpers import ordered_key
 
 __all__ = ["SPLIT_DEFAULTS", "select_topk_split", "split_launch_config", "use_split_select"]
 
@@ -79,7 +79,7 @@ def _chunk_keys(row, c, S, CH: tl.constexpr):
     """Keys, positions and validity of chunk c of a score row (invalid lanes: key of -inf, masked anyway)."""
     p = c * CH + tl.arange(0, CH)
     m = p < S
-    return _ordered_key(tl.load(row + p, mask=m, other=float("-inf"))), p, m
+    return ordered_key(tl.load(row + p, mask=m, other=float("-inf"))), p, m
 
 
 @triton.jit
@@ -120,7 +120,7 @@ def _cand_tile(cand, row, t0, n, CAND_BLOCK: tl.constexpr):
     i = t0 + tl.arange(0, CAND_BLOCK)
     m = i < n
     pos = tl.load(cand + i, mask=m, other=0, cache_modifier=".cg")
-    key = _ordered_key(tl.load(row + pos, mask=m, other=0.0))
+    key = ordered_key(tl.load(row + pos, mask=m, other=0.0))
     return tl.where(m, key, 0), pos, m
 
 

@@ -34,7 +34,7 @@ from loki._triton import tl, triton
 from loki.reference.methods import sparq_attention as sparq_attention_reference
 from loki.reference.selection import budget, topk_indices
 
-from ._common import check_triton_device, interpreter_tile, interpreting
+from .common import check_triton_device, interpreter_tile, interpreting
 from .launch import new_output
 from .select import select_topk
 

@@ -34,7 +34,7 @@ from loki._checks import check_count, check_no_grad, resolve_scale
 from loki._triton import tl, triton
 from loki.reference.sparse import sparse_attention as sparse_attention_reference
 
-from ._common import NUM_SMS_DEFAULT, check_triton_device, interpreter_tile, interpreting, num_sms
+from .common import NUM_SMS_DEFAULT, check_triton_device, interpreter_tile, interpreting, num_sms
 from .launch import launch, new_output, pdl
 
 __all__ = ["ATTN_DEFAULTS", "sparse_attention", "sparse_attention_reference", "choose_num_splits"]
