@@ -126,18 +126,19 @@ def test_selection_agreement_full_dims_is_perfect(gqa):
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(4, 33, 16, generator=g), torch.randn(2, 33, 16, generator=g)
     P = PCABasis.random(1, 2, 16, seed=2).layer(0)
-    r = selection_agreement(q, k, P, k_f=0.25, d=1.0, gqa_select=gqa)
+    r = selection_agreement(q, k, P, k_f=0.25, d=1.0, gqa_select=gqa, aggregate="sum")
     assert r["rows"] == 32  # row 0 selects its only token: not informative
     torch.testing.assert_close(r["jaccard"], torch.ones_like(r["jaccard"]), atol=1e-6, rtol=0)
     torch.testing.assert_close(r["mass"], r["mass_exact"])
-    low = selection_agreement(q, k, P, k_f=0.25, d=2, gqa_select=gqa)
+    low = selection_agreement(q, k, P, k_f=0.25, d=2, gqa_select=gqa, aggregate="sum")
     assert (low["jaccard"] <= 1).all() and (low["mass"] <= low["mass_exact"] + 1e-9).all()
     assert float(low["jaccard"].mean()) < 1
 
 
 def test_topk_agreement_tiny(tiny):
     model, basis, ids = tiny
-    out = topk_agreement(model, torch.cat([ids, ids]), {"post": basis}, k_f=0.25, d=0.5, progress=False)
+    out = topk_agreement(model, torch.cat([ids, ids]), {"post": basis}, k_f=0.25, d=0.5, progress=False,
+                         gqa_select="query", aggregate="sum")
     a = out["post"]
     assert len(a["jaccard"]) == 2 and len(a["jaccard"][0]) == 4 and len(a["mass"][0]) == 4
     assert 0 < a["jaccard_mean"] <= 1 and 0 < a["mass_mean"] <= a["mass_exact_mean"] + 1e-9 <= 1 + 1e-9

@@ -39,9 +39,9 @@ def sanitize() -> None:
         x = make_decode_inputs(B, HQ, HKV, S, D, dtype=dtype, device="cuda", ragged=True, left_pad=True)
         kp = make_key_prefix(x.k_cache, 9)
         for mode in ("query", "kv"):
-            s = approx_scores(x.q, x.k_cache, 7, x.lengths, x.starts, gqa_select=mode)
-            approx_scores(x.q, x.k_cache, 7, x.lengths, x.starts, gqa_select=mode, k_prefix=kp)
-            approx_scores(x.q, x.k_cache, 9, x.lengths, x.starts, gqa_select=mode, k_prefix=kp)
+            s = approx_scores(x.q, x.k_cache, 7, x.lengths, x.starts, gqa_select=mode, aggregate="sum")
+            approx_scores(x.q, x.k_cache, 7, x.lengths, x.starts, gqa_select=mode, k_prefix=kp, aggregate="sum")
+            approx_scores(x.q, x.k_cache, 9, x.lengths, x.starts, gqa_select=mode, k_prefix=kp, aggregate="sum")
             for k in (1, 0.3, S):
                 counts = budget(k, x.lengths, x.starts, B, S, "cuda")
                 K = selection_bound(k, S)

@@ -65,8 +65,8 @@ def selection_agreement(
     *,
     k_f: float,
     d: int | float,
-    gqa_select: str = "query",
-    aggregate: str = "sum",
+    gqa_select: str,
+    aggregate: str,
     P_q: torch.Tensor | None = None,
     block_rows: int = 1024,
 ) -> dict[str, torch.Tensor]:
@@ -122,8 +122,8 @@ def topk_agreement(
     *,
     k_f: float = 0.25,
     d: int | float = 0.25,
-    gqa_select: str = "query",
-    aggregate: str = "sum",
+    gqa_select: str,
+    aggregate: str,
     progress: bool = True,
 ) -> dict[str, dict]:
     """Jaccard and captured attention mass of Loki vs exact top-k for every basis, per layer and head.

@@ -341,7 +341,7 @@ def run_suite(model, tokenizer, opts: SuiteOptions | None = None, out_dir=None) 
         by_len = {}
         for T, _ in opts.windows:
             by_len[str(T)] = topk_agreement(model, windows_by_len[T][:1, :opts.agreement_tokens], bases, k_f=opts.k,
-                                            d=opts.d, progress=opts.progress)
+                                            d=opts.d, progress=opts.progress, gqa_select="query", aggregate="sum")
         results["agreement"] = by_len[str(opts.windows[0][0])]
         if len(by_len) > 1:
             results["agreement_by_length"] = {T: {b: {key: a[key] for key in ("jaccard_mean", "mass_mean",
