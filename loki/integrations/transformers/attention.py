@@ -84,7 +84,7 @@ def loki_attention_forward(module, query, key, value, attention_mask, scaling=No
         return run_decode(state, plan, ranges, query, key, value, store=store, transforms=transforms,
                           keys_rotated=keys_rotated, scale=scale), None
     out = teacher_forced_rows_of(s, query, key, value, ranges, transforms=transforms, keys_rotated=keys_rotated,
-                                 scale=scale, chunk_elements=state.chunk_elements)
+                                 scale=scale, chunk_elements=None)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -102,7 +102,6 @@ class LokiState:
     transforms: Transforms
     previous_implementation: str | None = None
     covered_positions: int | None = None  # the basis was fitted on positions below this (None: unknown)
-    chunk_elements: int | None = None  # score entries of one block of rows in the teacher-forced path
     # the forward in progress: its cache (None without one) and its step plan (what every layer's rows see)
     cache: Any = field(default=None, repr=False)
     plan: Any = field(default=None, repr=False)
