@@ -22,8 +22,8 @@ from __future__ import annotations
 import contextlib
 import os
 
+from ._common import SkipNotImplemented, skip, unit  # noqa: F401 (re-exported)
 from ._shapes import ACCURACY_BASES, ACCURACY_METHODS, ACCURACY_PROFILE
-from .common import SkipNotImplemented, skip, unit  # noqa: F401 (re-exported)
 
 #: A file the suite's progress goes to while ``setup_cache`` runs (ASV shows a benchmark's output only when it ends;
 #: ci/asv_cpu.py sets it and prints each step as it comes).

@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import os
 
+from ._common import SkipNotImplemented, skip, unit, why_not_runnable_on_gpu  # noqa: F401 (re-exported)
 from ._shapes import E2E_SETTINGS
-from .common import SkipNotImplemented, skip, unit, why_not_runnable_on_gpu  # noqa: F401 (re-exported)
 
 STEPS = 32
 #: Comma-separated setting ids: measure only these (the others' benchmarks skip as not measured).

@@ -16,8 +16,8 @@ Parameters (``config``): harness configuration ids, ``<model>-B<B>-S<S>-k<k_f>-d
 
 from __future__ import annotations
 
+from ._common import SkipNotImplemented, skip, unit, why_not_runnable_on_gpu  # noqa: F401 (re-exported)
 from ._shapes import KERNEL_CONFIGS, SELECT_CONFIGS, SELECT_SHAPES, SPARQ_CONFIGS, UNAVAILABLE, config_by_id
-from .common import SkipNotImplemented, skip, unit, why_not_runnable_on_gpu  # noqa: F401 (re-exported)
 
 MIB = 1 << 20
 
