@@ -830,6 +830,7 @@ def run_gate(
 
     applicable = [k for k in known_misses if k.applies_to(current.commit_hash)
                   and (pattern is None or pattern.search(k.benchmark))]
+    applicable.sort(key=lambda k: k.commit is None)  # an entry for this commit before one for every commit
     used = set()
     for c in checks:
         if c.ok:

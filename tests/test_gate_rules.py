@@ -424,6 +424,18 @@ def test_ci_known_miss_excuses_no_worse_than_recorded(tmp_path, value, excused):
     assert passed is excused
 
 
+def test_ci_known_miss_of_this_commit_takes_precedence(tmp_path):
+    """An entry naming the gated commit is matched before an entry for every commit, whatever their order."""
+    general = {"kind": "threshold", "benchmark": "b.speedup", "measured": 2.0, "reason": "every commit"}
+    this = {"kind": "threshold", "benchmark": "b.speedup", "measured": 1.0, "reason": "this commit",
+            "commit": NEW[:8]}
+    kw = dict(checks=[{"benchmark": "b.speedup", "min": 2.3}], allow_known_misses=True)
+    passed, checks = ci_run(tmp_path, {"b.speedup": 1.05}, known=[general, this], **kw)
+    assert passed and checks[0].known == "this commit"
+    passed, checks = ci_run(tmp_path, {"b.speedup": 1.05}, known=[general], **kw)
+    assert not passed and not checks[0].known  # 1.05 is worse than the general entry's 2.0
+
+
 def test_ci_known_miss_of_a_lower_is_better_value(tmp_path):
     known = [{"kind": "threshold", "benchmark": "b.time_ms", "measured": 1.0, "reason": "recorded"}]
     kw = dict(checks=[{"benchmark": "b.time_ms", "max": 0.5}], known=known, allow_known_misses=True)
