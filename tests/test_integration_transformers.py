@@ -428,3 +428,24 @@ def test_triton_decode_fast_path_with_padding_equals_torch_backend(gqa_select, t
             steps.append(model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], **{kw: cache}).logits)
         logits[backend] = torch.cat(steps, dim=1)
     torch.testing.assert_close(logits["triton"], logits["torch"], atol=1e-4, rtol=1e-4)
+
+
+def test_dynamic_layer_regrows_its_buffers_without_losing_a_token():
+    """A dynamic Loki layer writes into buffers with spare capacity and regrows them when a write does not fit:
+    every key, rotated once, and every value stays where it was, across several regrowths."""
+    model = tiny_model("llama")
+    enable_loki(model, _basis(model), k=0.5, d=0.5, backend="torch")
+    layer = loki_cache(model).layers[0]
+    P = lt.state_of(model).transforms.layer(0).key
+    g = torch.Generator().manual_seed(3)
+    HKV, D = P.shape[0], P.shape[-1]
+    chunks = [torch.randn(2, HKV, n, D, generator=g) for n in (10, 600, 1, 1, 700)]
+    caps = []
+    for c in chunks:
+        layer.update(c, 2 * c)
+        caps.append(layer._buffers[0].shape[2])
+    assert caps[0] < caps[1] < caps[4]  # regrown twice (the first capacity holds 10 + 256 tokens)
+    keys = torch.cat(chunks, 2)
+    torch.testing.assert_close(layer.keys, rotate_keys(keys, P), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer.values, 2 * keys)
+    assert layer.keys.data_ptr() == layer._buffers[0].data_ptr()  # the filled part of the buffer, not a copy
