@@ -223,3 +223,28 @@ def test_the_json_keeps_number_lists_on_one_line(results):
 
     assert re.search(r'"recall": \[\n\s+\[[^\n\]]+\],\n', text)  # one line per layer
     assert text.count("\n") < 0.7 * json.dumps(results, indent=1).count("\n")
+
+
+def test_sparq_score_bytes_count_the_components_a_group_reads():
+    """SparQ's query heads pick their own r components of the keys they share: the score phase reads the distinct
+    components of each KV group (between r and min(G r, D) of D), measured, not one head's r."""
+    from loki.reference.accounting import score_fraction, tally_selections
+    from loki.reference.teacher_forced import teacher_forced_rows
+
+    g = torch.Generator().manual_seed(0)
+    B, HQ, HKV, L, D, r = 1, 6, 2, 24, 16, 4
+    q, k, v = (torch.randn(B, h, L, D, generator=g) for h in (HQ, HKV, HKV))
+    starts = torch.zeros(B, L, dtype=torch.long)
+    lengths = torch.arange(1, L + 1)[None]
+    with tally_selections() as t:
+        teacher_forced_rows(q, k, v, starts, lengths, method="sparq", k_budget=0.5, d=r, gqa_select="query",
+                            aggregate="sum")
+    c = t.component_fraction
+    assert r / D < c <= min(3 * r, D) / D  # three heads per group: more than one head's r components
+    assert score_fraction("sparq", r, D, components=c) == c / 2 > score_fraction("sparq", r, D)
+    # one query head per KV group reads exactly its r components
+    q1 = q[:, :HKV]
+    with tally_selections() as t1:
+        teacher_forced_rows(q1, k, v, starts, lengths, method="sparq", k_budget=0.5, d=r, gqa_select="query",
+                            aggregate="sum")
+    assert t1.component_fraction == pytest.approx(r / D)

@@ -204,7 +204,8 @@ class BytesProbe:
                         kk = kk.float() @ P[None]
                     teacher_forced_rows(q, kk, kk, self.starts, self.lengths, method=m.method, k_budget=k,
                                         d=d if m.uses_d else 1.0, gqa_select=m.gqa_select, aggregate=m.aggregate)
-            self.cache[key] = step_bytes_fraction(m.method, tally.selected_fraction, d if m.uses_d else None, self.D)
+            self.cache[key] = step_bytes_fraction(m.method, tally.selected_fraction, d if m.uses_d else None, self.D,
+                                                  components=tally.component_fraction)
         return self.cache[key]
 
 

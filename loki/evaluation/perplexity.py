@@ -134,7 +134,8 @@ def budget_label(k: int | float) -> str:
     return f"k = {k}" if isinstance(k, int) else f"k_f = {k:g}"
 
 
-def bytes_fractions(method: str, d: int | float, D: int, selected: float | None) -> dict:
+def bytes_fractions(method: str, d: int | float, D: int, selected: float | None,
+                    components: float | None = None) -> dict:
     """The bytes one decode step of ``method`` reads relative to dense attention (keys and values of every visible
     token once): ``{"score_fraction", "selected_fraction", "bytes_fraction"}``, from the one byte model of
     :mod:`loki.reference.accounting` (:func:`~loki.reference.accounting.score_fraction`,
@@ -146,17 +147,19 @@ def bytes_fractions(method: str, d: int | float, D: int, selected: float | None)
     head, ``u/n`` of the ``n`` visible ones (``selected``, measured from the selections:
     :mod:`loki.reference.accounting`): ``d/(2D) + u/n``.  Exact top-k reads every key whole to score (``1/2``) and
     then only the values of its selection: ``1/2 + u/(2n)``.  Dense attention reads 1; PCAAttn ``d/(2D)`` of the
-    keys and every value, ``d/(2D) + 1/2``.  ``bytes_fraction`` is None when a sparse method's ``selected`` was not
-    measured."""
+    keys and every value, ``d/(2D) + 1/2``.  SparQ's query heads pick their own ``r`` components of the keys they
+    share: its scoring reads the distinct components of each KV group, ``components / 2`` (measured,
+    :attr:`loki.reference.accounting.SelectionTally.component_fraction`).  ``bytes_fraction`` is None when a sparse
+    method's ``selected`` was not measured."""
     from loki.reference.accounting import score_fraction, step_bytes_fraction
 
     if method not in METHOD_NAMES:
         raise ValueError(f"method must be one of {METHOD_NAMES}, got {method!r}")
     if method in ("full", "dense"):
         return {"score_fraction": 0.0, "selected_fraction": 1.0, "bytes_fraction": 1.0}
-    sf = score_fraction(method, d, D)
+    sf = score_fraction(method, d, D, components=components)
     return {"score_fraction": sf, "selected_fraction": None if method == "pcaattn" else selected,
-            "bytes_fraction": step_bytes_fraction(method, selected, d, D)}
+            "bytes_fraction": step_bytes_fraction(method, selected, d, D, components=components)}
 
 
 def effective_density(k: int | float, T: int, protocol: str = "decode") -> float:
@@ -253,17 +256,19 @@ def perplexity(model, windows: torch.Tensor, spec: MethodSpec, bases: dict | Non
 
     t0 = time.perf_counter()
 
-    def chunk_nll(j: int) -> tuple[torch.Tensor, float, int, dict | None]:
+    def chunk_nll(j: int) -> tuple[torch.Tensor, float, int, dict | None, float, int]:
         chunk = windows[j * batch_size : (j + 1) * batch_size]
         with tally_selections() as tally, (layer_diagnostics(model) if diagnostics else nullcontext()) as diag:
             logits = method_logits(model, chunk, spec, bases, protocol=protocol, progress=progress)
         return (nll_per_token(logits, chunk).cpu(), float(tally.frac_sum), tally.count,
-                diag.cpu_sums() if diag is not None else None)
+                diag.cpu_sums() if diag is not None else None, float(tally.comp_sum), int(tally.comp_rows))
 
     parts = map_chunks(chunk_nll, -(-windows.shape[0] // batch_size))
     nll = torch.cat([p[0] for p in parts])  # [N, T - 1]
     rows = sum(p[2] for p in parts)
     selected = sum(p[1] for p in parts) / rows if rows else None
+    comp_rows = sum(p[5] for p in parts)
+    components = sum(p[4] for p in parts) / comp_rows if comp_rows else None
     mean = float(nll.double().mean())
     T = windows.shape[1]
     density = 1.0 if spec.method in ("full", "dense", "pcaattn") else effective_density(spec.k, T, protocol)
@@ -272,7 +277,7 @@ def perplexity(model, windows: torch.Tensor, spec: MethodSpec, bases: dict | Non
         gqa_select=spec.gqa_select, ppl=math.exp(mean), nll=mean, tokens=int(nll.numel()), density=density,
         seconds=time.perf_counter() - t0, window_nll=[float(x) for x in nll.double().mean(1)],
         token_nll=nll.double(), aggregate=spec.aggregate,
-        **bytes_fractions(spec.method, spec.d, config_head_dim(model.config), selected),
+        **bytes_fractions(spec.method, spec.d, config_head_dim(model.config), selected, components),
         diagnostics=summarize_diagnostics(merge_sums(p[3] for p in parts), config_kv_heads(model.config))
         if diagnostics else None,
     )

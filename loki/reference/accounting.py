@@ -39,7 +39,8 @@ from .selection import selection_mask
 
 __all__ = ["BYTE_METHODS", "DIAGNOSTIC_FIELDS", "QUEST_PAGE_SIZE", "DiagnosticsTally", "SelectionTally",
            "diagnosing", "record_diagnostics", "record_indices", "record_selection", "score_fraction",
-           "selection_quality", "step_bytes_fraction", "tally_diagnostics", "tally_selections", "tallying"]
+           "record_components", "selection_quality", "step_bytes_fraction", "tally_diagnostics", "tally_selections",
+           "tallying"]
 
 _OPEN: list = []
 
@@ -50,12 +51,15 @@ BYTE_METHODS = ("full", "dense", "exact_topk", "loki", "pcaattn", "sparq", "h2o"
 
 
 def score_fraction(method: str, d: int | float | None = None, D: int | None = None, *,
-                   page_size: int = QUEST_PAGE_SIZE) -> float:
+                   page_size: int = QUEST_PAGE_SIZE, components: float | None = None) -> float:
     """The bytes one decode step reads to score the visible tokens, relative to dense attention (the keys and values
     of every visible token once, ``2 n D`` values per KV head):
 
     - ``"loki"`` (and Double Sparsity, a Loki basis), ``"pcaattn"``: ``d`` of the ``D`` dims of every key,
-      ``d / (2D)``; ``"sparq"``: ``r / (2D)`` (``d`` is SparQ's ``r``);
+      ``d / (2D)``; ``"sparq"``: the key components its query heads read, ``components / 2`` where ``components`` is
+      the measured mean number of distinct components per KV group over ``D`` (:attr:`SelectionTally.
+      component_fraction`: the heads of a group pick their own ``r`` components of their shared keys), else
+      ``r / (2D)``, one head's (``d`` is SparQ's ``r``);
     - ``"quest"``: the page metadata, ``2 D`` values per page of ``page_size`` tokens, ``1 / page_size``;
     - ``"exact_topk"``: every key whole, ``1/2``;
     - ``"h2o"``: nothing (its scores are the attention it computed); ``"full"``, ``"dense"``: nothing beyond the
@@ -66,6 +70,8 @@ def score_fraction(method: str, d: int | float | None = None, D: int | None = No
 
     if method not in BYTE_METHODS:
         raise ValueError(f"method must be one of {BYTE_METHODS}, got {method!r}")
+    if method == "sparq" and components is not None:
+        return float(components) / 2
     if method in ("loki", "pcaattn", "sparq"):
         if d is None or D is None:
             raise ValueError(f"method {method!r} needs d and D for its score bytes")
@@ -80,13 +86,13 @@ def score_fraction(method: str, d: int | float | None = None, D: int | None = No
 
 
 def step_bytes_fraction(method: str, selected: float | None, d: int | float | None = None, D: int | None = None, *,
-                        page_size: int = QUEST_PAGE_SIZE) -> float | None:
+                        page_size: int = QUEST_PAGE_SIZE, components: float | None = None) -> float | None:
     """The bytes one decode step reads relative to dense attention: :func:`score_fraction` plus the keys and values of
     the ``u`` distinct tokens read per KV head, ``selected = u / n`` of the ``n`` visible ones (measured from the
     selections, :class:`SelectionTally`); exact top-k has read the keys to score and adds the values only,
     ``1/2 + u/(2n)``; PCAAttn reads every value, ``d/(2D) + 1/2``; dense attention 1.  None when a sparse method's
-    ``selected`` is None (not measured)."""
-    sf = score_fraction(method, d, D, page_size=page_size)
+    ``selected`` is None (not measured).  ``components``: SparQ's measured key components (:func:`score_fraction`)."""
+    sf = score_fraction(method, d, D, page_size=page_size, components=components)
     if method in ("full", "dense"):
         return 1.0
     if method == "pcaattn":
@@ -104,6 +110,22 @@ class SelectionTally:
 
     frac_sum: torch.Tensor | float = 0.0
     rows: torch.Tensor | int = 0
+    # SparQ's key components: the sum over rows and KV groups of the distinct components read over D, and the count
+    comp_sum: torch.Tensor | float = 0.0
+    comp_rows: torch.Tensor | int = 0
+
+    def add_components(self, comp_sum: torch.Tensor, rows: torch.Tensor) -> None:
+        self.comp_sum = self.comp_sum + (comp_sum if not isinstance(self.comp_sum, torch.Tensor)
+                                         else comp_sum.to(self.comp_sum.device))
+        self.comp_rows = self.comp_rows + (rows if not isinstance(self.comp_rows, torch.Tensor)
+                                           else rows.to(self.comp_rows.device))
+
+    @property
+    def component_fraction(self) -> float | None:
+        """The mean number of distinct key components a KV group's query heads read, over D (None: nothing
+        recorded: a method that reads a fixed prefix of components)."""
+        n = int(self.comp_rows)
+        return float(self.comp_sum) / n if n else None
 
     def add(self, frac_sum: torch.Tensor, rows: torch.Tensor) -> None:
         if isinstance(self.frac_sum, torch.Tensor) and self.frac_sum.device != frac_sum.device:
@@ -155,6 +177,22 @@ def record_selection(sel: torch.Tensor, n_visible: torch.Tensor, HKV: int) -> No
     cnt = seen.sum()
     for t in _OPEN:
         t.add(frac, cnt)
+
+
+def record_components(comp: torch.Tensor, n_visible: torch.Tensor, HKV: int, D: int) -> None:
+    """Record the key components SparQ's query heads read: ``comp`` [B, HQ, R, r] int, the components of each head
+    and row, of rows that see ``n_visible`` [B, R] tokens (rows that see none are skipped).  The heads of a KV group
+    read the union of their components of the group's keys.  A no-op outside :func:`tally_selections`."""
+    if not tallying():
+        return
+    B, HQ, R, _ = comp.shape
+    onehot = torch.zeros(B, HQ, R, D, dtype=torch.bool, device=comp.device).scatter_(-1, comp, True)
+    union = onehot.view(B, HKV, HQ // HKV, R, D).any(dim=2).sum(dim=-1, dtype=torch.float64)  # [B, HKV, R]
+    seen = n_visible.to(comp.device)[:, None, :].expand(B, HKV, R) > 0
+    frac = torch.where(seen, union / D, 0.0).sum()
+    cnt = seen.sum()
+    for t in _OPEN:
+        t.add_components(frac, cnt)
 
 
 def record_indices(idx: torch.Tensor, n_valid: torch.Tensor, HKV: int, S: int) -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from .._checks import check_decode_inputs, resolve_d, valid_token_mask
-from .accounting import diagnosing, record_diagnostics, record_indices, record_selection, tallying
+from .accounting import diagnosing, record_components, record_diagnostics, record_indices, record_selection, tallying
 from .common import default_scale, expand_to_query_heads
 from .dense import dense_attention, exact_scores, masked_values
 from .selection import aggregate_group_scores, agreement_budget, approx_scores, budget, select_topk, topk_indices
@@ -181,6 +181,7 @@ def sparq_attention(
     idx = select_topk(s_hat, counts)
     if tallying():
         record_indices(idx, lengths - starts, HKV, S)
+        record_components(i1[:, :, None, :], (lengths - starts)[:, None], HKV, D)  # the key components read
     keep = idx >= 0
     alpha = (torch.gather(s_hat, -1, idx.clamp(min=0)) * keep).sum(-1)  # [B, HQ]
     y = sparse_attention(q, k_cache, v_cache, idx, counts, scale=scale, compute_dtype=compute_dtype)

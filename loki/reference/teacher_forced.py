@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from .._checks import budget_counts, check_budget, resolve_d
-from .accounting import QUEST_PAGE_SIZE, diagnosing, record_diagnostics, record_selection
+from .accounting import QUEST_PAGE_SIZE, diagnosing, record_components, record_diagnostics, record_selection
 from .common import default_scale
 from .masks import masked_softmax, per_query_head, topk_mask
 from .quest import check_page_size, quest_row_selection
@@ -72,6 +72,7 @@ def _block(method, q, k, v, visible, n_visible, counts, *, dd, scale, gqa_select
     if method == "sparq":
         # SparQ (per query head): the r largest |q| components, a tempered softmax of the partial scores
         i1 = torch.topk(q.abs(), dd, dim=-1).indices
+        record_components(i1, n_visible, HKV, D)  # the key components the group's heads read (bytes accounting)
         q_r = torch.zeros_like(q).scatter_(-1, i1, q.gather(-1, i1))
         l1_ratio = q_r.abs().sum(-1) / q.abs().sum(-1).clamp_min(torch.finfo(q.dtype).tiny)
         temp = torch.sqrt(D * l1_ratio).clamp_min(torch.finfo(q.dtype).tiny)  # [B, HQ, R]
