@@ -981,7 +981,7 @@ def test_cpu_recipe_stops_at_its_time_limit_and_leaves_no_process(tmp_path):
     and exits 124; its configuration and results live under --out, never under .asv/results."""
     out = tmp_path / "asv-cpu"
     env = dict(os.environ, HOME=str(tmp_path))  # asv machine --yes writes ~/.asv-machine.json
-    proc = subprocess.run([sys.executable, str(ROOT / "ci" / "asv_cpu.py"), "--out", str(out), "--time-limit", "12",
+    proc = subprocess.run([sys.executable, str(ROOT / "ci" / "asv_cpu.py"), "--out", str(out), "--time-limit", "4",
                            "--bench", "^bench_kernels"], capture_output=True, text=True, env=env, timeout=120,
                           check=False)
     text = proc.stdout + proc.stderr
