@@ -122,7 +122,7 @@ def test_gpu_fused_decode_step(B, HQ, HKV, S, mode):
     slack = 1e-4 * s64[torch.isfinite(s64)].abs().max().item()
     for fuse in (True, False):
         idx, out = kernel_step(x.q, x.k_cache, x.v_cache, x.lengths, x.starts, counts, d=32, k_max=K,
-                               gqa_select=mode, k_prefix=kp, tuning=DecodeTuning(fuse_select=fuse))
+                               gqa_select=mode, aggregate="sum", k_prefix=kp, tuning=DecodeTuning(fuse_select=fuse))
         torch.cuda.synchronize()
         assert check_selection(idx, s64, counts, slack=slack) == idx.shape[0] * idx.shape[1]
         assert not torch.isnan(out).any()

@@ -137,7 +137,7 @@ def kernel_run(q_hat, k_hat, *, d: int, gqa_select: str, aggregate: str, k=1.0, 
 
 
 def kernel_step(q_hat, k_hat, v_cache, lengths, starts, counts, *, d: int, k_max: int, gqa_select: str,
-                aggregate: str = "sum", scale=None, select_method: str = "triton", k_prefix=None, out=None,
+                aggregate: str, scale=None, select_method: str = "triton", k_prefix=None, out=None,
                 tuning=None, uniform: bool = False):
     """``loki.kernels.launch_decode_step`` with the kernel tests' positional inputs: ``(idx, out)``."""
     from loki.kernels.decode import DecodeTuning, launch_decode_step
