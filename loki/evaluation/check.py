@@ -267,6 +267,8 @@ def _print_summary(results: dict, gates: list[dict], report: Path, summary: str,
 
 def run(args: argparse.Namespace) -> int:
     from loki.evaluation.commands import (
+        UsageError,
+        check_fits_context,
         check_model_folder,
         check_output_file,
         check_output_folder,
@@ -319,6 +321,12 @@ def run(args: argparse.Namespace) -> int:
     if err:
         return fail(err)
     opts = _options(args)
+    if args.windows is not None:  # windows past the model's context are refused before it loads
+        try:
+            check_fits_context(args, max(w[0] for w in opts.windows),
+                               "--windows " + ",".join(f"{t}x{n}" for t, n in opts.windows))
+        except UsageError as exc:
+            return fail(str(exc))
     set_threads(args.threads)
     quiet_progress(not args.no_progress)
     t0 = time.perf_counter()

@@ -134,10 +134,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from loki._io import atomic_write
-    from loki.evaluation.commands import check_output_folder, fail, quiet_progress, resolve_windows, set_threads
+    from loki.evaluation.commands import (
+        UsageError,
+        check_fits_context,
+        check_output_folder,
+        fail,
+        quiet_progress,
+        resolve_windows,
+        set_threads,
+    )
     from loki.evaluation.models import load_default_model
 
     seq_len, windows = resolve_windows(args)
+    try:  # windows past the model's context are refused before it loads
+        check_fits_context(args, seq_len, f"--windows {seq_len}x{windows}")
+    except UsageError as exc:
+        return fail(str(exc))
     err = check_output_folder(args.out, "--out")  # before the study: a bad folder must not cost it
     if err:
         return fail(err)
