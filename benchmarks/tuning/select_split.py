@@ -8,16 +8,24 @@ Select shapes (B, H, S, k; rows = B x H): 1 x 8 x 131072 top-2048 (target <= 15 
 checked by the selection invariants), the project's exact torch method (int64 keys), the register select
 (rows up to 32768), the split select with its defaults and a few launch variants (chunk, bits per level,
 levels), and the default split replayed from a recorded ``DecodePlan`` (direct launches, the decode step's
-host path).  Every result is checked against ``loki.reference.selection.select_topk`` (the same set) before it
-is timed.  Times in ms: ``ms`` triton.testing.do_bench median (L2 flushed; includes the host launch cost when
-that dominates), ``graph`` one CUDA-graph replay with the L2 flushed, ``graph_warm`` the same with the scores in
-L2 (as inside the decode step, where they were just written).  Then the decode step (llama3-8b-like GQA 32/8,
-one selection per KV head: B=1 S=131072, 8 rows; B=8 S=32768, 64 rows; k=2048) with the split, the register
-(S <= 32768) and the torch select, recorded plan, do_bench and graph.
+host path).  Where ``flashinfer`` imports, in the same run on the same card: ``flashinfer.top_k`` with its
+defaults (no tie rule: checked by the selection invariants, as plain ``torch.topk``), ``flashinfer.top_k`` with
+``deterministic=True, tie_break=SMALL`` (k <= 2048; the reference's exact set),
+``flashinfer.topk.topk_clusters_exact`` (invariants) and ``select_topk(method="flashinfer")`` (that call behind
+the project's canonical copy of -0.0 and NaN); without it those rows are left out with a note, and a FlashInfer
+call that fails on the card is a row with its error.  Scores are fp32; ``torch.topk`` and the FlashInfer calls
+run on bf16 scores too (the ``scores`` column; the split select takes fp32 only).  Every other result is checked
+against ``loki.reference.selection.select_topk`` (the same set, on the same dtype) before it is timed.  Times in
+ms: ``ms`` triton.testing.do_bench median (L2 flushed; includes the host launch cost when that dominates),
+``graph`` one CUDA-graph replay with the L2 flushed, ``graph_warm`` the same with the scores in L2 (as inside the
+decode step, where they were just written).  Then the decode step (llama3-8b-like GQA 32/8, one selection per KV
+head: B=1 S=131072, 8 rows; B=8 S=32768, 64 rows; k=2048) with the split, the register (S <= 32768) and the torch
+select, recorded plan, do_bench and graph.
 
-Writes JSON to --out and prints a short table last.  About 2-3 minutes on an H100 (most of it compiling the
-variants); ``--budget`` seconds (default 240) stops adding variants once spent.  ``--smoke``: tiny shapes, no
-timing (the CPU interpreter with ``TRITON_INTERPRET=1``, or a GPU), to check the script itself.
+Writes JSON to --out and prints the tables last (one per select shape, then the decode steps).  About 2-3 minutes
+on an H100 (most of it compiling the variants; FlashInfer's first call compiles its kernels too); ``--budget``
+seconds (default 240) stops adding variants once spent.  ``--smoke``: tiny shapes, no timing (the CPU interpreter
+with ``TRITON_INTERPRET=1``, or a GPU), to check the script itself.
 """
 
 from __future__ import annotations
@@ -52,34 +60,102 @@ def _same_set(idx, ref_sorted) -> bool:
     return bool(torch.equal(idx.long().sort(-1).values, ref_sorted))
 
 
-def _times(fn, smoke: bool) -> dict:
+def _times(fn, smoke: bool, errors: list | None = None) -> dict:
+    """do_bench, graph and graph_warm times of ``fn``; with ``errors`` a list, a timing that raises (e.g. a call
+    that cannot be captured in a CUDA graph) is noted there and left out instead."""
     from loki.bench.harness import time_ms, time_ms_graph
 
     if smoke:
         return {}
-    return dict(ms=time_ms(fn), graph=time_ms_graph(fn), graph_warm=time_ms_graph(fn, flush_bytes=16))
+    out = {}
+    for key, timer in (("ms", lambda: time_ms(fn)), ("graph", lambda: time_ms_graph(fn)),
+                       ("graph_warm", lambda: time_ms_graph(fn, flush_bytes=16))):
+        if errors is None:
+            out[key] = timer()
+            continue
+        try:
+            out[key] = timer()
+        except Exception as e:  # noqa: BLE001 - reported in the row
+            errors.append(f"{key}: {type(e).__name__}: {e}"[:300])
+    return out
+
+
+#: Providers run whatever the time budget (the comparison this script exists for).
+ALWAYS = ("torch.topk", "register", "split", "flashinfer.top_k", "flashinfer.top_k tie=small", "flashinfer clusters",
+          "loki method=flashinfer")
+
+
+def _flashinfer():
+    """The flashinfer module, or None after printing why not (once)."""
+    from loki.kernels.select_flashinfer import _load
+
+    fi, why = _load()
+    if fi is None and not getattr(_flashinfer, "noted", False):
+        print(f"note: flashinfer providers skipped ({why})", flush=True)
+        _flashinfer.noted = True
+    return fi
+
+
+def _flashinfer_providers(scores, counts, k):
+    """(name, launch options, fn, check) of the FlashInfer calls on ``scores`` (fp32 or bf16) [B, H, S]; check is
+    "exact" (the reference's set) or "invariants" (no tie rule)."""
+    from loki.kernels import select_topk
+    from loki.kernels.select_flashinfer import FLASHINFER_MAX_K
+
+    fi = _flashinfer()
+    if fi is None:
+        return []
+    B, H, S = scores.shape
+    rows = scores.reshape(B * H, S)
+
+    def shaped(fn):
+        return lambda: fn()[0 if fn is clusters else 1].view(B, H, k)
+
+    def default():
+        return fi.top_k(rows, k)
+
+    def small():
+        return fi.top_k(rows, k, deterministic=True, tie_break=fi.topk.TopKTieBreak.SMALL)
+
+    def clusters():
+        return fi.topk.topk_clusters_exact(rows, k)
+
+    out = [("flashinfer.top_k", {}, shaped(default), "invariants")]
+    if k <= FLASHINFER_MAX_K:
+        out.append(("flashinfer.top_k tie=small", dict(deterministic=True, tie_break="SMALL"), shaped(small), "exact"))
+    if hasattr(fi.topk, "topk_clusters_exact"):
+        out.append(("flashinfer clusters", {}, shaped(clusters), "invariants"))
+    if k <= FLASHINFER_MAX_K and scores.dtype == torch.float32:
+        out.append(("loki method=flashinfer", dict(uniform=True),
+                    lambda: select_topk(scores, counts, k_max=k, method="flashinfer", uniform=True), "exact"))
+    return out
 
 
 def _select_providers(scores, counts, k, cfg):
-    """(name, launch options, fn) of every select timed at one shape."""
+    """(name, launch options, fn, check) of every select timed at one shape on fp32 scores, then the bf16 ones."""
     from loki.kernels import select_topk, select_topk_split
     from loki.kernels.launch import DecodePlan, recording
     from loki.kernels.select import TRITON_SELECT_MAX_S, _select_triton
 
-    providers = [("torch.topk", {}, lambda: torch.topk(scores, k, dim=-1, sorted=False).indices),
-                 ("torch exact", {}, lambda: select_topk(scores, counts, k_max=k, method="torch", uniform=True))]
+    bf16 = scores.to(torch.bfloat16)
+    providers = [("torch.topk", {}, lambda: torch.topk(scores, k, dim=-1, sorted=False).indices, "invariants"),
+                 ("torch exact", {}, lambda: select_topk(scores, counts, k_max=k, method="torch", uniform=True),
+                  "exact")]
     if scores.shape[-1] <= TRITON_SELECT_MAX_S:
-        providers.append(("register", {}, lambda: _select_triton(scores, counts, k, None)))
-    providers.append(("split", cfg, lambda: select_topk_split(scores, counts, k_max=k)))
+        providers.append(("register", {}, lambda: _select_triton(scores, counts, k, None), "exact"))
+    providers.append(("split", cfg, lambda: select_topk_split(scores, counts, k_max=k), "exact"))
     with recording() as rec:
         idx = select_topk_split(scores, counts, k_max=k)
     plan = DecodePlan(rec.launches, (scores, counts), rec.buffers)
     ret = [id(b) for b in rec.buffers].index(id(idx))
-    providers.append(("split plan", cfg, lambda: plan((scores, counts))[ret]))
+    providers.append(("split plan", cfg, lambda: plan((scores, counts))[ret], "exact"))
+    providers += _flashinfer_providers(scores, counts, k)
     for v in SPLIT_VARIANTS:
         providers.append(("split " + ",".join(f"{a}={b}" for a, b in v.items()), {**cfg, **v},
-                          lambda v=v: select_topk_split(scores, counts, k_max=k, **v)))
-    return providers
+                          lambda v=v: select_topk_split(scores, counts, k_max=k, **v), "exact"))
+    fp32 = [(*p, scores) for p in providers]
+    bf = [("torch.topk", {}, lambda: torch.topk(bf16, k, dim=-1, sorted=False).indices, "invariants")]
+    return fp32 + [(*p, bf16) for p in bf + _flashinfer_providers(bf16, counts, k)]
 
 
 def bench_selects(budget_end: float, shapes, dev, smoke=False) -> list[dict]:
@@ -93,20 +169,32 @@ def bench_selects(budget_end: float, shapes, dev, smoke=False) -> list[dict]:
         g = torch.Generator().manual_seed(S + k)
         scores = torch.randn(B, H, S, generator=g).to(dev)
         counts = torch.full((B,), k, dtype=torch.int32, device=dev)
-        ref_sorted = R.select_topk(scores, counts).sort(-1).values
+        refs = {}  # the reference's sorted sets by scores dtype (bf16 scores tie more)
         cfg = split_launch_config(S, B * H, num_sms(dev))
-        for name, conf, fn in _select_providers(scores, counts, k, cfg):
-            r = dict(shape=f"{B}x{H}x{S} k={k}", rows=B * H, S=S, k=k, provider=name, config=conf)
-            if time.time() > budget_end and name not in ("torch.topk", "register", "split"):
+        for name, conf, fn, check, x in _select_providers(scores, counts, k, cfg):
+            dtype = str(x.dtype).replace("torch.", "").replace("bfloat16", "bf16").replace("float32", "fp32")
+            r = dict(shape=f"{B}x{H}x{S} k={k}", rows=B * H, S=S, k=k, provider=name, scores=dtype, config=conf)
+            if time.time() > budget_end and name not in ALWAYS:
                 rows.append(dict(r, skipped="time budget"))
                 continue
-            out = fn()
-            if name == "torch.topk":  # no tie rule: the selection invariants only
-                r["ok"] = check_selection(out, scores, counts) == B * H
-            else:
-                r["ok"] = _same_set(out, ref_sorted)
-            if r["ok"]:
-                r.update(_times(fn, smoke))
+            optional = "flashinfer" in name  # a FlashInfer call that fails on this card is a row, not a crash
+            try:
+                out = fn()
+                if check == "invariants":  # no tie rule: the selection invariants only
+                    r["ok"] = check_selection(out, x, counts) == B * H
+                else:
+                    if dtype not in refs:
+                        refs[dtype] = R.select_topk(x, counts).sort(-1).values
+                    r["ok"] = _same_set(out, refs[dtype])
+                if r["ok"]:
+                    errors = [] if optional else None
+                    r.update(_times(fn, smoke, errors))
+                    if errors:
+                        r["error"] = "; ".join(errors)
+            except Exception as e:  # noqa: BLE001 - reported in the row
+                if not optional:
+                    raise
+                r["error"] = f"{type(e).__name__}: {e}"[:300]
             rows.append(r)
             print(json.dumps(r), flush=True)
     return rows
@@ -191,8 +279,10 @@ def main(argv=None) -> int:
     selects = bench_selects(end, SMOKE_SHAPES if args.smoke else SHAPES, dev, args.smoke)
     steps = [] if args.no_step else bench_steps(end, SMOKE_STEP_SHAPES if args.smoke else STEP_SHAPES, dev,
                                                 args.smoke)
+    fi = _flashinfer()
     result = dict(device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (interpreter)",
                   torch=torch.__version__, triton=triton.__version__,
+                  flashinfer=getattr(fi, "__version__", None) if fi is not None else None,
                   commit=_commit(), seconds=round(time.time() - t0, 1), selects=selects, steps=steps)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
@@ -200,16 +290,28 @@ def main(argv=None) -> int:
     def cell(r, key):
         return f"{r[key] * 1e3:.1f}" if key in r else ("skip" if "skipped" in r else "-")
 
-    print(f"\n{result['device']}, triton {triton.__version__}, commit {result['commit']} (us; graph = CUDA-graph "
-          "replay, L2 flushed / warm; do_bench includes host launch cost)")
-    print("| shape | provider | do_bench | graph | graph warm | ok |")
-    print("|---|---|---|---|---|---|")
-    for r in selects:
-        print(f"| {r['shape']} | {r['provider']} | {cell(r, 'ms')} | {cell(r, 'graph')} | {cell(r, 'graph_warm')} "
-              f"| {r.get('ok', '-')} |")
+    def ok(r):
+        return "error" if "error" in r else r.get("ok", "-")
+
+    fi = _flashinfer()
+    print(f"\n{result['device']}, triton {triton.__version__}, flashinfer {result['flashinfer']}, commit "
+          f"{result['commit']} (us; graph = CUDA-graph replay, L2 flushed / warm; do_bench includes host launch cost)")
+    for shape in dict.fromkeys(r["shape"] for r in selects):
+        print(f"\nselect {shape}\n| provider | scores | do_bench | graph | graph warm | ok |")
+        print("|---|---|---|---|---|---|")
+        for r in (r for r in selects if r["shape"] == shape):
+            print(f"| {r['provider']} | {r['scores']} | {cell(r, 'ms')} | {cell(r, 'graph')} | {cell(r, 'graph_warm')} "
+                  f"| {ok(r)} |")
+    for r in (r for r in selects if "error" in r):
+        print(f"error: {r['shape']} {r['provider']} {r['scores']}: {r['error']}")
+    if fi is None:
+        print("(flashinfer not usable here: its rows are left out)")
+    if steps:
+        print("\ndecode step\n| shape | provider | do_bench | graph | graph warm | same selection as torch |\n"
+              "|---|---|---|---|---|---|")
     for r in steps:
         if "provider" in r:
-            print(f"| step {r['shape']} | {r['provider']} | {cell(r, 'ms')} | {cell(r, 'graph')} | "
+            print(f"| {r['shape']} | {r['provider']} | {cell(r, 'ms')} | {cell(r, 'graph')} | "
                   f"{cell(r, 'graph_warm')} | {r['same_selection_as_torch']} |")
     bad = [r for r in selects if r.get("ok") is False] + [r for r in steps if not r.get("same_selection_as_torch",
                                                                                            True)]

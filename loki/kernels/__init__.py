@@ -3,6 +3,8 @@
 - ``approx_scores``: q_hat[:d] . K_hat[:, :d]^T over the whole cache (Algorithm 1, lines 3-4);
 - ``select_topk``: top-k per row, ``torch.topk`` or an exact Triton threshold select (line 5);
   ``select_topk_split``: the exact select with every row split over many programs (few or long rows);
+  ``select_topk_flashinfer``: FlashInfer's top-k with the same tie rule (optional package, opt-in:
+  ``method="flashinfer"``; ``flashinfer_topk_available()`` tries its import);
 - ``score_select``: the scores and the Triton select of each row in one kernel (lines 3-5 fused);
   ``score_select_softmax``: the same for a shared selection with a softmax aggregate;
 - ``group_softmax_scores``: a GQA group's "softmax-max" / "softmax-sum" score from per-query-head scores;
@@ -39,6 +41,7 @@ from .rotate import rotate_query_op
 from .score_select import score_select
 from .score_select_softmax import score_select_softmax
 from .select import SELECT_METHODS, select_topk, select_topk_reference
+from .select_flashinfer import flashinfer_topk_available, select_topk_flashinfer
 from .select_split import select_topk_split
 from .sparq import sparq_attention, sparq_attention_reference, sparq_prepare
 from .sparse_attention import sparse_attention, sparse_attention_reference
@@ -60,6 +63,8 @@ __all__ = [
     "select_topk",
     "select_topk_reference",
     "select_topk_split",
+    "select_topk_flashinfer",
+    "flashinfer_topk_available",
     "score_select",
     "score_select_softmax",
     "selection_bound",

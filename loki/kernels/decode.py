@@ -37,7 +37,7 @@ from .common import check_triton_device
 from .launch import new_output
 from .score_select import score_select, score_select_fusable
 from .score_select_softmax import SOFTMAX_FUSED_DEFAULTS, score_select_softmax
-from .select import SELECT_METHODS, TRITON_SELECT_MAX_S, resolve_select_method, select_topk
+from .select import STEP_SELECT_METHODS, TRITON_SELECT_MAX_S, resolve_select_method, select_topk
 from .sparse_attention import sparse_attention
 
 __all__ = ["DecodeTuning", "decode_attention", "launch_decode_step", "loki_attention_reference", "selection_bound",
@@ -136,8 +136,8 @@ def decode_attention(
     violation reads outside the cache: undefined results on the CPU interpreter, garbage or a memory fault on a
     GPU.  Shapes, dtypes, devices, d, k and scale are checked either way.
     """
-    if select_method not in SELECT_METHODS:
-        raise ValueError(f"select_method must be one of {SELECT_METHODS}, got {select_method!r}")
+    if select_method not in STEP_SELECT_METHODS:
+        raise ValueError(f"select_method must be one of {STEP_SELECT_METHODS}, got {select_method!r}")
     num_splits = check_count(num_splits, "num_splits")
     uniform = lengths is None and starts is None
     B, HQ, HKV, S, D, lengths, starts = check_decode_inputs(q_hat, k_hat, v_cache, lengths, starts,

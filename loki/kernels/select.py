@@ -20,6 +20,9 @@ Ties: the lowest token position first, as everywhere in Loki (``loki.reference.s
 every key strictly above the threshold is taken, then the first ``k - #above`` keys equal to it in position
 order.  -0.0 and +0.0 map to one key (they are equal scores) and every NaN to the key of +NaN (above +inf,
 where ``torch.topk`` ranks NaN).
+
+``method="flashinfer"`` (opt-in, never chosen by "auto") runs FlashInfer's radix top-k with its lowest-index tie
+rule (``select_flashinfer.py``): the optional ``flashinfer-python`` package, CUDA tensors, K <= 2048.
 """
 
 from __future__ import annotations
@@ -33,12 +36,16 @@ from loki.reference.selection import topk_indices
 
 from .common import NUM_SMS_DEFAULT, check_triton_device, interpreting, num_sms
 from .launch import launch, new_output, pdl
+from .select_flashinfer import require_flashinfer, select_topk_flashinfer
 from .select_split import select_topk_split, use_split_select
 from .tl_helpers import select_row
 
-__all__ = ["SELECT_METHODS", "TRITON_SELECT_MAX_S", "select_topk", "select_topk_reference", "select_launch_config"]
+__all__ = ["SELECT_METHODS", "STEP_SELECT_METHODS", "TRITON_SELECT_MAX_S", "select_topk", "select_topk_reference",
+           "select_launch_config"]
 
-SELECT_METHODS = ("auto", "torch", "triton", "split")
+SELECT_METHODS = ("auto", "torch", "triton", "split", "flashinfer")
+#: The methods the decode step takes (``decode_attention(select_method=...)``): "flashinfer" is ``select_topk``'s only.
+STEP_SELECT_METHODS = ("auto", "torch", "triton", "split")
 #: Longest row the register-resident Triton select handles; longer rows take the split select (``select_split.py``).
 TRITON_SELECT_MAX_S = 32768
 #: Compaction chunk (elements); rows up to this length are compacted straight from the registers.
@@ -144,11 +151,14 @@ def select_topk(
     device, 1 <= counts[b] <= the number of finite scores of each row of batch b; ``k_max`` an int bound
     K >= max(counts) (pass it to avoid a host sync; default ``int(counts.max())``; both methods clamp a larger
     count to K on the device, so the Triton select never writes past a row's K slots).
-    Returns idx: [B, H, K], int64 for ``method="torch"``, int32 for ``"triton"`` and ``"split"``; entries at
-    positions >= counts[b] are -1.  ``method="auto"`` is "triton" on CUDA tensors and "torch" otherwise.
+    Returns idx: [B, H, K], int64 for ``method="torch"``, int32 for ``"triton"``, ``"split"`` and ``"flashinfer"``;
+    entries at positions >= counts[b] are -1.  ``method="auto"`` is "triton" on CUDA tensors and "torch" otherwise.
     ``"split"`` splits every row over many programs (``select_split.select_topk_split``); ``"triton"`` uses it
     where ``select_split.use_split_select`` says (few rows, or rows longer than ``TRITON_SELECT_MAX_S``) and the
     one-program-per-row select otherwise (always, for rows it takes, when one of its options below is given).
+    ``"flashinfer"`` (opt-in) runs ``flashinfer.top_k`` with its lowest-index tie rule
+    (``select_flashinfer.select_topk_flashinfer``: the optional flashinfer-python package, CUDA fp32 scores,
+    K <= 2048; ImportError without the package).
     All methods break ties by the lowest token position (``loki.reference.selection.topk_indices``), so they
     select the same set.
     ``uniform=True`` promises all counts equal K (then ``torch.topk(sorted=False)`` is enough; otherwise
@@ -156,13 +166,16 @@ def select_topk(
     ``radix_bits`` (1 or 2 bits per search step) override the Triton launch configuration; ``chunk`` (a power
     of two) is the compaction chunk for rows longer than it; ``early_exit`` stops the 1-bit search once
     the running threshold has exactly counts[b] keys at or above it.  For ``method="split"`` ``chunk`` is the
-    scores per program and ``num_warps`` its warps; the other options apply to the one-program-per-row select.
+    scores per program and ``num_warps`` its warps; the other options apply to the one-program-per-row select
+    (the torch and flashinfer methods take none of them).
     """
     method = resolve_select_method(method, scores)
+    if method == "flashinfer":
+        require_flashinfer()  # a missing package is named first, whatever the inputs
     if scores.dim() != 3:
         raise ValueError(f"scores must have shape [B, H, S], got {list(scores.shape)}")
     B, H, S = scores.shape
-    triton_method = method in ("triton", "split")
+    triton_method = method in ("triton", "split", "flashinfer")  # int32 indices, counts on the scores' device
     check_counts(counts, B, scores.device if triton_method else None)
     if B == 0:  # an empty batch: nothing to select (the torch reference gives [0, H, 0] as well)
         K = 0 if k_max is None else int(k_max)
@@ -170,6 +183,8 @@ def select_topk(
     K = int(counts.max()) if k_max is None else int(k_max)
     if not 1 <= K <= S:
         raise ValueError(f"k_max={K} must lie in [1, S={S}]")
+    if method == "flashinfer":
+        return select_topk_flashinfer(scores, counts, K, uniform=uniform, out=out)
     if method == "split":
         return select_topk_split(scores, counts, k_max=K, out=out, chunk=chunk, num_warps=num_warps)
     register_options = (num_warps, radix_bits, chunk, early_exit) != (None, None, None, None)
