@@ -108,7 +108,7 @@ printf '%s\n' "${RESOLVED[@]}" > "$CARRY/commits"
 echo "main = $(git rev-parse --short=8 main); commits to record:"
 for h in "${RESOLVED[@]}"; do echo "  $(git log -1 --format='%h %ad %s' --date=short "$h" | cut -c1-110)"; done
 
-if [ ! -f .gpu-stage/part1/gguf.aa ] || [ ! -f .gpu-stage/part2/gguf.ab ]; then
+if [ ! -f .gpu-stage/part1/gguf.aa ] || [ ! -f .gpu-stage/part2/gguf.ab ] || [ ! -f .gpu-stage/part3/gguf.ac ]; then
   echo "== staging the embedded model (tools/gpu_stage.sh prepare)"
   bash tools/gpu_stage.sh prepare
 fi
@@ -125,13 +125,14 @@ files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--excl
                        check=True).stdout.decode().split("\0")
 tree = sum(os.path.getsize(f) for f in files if f and os.path.isfile(f))
 mib = lambda n: f"{n / 2**20:6.1f} MiB"
-c, p1, p2 = size(carry), size(".gpu-stage/part1"), size(".gpu-stage/part2")
+c = size(carry)
+parts = [size(f".gpu-stage/part{i}") for i in (1, 2, 3)]
 for label, n in ((f"tree (tracked and untracked files)", tree), (f"{carry}", c), (f"{carry}/wheels", size(f"{carry}/wheels")),
-                 (f"{carry}/repo.bundle", size(f"{carry}/repo.bundle")), (".gpu-stage/part1", p1),
-                 (".gpu-stage/part2", p2)):
+                 (f"{carry}/repo.bundle", size(f"{carry}/repo.bundle")),
+                 *((f".gpu-stage/part{i + 1}", p) for i, p in enumerate(parts))):
     print(f"  {mib(n)}  {label}")
 ok = True
-for label, n in (("command 1: tree + part1 + carry", tree + p1 + c), ("command 2: tree + part2 + carry", tree + p2 + c),
+for label, n in (*((f"command {i + 1}: tree + part{i + 1} + carry", tree + p + c) for i, p in enumerate(parts)),
                  ("later commands: tree + carry", tree + c)):
     flag = "ok" if n <= limit else "OVER 64 MiB"
     ok &= n <= limit

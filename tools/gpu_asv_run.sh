@@ -342,7 +342,7 @@ for h in "${HASHES[@]}"; do
   for g in "${GROUPS_WANTED[@]}"; do
     if [ "$REDO" = 0 ] && done_group "$g" "$h"; then say "$short $g: has results (--redo runs it again)"; continue; fi
     if [ "$g" = accuracy ] && [ "$MODEL" = 0 ]; then
-      say "$short accuracy: waiting for the embedded model (tools/gpu_stage.sh install part1, part2)"
+      say "$short accuracy: waiting for the embedded model (tools/gpu_stage.sh install part1, part2, part3)"
       skipped+=("$short:accuracy(model)"); continue
     fi
     due+=("$g")
