@@ -41,6 +41,7 @@ __all__ = [
     "Method",
     "ResolvedSettings",
     "SOFTMAX_AGGREGATES",
+    "ScoreFormat",
     "Semantics",
 ]
 
@@ -109,6 +110,17 @@ class Backend(_Choice):
     TRITON = "triton"
 
 
+class ScoreFormat(_Choice):
+    """How the score copy of the keys' leading dims is stored (``loki.reference.score_formats``): ``NATIVE`` the
+    cache's elements; ``FP8``, ``INT8``, ``INT4`` fewer bits per dim with a per-token scale (so more dims fit the
+    same bytes), evaluated on the PyTorch reference."""
+
+    NATIVE = "native"
+    FP8 = "fp8"
+    INT8 = "int8"
+    INT4 = "int4"
+
+
 class Semantics(_Choice):
     """``GENERATE``: dense prefill, sparse decode steps; ``DECODE``: every query row attends like a decode step."""
 
@@ -132,7 +144,9 @@ class LokiSettings:
     float fraction of D (rounded up).
     method, gqa_select, aggregate, backend, semantics: see :class:`Method`, :class:`GQAMode`, :class:`Aggregate`,
     :class:`Backend`, :class:`Semantics` (strings are accepted).  h2o_recent_fraction: H2O's share of the budget
-    given to the most recent tokens.
+    given to the most recent tokens.  score_format: how Loki's approximate scores read the keys' ``d`` leading dims
+    (:class:`ScoreFormat`; "native" by default); another format runs on the PyTorch reference (``backend="auto"``
+    resolves to "torch"; "triton" is refused), for evaluating it.
 
     Values are checked when the object is made (an error names the argument); the "auto" values are decided by
     :meth:`resolve` / :meth:`resolve_shapes`.
@@ -146,6 +160,7 @@ class LokiSettings:
     backend: Backend | str = Backend.AUTO
     semantics: Semantics | str = Semantics.GENERATE
     h2o_recent_fraction: float = 0.5
+    score_format: ScoreFormat | str = ScoreFormat.NATIVE
 
     def __post_init__(self):
         object.__setattr__(self, "method", Method.parse(self.method, "method"))
@@ -153,6 +168,13 @@ class LokiSettings:
         object.__setattr__(self, "aggregate", Aggregate.parse(self.aggregate, "aggregate"))
         object.__setattr__(self, "backend", Backend.parse(self.backend, "backend"))
         object.__setattr__(self, "semantics", Semantics.parse(self.semantics, "semantics"))
+        object.__setattr__(self, "score_format", ScoreFormat.parse(self.score_format, "score_format"))
+        if self.score_format is not ScoreFormat.NATIVE and self.method is not Method.LOKI:
+            raise ValueError(f"score_format={self.score_format.value!r} applies to method='loki' only "
+                             f"(got method={self.method.value!r})")
+        if self.score_format is not ScoreFormat.NATIVE and self.backend is Backend.TRITON:
+            raise ValueError(f"score_format={self.score_format.value!r} runs on the PyTorch reference only (the "
+                             "Triton kernels read the native cache): use backend='torch' or 'auto'")
         object.__setattr__(self, "k", check_budget(self.k, name="k"))
         object.__setattr__(self, "d", check_dims(self.d, name="d"))
         f = self.h2o_recent_fraction
@@ -194,6 +216,8 @@ class LokiSettings:
                 raise ValueError(f"{exc} (the model is on {device})") from None
         elif backend is Backend.AUTO and dev_type == "cpu":
             backend = Backend.TORCH  # the kernels run on CUDA only unless asked for by name (the interpreter)
+        if self.score_format is not ScoreFormat.NATIVE:
+            backend = Backend.TORCH  # the kernels read the native cache; other formats are the reference's
         if (self.method is Method.LOKI and mode is GQAMode.KV and agg not in KERNEL_AGGREGATES
                 and (backend is Backend.TRITON or backend is Backend.AUTO and dev_type == "cuda")):
             where = where or f"the Triton kernels that backend={self.backend.value!r} runs"
@@ -202,7 +226,8 @@ class LokiSettings:
         return ResolvedSettings(
             method=self.method, k=self.k, d=resolve_d(self.d, int(head_dim)), gqa_select=mode, aggregate=agg,
             backend=backend, semantics=self.semantics, h2o_recent_fraction=self.h2o_recent_fraction,
-            num_q_heads=int(num_q_heads), num_kv_heads=int(num_kv_heads), head_dim=int(head_dim), requested=self)
+            score_format=self.score_format, num_q_heads=int(num_q_heads), num_kv_heads=int(num_kv_heads),
+            head_dim=int(head_dim), requested=self)
 
 
 @dataclass(frozen=True)
@@ -219,6 +244,7 @@ class ResolvedSettings:
     backend: Backend
     semantics: Semantics
     h2o_recent_fraction: float
+    score_format: ScoreFormat
     num_q_heads: int
     num_kv_heads: int
     head_dim: int
@@ -241,6 +267,10 @@ class ResolvedSettings:
         if self.backend is Backend.TRITON:
             return True
         return self.backend is Backend.AUTO and cuda and not needs_grad
+
+    def reference_args(self) -> dict:
+        """The arguments of Loki's PyTorch reference beyond the kernels' (:meth:`kernel_args`), as plain strings."""
+        return {"score_format": self.score_format.value} if self.method is Method.LOKI else {}
 
     def kernel_args(self) -> dict:
         """The mode arguments of the kernels' launcher, as plain strings (the one mapping of these enums)."""

@@ -43,6 +43,9 @@ def test_byte_ranges_follow_the_byte_model():
     assert ranges["quest"] == pytest.approx((1 / 16, 1 + 1 / 16))
     assert ranges["exact_topk[query]"] == pytest.approx((0.5, 1.0))
     assert ranges["h2o"] == pytest.approx((0.0, 1.0))
+    # an 8-bit score copy of 2d dims reads d 16-bit dims plus one 16-bit scale per token; 4-bit of 4d the same
+    assert ranges["loki[int8]"] == ranges["loki[fp8]"] == ranges["loki[int4]"]
+    assert ranges["loki[int8]"] == pytest.approx((17 / 128, 1 + 17 / 128))
 
 
 def test_resolve_methods():
@@ -79,7 +82,7 @@ def test_every_method_is_measured_at_the_target_bytes(results):
     assert rows["loki"]["k"] == 0.25 and rows["loki"]["bytes_fraction"] == pytest.approx(target, abs=0.02)
     assert target == pytest.approx(0.125 + 0.25, abs=0.05)
     for name in ("loki[query]", "loki-pca[query]", "loki-pca[kv]", "sparq", "double_sparsity",
-                 "double_sparsity[kv]", "quest", "quest[kv]"):
+                 "double_sparsity[kv]", "quest", "quest[kv]", "loki[fp8]", "loki[int8]", "loki[int4]"):
         r = rows[name]
         assert r["probe"]["matched"], name
         assert abs(r["probe"]["bytes"] - target) <= 0.005, name
@@ -90,6 +93,8 @@ def test_every_method_is_measured_at_the_target_bytes(results):
         assert "not byte-matched" in rows[name]["note"]
     assert rows["h2o"]["bytes_fraction"] == pytest.approx(target, abs=0.03)
     assert rows["pcaattn"]["bytes_fraction"] == pytest.approx(0.625)
+    assert rows["loki[int8]"]["d"] == 0.5 and rows["loki[int4]"]["d"] == 1.0 and rows["loki[int8]"]["k"] < 0.25
+    assert rows["loki[int4]"]["score_format"] == "int4" and rows["loki"]["score_format"] == "native"
     per_head_selection = rows["loki[query]"]["k"]
     assert per_head_selection < 0.25  # the group's union costs bytes: a smaller budget per query head
 
@@ -105,6 +110,15 @@ def test_rows_carry_intervals_and_diagnostics(results):
             dg = r["diagnostics"]
             assert dg["layers"] == [0, 1] and len(dg["recall"][0]) == 4 and len(dg["mass_kv"][0]) == 2
             assert 0 <= r["recall"] <= 1 and 0 < r["mass"] <= 1
+    # every method against the default on the same tokens: the paired interval of the ratio of perplexities
+    import math
+
+    for name, r in rows.items():
+        if name in ("full", "loki"):
+            assert "vs_default" not in r
+            continue
+        assert r["vs_default_lo"] <= r["vs_default"] <= r["vs_default_hi"], name
+        assert r["vs_default"] == pytest.approx(math.expm1(r["nll"] - rows["loki"]["nll"]), abs=1e-9), name
     assert rows["exact_topk[query]"]["recall"] == pytest.approx(1.0)
     assert rows["exact_topk[query]"]["mass"] == pytest.approx(rows["exact_topk[query]"]["oracle_mass"])
     assert rows["exact_topk[kv]"]["recall"] < 1.0

@@ -6,7 +6,8 @@ at equal *bytes*.  This module fixes a target (by default the bytes of the defau
 ``k_f``/``d_f``, 0.375 of dense attention at 0.25/0.25), chooses each method's budget so that it reads the target,
 and measures, on the same windows with decode-time semantics (every query row a decode step):
 
-- the perplexity increase over full attention, with its paired 95% interval (:mod:`loki.evaluation.intervals`);
+- the perplexity increase over full attention, with its paired 95% interval (:mod:`loki.evaluation.intervals`),
+  and over the default configuration's perplexity on the same tokens (``vs_default``: below 0, more accurate);
 - the bytes per step it actually read, relative to dense (measured from its selections,
   :mod:`loki.reference.accounting`);
 - its recall of the exact top-k set and the attention mass its selection captures, per layer and head
@@ -71,6 +72,14 @@ class CompareMethod:
     uses_d: bool = False
     oracle: bool = False
     default: bool = False
+    score_format: str = "native"  # Loki's score copy (loki.reference.score_formats)
+    d_scale: float = 1.0  # its dims as a multiple of --d (an 8-bit copy holds twice the dims in the same bytes)
+
+    def dims(self, d):
+        """The ``d`` this method runs at, for the comparison's ``--d`` (1.0 where it reads no ``d``)."""
+        if not self.uses_d:
+            return 1.0
+        return d if self.d_scale == 1.0 else min(1.0, float(d) * self.d_scale)
 
 
 #: Every method ``loki compare`` knows, by name (``--methods``).
@@ -94,6 +103,12 @@ COMPARE_METHODS: dict[str, CompareMethod] = {m.name: m for m in (
                   "channels", "kv", "softmax-max", uses_d=True),
     CompareMethod("h2o", "H2O (heavy hitters + recent), per query head", "h2o"),
     CompareMethod("pcaattn", "PCAAttn (paper's PCA), every token", "pcaattn", "post", uses_d=True),
+    CompareMethod("loki[fp8]", "Loki, default with an fp8 score copy of 2d dims", "loki", "score", "kv",
+                  "softmax-max", uses_d=True, score_format="fp8", d_scale=2.0),
+    CompareMethod("loki[int8]", "Loki, default with an int8 score copy of 2d dims", "loki", "score", "kv",
+                  "softmax-max", uses_d=True, score_format="int8", d_scale=2.0),
+    CompareMethod("loki[int4]", "Loki, default with an int4 score copy of 4d dims", "loki", "score", "kv",
+                  "softmax-max", uses_d=True, score_format="int4", d_scale=4.0),
 )}
 #: The methods run unless ``--methods`` says otherwise (full attention is always measured, as the reference).
 DEFAULT_METHODS = ("loki", "loki[query]", "loki-pca[query]", "exact_topk[query]", "exact_topk[kv]", "sparq", "quest",
@@ -124,8 +139,9 @@ def byte_range(m: CompareMethod, d, D: int) -> tuple[float, float]:
     :func:`loki.reference.accounting.step_bytes_fraction`)."""
     from loki.reference.accounting import step_bytes_fraction
 
-    dd = d if m.uses_d else None
-    return step_bytes_fraction(m.method, 0.0, dd, D), step_bytes_fraction(m.method, 1.0, dd, D)
+    dd = m.dims(d) if m.uses_d else None
+    return (step_bytes_fraction(m.method, 0.0, dd, D, score_format=m.score_format),
+            step_bytes_fraction(m.method, 1.0, dd, D, score_format=m.score_format))
 
 
 def match_budget(bytes_at: Callable[[float], float], target: float, *, low: float, high: float,
@@ -203,9 +219,11 @@ class BytesProbe:
                         q = (q.float().view(B, HKV, HQ // HKV, R, D) @ Pq[None, :, None]).view(B, HQ, R, D)
                         kk = kk.float() @ P[None]
                     teacher_forced_rows(q, kk, kk, self.starts, self.lengths, method=m.method, k_budget=k,
-                                        d=d if m.uses_d else 1.0, gqa_select=m.gqa_select, aggregate=m.aggregate)
-            self.cache[key] = step_bytes_fraction(m.method, tally.selected_fraction, d if m.uses_d else None, self.D,
-                                                  components=tally.component_fraction)
+                                        d=m.dims(d), gqa_select=m.gqa_select, aggregate=m.aggregate,
+                                        score_format=m.score_format)
+            self.cache[key] = step_bytes_fraction(m.method, tally.selected_fraction, m.dims(d) if m.uses_d else None,
+                                                  self.D, components=tally.component_fraction,
+                                                  score_format=m.score_format)
         return self.cache[key]
 
 
@@ -242,8 +260,8 @@ def _spec(m: CompareMethod, k, d):
 
     if m.method == "full":
         return MethodSpec(m.name, "full")
-    return MethodSpec(m.name, m.method, k=k, d=d if m.uses_d else 1.0, basis=m.basis, gqa_select=m.gqa_select,
-                      aggregate=m.aggregate)
+    return MethodSpec(m.name, m.method, k=k, d=m.dims(d), basis=m.basis, gqa_select=m.gqa_select,
+                      aggregate=m.aggregate, score_format=m.score_format)
 
 
 def _default_method(methods: list[CompareMethod]) -> CompareMethod:
@@ -293,6 +311,7 @@ def run_compare(model, tokenizer, opts: CompareOptions | None = None) -> dict:
         log(f"target: {target:.4f} of dense bytes per decode step ({default.name} at k_f={opts.k:g}, d={opts.d:g})")
         run = {"seq_len": T, "windows": N, "target_bytes": target, "rows": []}
         full = None
+        token_nll = {}  # per method: its per-token NLLs, for the paired comparison with the default below
         for m in methods:
             if m.method == "h2o" and T > opts.h2o_max_len:
                 log(f"{m.name}: skipped at {T} tokens (decodes token by token; --h2o-max-len {opts.h2o_max_len})")
@@ -322,11 +341,17 @@ def run_compare(model, tokenizer, opts: CompareOptions | None = None) -> dict:
             if full is None and m.method == "full":
                 full = r
             row = _row(m, r, k, opts.d, note, match, full, paired_increase)
+            token_nll[m.name] = r.token_nll
             row["seconds"] = time.perf_counter() - t0
             run["rows"].append(row)
             nbytes = row.get("bytes_fraction")
             log(f"{m.name}: k_f={'-' if k is None else f'{k:.4f}'} bytes={'-' if nbytes is None else f'{nbytes:.3f}'}"
                 f" ppl={r.ppl:.4f} ({row['seconds']:.1f} s)")
+        if default.name in token_nll:  # every method against the default on the same tokens: a paired interval
+            for row in run["rows"]:
+                if row["name"] in token_nll and row["name"] not in (default.name, "full"):
+                    inc = paired_increase(token_nll[row["name"]], token_nll[default.name])
+                    row.update(vs_default=inc["increase"], vs_default_lo=inc["lo"], vs_default_hi=inc["hi"])
         results["runs"].append(run)
     results["settings"]["seconds"] = time.perf_counter() - t_start
     return results
@@ -374,7 +399,8 @@ def _corrected_budget(m: CompareMethod, probe: BytesProbe | None, tried: list[tu
 def _row(m: CompareMethod, r, k, d, note: str, match: dict | None, full, paired_increase) -> dict:
     row = {"name": m.name, "label": m.label, "method": m.method, "basis": m.basis, "gqa_select": m.gqa_select,
            "aggregate": m.aggregate, "default": m.default, "oracle": m.oracle, "k": k,
-           "d": d if m.uses_d else None, "note": note, "ppl": r.ppl, "nll": r.nll, "tokens": r.tokens,
+           "d": m.dims(d) if m.uses_d else None, "score_format": m.score_format, "note": note, "ppl": r.ppl,
+           "nll": r.nll, "tokens": r.tokens,
            "bytes_fraction": r.bytes_fraction, "score_fraction": r.score_fraction,
            "selected_fraction": r.selected_fraction, "probe": match}
     if full is not None:

@@ -33,6 +33,7 @@ import torch
 
 from loki._checks import check_budget, resolve_k
 from loki._hf import cache_keyword, config_head_dim, config_kv_heads
+from loki.reference.score_formats import check_score_format
 from loki.reference.selection import DEFAULT_KV_AGGREGATE, GQA_AGGREGATES, GQA_SELECT_MODES, KERNEL_AGGREGATES
 
 __all__ = [
@@ -82,6 +83,7 @@ class MethodSpec:
     basis: str | None = None
     gqa_select: str = "query"
     aggregate: str = "sum"
+    score_format: str = "native"
 
     def __post_init__(self):
         if self.method not in METHOD_NAMES:
@@ -91,6 +93,9 @@ class MethodSpec:
             raise ValueError(f"gqa_select must be one of {GQA_SELECT_MODES}, got {self.gqa_select!r} ({self.name})")
         if self.aggregate not in GQA_AGGREGATES:
             raise ValueError(f"aggregate must be one of {GQA_AGGREGATES}, got {self.aggregate!r} ({self.name})")
+        check_score_format(self.score_format)
+        if self.score_format != "native" and self.method != "loki":
+            raise ValueError(f"score_format={self.score_format!r} applies to method 'loki' only ({self.name})")
         if self.method in ("loki", "pcaattn") and self.basis is None:
             raise ValueError(f"method {self.method!r} ({self.name}) needs a basis name")
 
@@ -121,6 +126,7 @@ class PerplexityResult:
     # per layer and head: recall of the exact top-k set and attention mass of the selection (perplexity(...,
     # diagnostics=True), loki.evaluation.diagnostics.summarize_diagnostics); None when not measured
     diagnostics: dict | None = None
+    score_format: str = "native"  # Loki's score copy of the keys (loki.reference.score_formats)
 
     def to_dict(self) -> dict:
         return {k: v for k, v in asdict(replace(self, token_nll=None)).items()
@@ -135,7 +141,7 @@ def budget_label(k: int | float) -> str:
 
 
 def bytes_fractions(method: str, d: int | float, D: int, selected: float | None,
-                    components: float | None = None) -> dict:
+                    components: float | None = None, *, score_format: str = "native") -> dict:
     """The bytes one decode step of ``method`` reads relative to dense attention (keys and values of every visible
     token once): ``{"score_fraction", "selected_fraction", "bytes_fraction"}``, from the one byte model of
     :mod:`loki.reference.accounting` (:func:`~loki.reference.accounting.score_fraction`,
@@ -150,16 +156,18 @@ def bytes_fractions(method: str, d: int | float, D: int, selected: float | None,
     keys and every value, ``d/(2D) + 1/2``.  SparQ's query heads pick their own ``r`` components of the keys they
     share: its scoring reads the distinct components of each KV group, ``components / 2`` (measured,
     :attr:`loki.reference.accounting.SelectionTally.component_fraction`).  ``bytes_fraction`` is None when a sparse
-    method's ``selected`` was not measured."""
+    method's ``selected`` was not measured.  A Loki score copy in fewer bits (``score_format``,
+    :mod:`loki.reference.score_formats`) reads ``d`` dims at its bits plus a 16-bit scale per token."""
     from loki.reference.accounting import score_fraction, step_bytes_fraction
 
     if method not in METHOD_NAMES:
         raise ValueError(f"method must be one of {METHOD_NAMES}, got {method!r}")
     if method in ("full", "dense"):
         return {"score_fraction": 0.0, "selected_fraction": 1.0, "bytes_fraction": 1.0}
-    sf = score_fraction(method, d, D, components=components)
+    sf = score_fraction(method, d, D, components=components, score_format=score_format)
     return {"score_fraction": sf, "selected_fraction": None if method == "pcaattn" else selected,
-            "bytes_fraction": step_bytes_fraction(method, selected, d, D, components=components)}
+            "bytes_fraction": step_bytes_fraction(method, selected, d, D, components=components,
+                                                  score_format=score_format)}
 
 
 def effective_density(k: int | float, T: int, protocol: str = "decode") -> float:
@@ -209,6 +217,7 @@ def method_logits(model, input_ids: torch.Tensor, spec: MethodSpec, bases: dict 
     ``decode_loop=True`` forces the token-by-token loop for any method (the default uses it for H2O only).
     """
     from loki.integrations.transformers import disable_loki, enable_loki
+    from loki.settings import LokiSettings
 
     input_ids = input_ids.to(model.device)
     T = input_ids.shape[1]
@@ -224,8 +233,9 @@ def method_logits(model, input_ids: torch.Tensor, spec: MethodSpec, bases: dict 
     loop = spec.method == "h2o" if decode_loop is None else decode_loop
     # the aggregates the Triton kernels lack run on the PyTorch reference (enable_loki refuses them on the kernels)
     backend = "auto" if spec.aggregate in KERNEL_AGGREGATES else "torch"
-    enable_loki(model, basis, k=k, d=spec.d, method=spec.method, gqa_select=spec.gqa_select,
-                aggregate=spec.aggregate, backend=backend, semantics="generate" if loop else "decode")
+    enable_loki(model, basis, settings=LokiSettings(
+        k=k, d=spec.d, method=spec.method, gqa_select=spec.gqa_select, aggregate=spec.aggregate, backend=backend,
+        semantics="generate" if loop else "decode", score_format=spec.score_format))
     try:
         if loop:
             return _logits_decode_loop(model, input_ids, progress=progress)
@@ -276,8 +286,9 @@ def perplexity(model, windows: torch.Tensor, spec: MethodSpec, bases: dict | Non
         name=spec.name, method=spec.method, protocol=protocol, k=spec.k, d=spec.d, basis=spec.basis,
         gqa_select=spec.gqa_select, ppl=math.exp(mean), nll=mean, tokens=int(nll.numel()), density=density,
         seconds=time.perf_counter() - t0, window_nll=[float(x) for x in nll.double().mean(1)],
-        token_nll=nll.double(), aggregate=spec.aggregate,
-        **bytes_fractions(spec.method, spec.d, config_head_dim(model.config), selected, components),
+        token_nll=nll.double(), aggregate=spec.aggregate, score_format=spec.score_format,
+        **bytes_fractions(spec.method, spec.d, config_head_dim(model.config), selected, components,
+                          score_format=spec.score_format),
         diagnostics=summarize_diagnostics(merge_sums(p[3] for p in parts), config_kv_heads(model.config))
         if diagnostics else None,
     )

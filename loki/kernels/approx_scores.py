@@ -38,16 +38,22 @@ __all__ = ["approx_scores", "approx_scores_reference", "make_key_prefix"]
 
 @triton.jit
 def _approx_scores_kernel(
-    q_ptr, k_ptr, out_ptr, agg_ptr, lengths_ptr, starts_ptr,
+    q_ptr, k_ptr, out_ptr, agg_ptr, lengths_ptr, starts_ptr, scale_ptr,
     S, d, HKV,
     stride_qb, stride_qh,
     stride_kb, stride_kh, stride_ks,
     stride_ob, stride_oh,
     stride_ab, stride_ah,
+    stride_cb, stride_ch,
     G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-    WRITE_HEADS: tl.constexpr, WRITE_AGG: tl.constexpr, AGG_MAX: tl.constexpr, PDL: tl.constexpr,
+    WRITE_HEADS: tl.constexpr, WRITE_AGG: tl.constexpr, AGG_MAX: tl.constexpr, SCALED: tl.constexpr,
+    DOT: tl.constexpr, G_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
-    """s[g, t] = sum_{j<d} q_hat[h*G+g, j] K_hat[h, t, j] for one (b, h) and one block of tokens t."""
+    """s[g, t] = sum_{j<d} q_hat[h*G+g, j] K_hat[h, t, j] for one (b, h) and one block of tokens t.  ``SCALED``: the
+    keys are an int8 score copy, each token's row times its scale (``scale_ptr`` [B, HKV, S] bf16).  ``DOT``: the
+    group's per-head scores of an int8 copy as tensor-core products: the codes are exact in fp16 and each query,
+    over its largest magnitude, is split into two fp16 halves (``q = m (hi + lo)``, about 22 of fp32's 24 mantissa
+    bits), accumulated in fp32."""
     pid_bh = tl.program_id(0).to(tl.int64)
     pid_s = tl.program_id(1).to(tl.int64)
     b = pid_bh // HKV
@@ -63,14 +69,45 @@ def _approx_scores_kernel(
     valid = (offs_s >= start) & (offs_s < length)
     dmask = offs_d < d
     k_ptrs = k_ptr + b * stride_kb + h * stride_kh + offs_s[:, None] * stride_ks + offs_d[None, :]
-    if WRITE_AGG and not WRITE_HEADS and not AGG_MAX:
+    if SCALED:  # one scale per token: s = scale * (q . codes)
+        row_scale = tl.load(scale_ptr + b * stride_cb + h * stride_ch + offs_s, mask=valid, other=0.0).to(tl.float32)
+    else:
+        row_scale = tl.full((BLOCK_S,), 1.0, tl.float32)
+    if DOT:
+        codes = tl.load(k_ptrs, mask=valid[:, None] & dmask[None, :], other=0).to(tl.float16)  # [BLOCK_S, BLOCK_D]
+        offs_g = tl.arange(0, G_PAD)
+        gmask = offs_g < G
+        qg = tl.load(q_ptr + b * stride_qb + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :],
+                     mask=gmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)  # [G_PAD, BLOCK_D]
+        qmax = tl.max(tl.abs(qg), axis=1)
+        qmax = tl.where(qmax > 0, qmax, 1.0)  # each head's query over its largest magnitude: in fp16's range
+        qn = qg / qmax[:, None]
+        q_hi = qn.to(tl.float16)
+        q_lo = (qn - q_hi.to(tl.float32)).to(tl.float16)
+        sg = tl.dot(codes, tl.trans(q_hi), out_dtype=tl.float32)
+        sg = tl.dot(codes, tl.trans(q_lo), acc=sg, out_dtype=tl.float32)  # [BLOCK_S, G_PAD]
+        sg = tl.where(valid[:, None], sg * qmax[None, :] * row_scale[:, None], float("-inf"))
+        if WRITE_HEADS:
+            tl.store(out_ptr + b * stride_ob + (h * G + offs_g)[None, :] * stride_oh + offs_s[:, None], sg,
+                     mask=in_range[:, None] & gmask[None, :])
+        if WRITE_AGG:
+            if AGG_MAX:
+                agg = tl.max(tl.where(gmask[None, :], sg, float("-inf")), axis=1)
+            else:
+                agg = tl.sum(tl.where(gmask[None, :], sg, 0.0), axis=1)
+            agg = tl.where(valid, agg, float("-inf"))
+            tl.store(agg_ptr + b * stride_ab + h * stride_ah + offs_s, agg, mask=in_range)
+    elif WRITE_AGG and not WRITE_HEADS and not AGG_MAX:
         # the sum over the group's heads is one dot product with the summed query (fp32)
         kt = tl.load(k_ptrs, mask=valid[:, None] & dmask[None, :], other=0.0).to(tl.float32)
         qs = tl.zeros((BLOCK_D,), tl.float32)
         for g in tl.static_range(G):
             qs += tl.load(q_ptr + b * stride_qb + (h * G + g) * stride_qh + offs_d, mask=dmask, other=0.0).to(
                 tl.float32)
-        agg = tl.where(valid, tl.sum(kt * qs[None, :], axis=1), float("-inf"))
+        agg = tl.sum(kt * qs[None, :], axis=1)
+        if SCALED:
+            agg = agg * row_scale
+        agg = tl.where(valid, agg, float("-inf"))
         tl.store(agg_ptr + b * stride_ab + h * stride_ah + offs_s, agg, mask=in_range)
     else:
         kt = tl.load(k_ptrs, mask=valid[:, None] & dmask[None, :], other=0.0).to(tl.float32)
@@ -82,6 +119,8 @@ def _approx_scores_kernel(
             hq = h * G + g
             q = tl.load(q_ptr + b * stride_qb + hq * stride_qh + offs_d, mask=dmask, other=0.0).to(tl.float32)
             s = tl.sum(kt * q[None, :], axis=1)
+            if SCALED:
+                s = s * row_scale
             s = tl.where(valid, s, float("-inf"))
             if WRITE_HEADS:
                 tl.store(out_ptr + b * stride_ob + hq * stride_oh + offs_s, s, mask=in_range)
@@ -96,10 +135,11 @@ def _approx_scores_kernel(
 
 
 def launch_softmax_group_scores(q_hat, k_src, dd, lengths, starts, heads_out, agg_out, HKV, aggregate, scale,
-                                 block_s=None):
+                                 block_s=None, prefix_scale=None):
     """A softmax ``aggregate`` of a "kv" selection, unfused: the per-query-head scores into ``heads_out`` [B, HQ, S],
     then the group's probability scores into ``agg_out`` [B, HKV, S] (``group_softmax.py``; two launches)."""
-    launch_approx_scores(q_hat, k_src, dd, lengths, starts, heads_out, None, "sum", block_s)
+    launch_approx_scores(q_hat, k_src, dd, lengths, starts, heads_out, None, "sum", block_s,
+                         prefix_scale=prefix_scale)
     launch_group_softmax(heads_out, lengths, starts, agg_out, HKV, aggregate, scale)
 
 
@@ -110,18 +150,26 @@ def make_key_prefix(k_hat: torch.Tensor, d: int) -> torch.Tensor:
     return k_hat[..., :d].contiguous()
 
 
-def check_key_prefix(k_prefix: torch.Tensor, k_hat: torch.Tensor, dd: int) -> torch.Tensor:
+def check_key_prefix(k_prefix: torch.Tensor, k_hat: torch.Tensor, dd: int,
+                     prefix_scale: torch.Tensor | None = None) -> torch.Tensor:
     B, HKV, S, _ = k_hat.shape
+    want = torch.int8 if prefix_scale is not None else k_hat.dtype
     if (k_prefix.dim() != 4 or tuple(k_prefix.shape[:3]) != (B, HKV, S) or not dd <= k_prefix.shape[3]
-            or k_prefix.dtype != k_hat.dtype or k_prefix.device != k_hat.device):
-        raise ValueError(f"k_prefix must be a {k_hat.dtype} tensor [B, HKV, S, dp]=[{B}, {HKV}, {S}, >={dd}] on "
+            or k_prefix.dtype != want or k_prefix.device != k_hat.device):
+        raise ValueError(f"k_prefix must be a {want} tensor [B, HKV, S, dp]=[{B}, {HKV}, {S}, >={dd}] on "
                          f"{k_hat.device}, got {k_prefix.dtype} {list(k_prefix.shape)} on {k_prefix.device}")
+    if prefix_scale is not None and (tuple(prefix_scale.shape) != (B, HKV, S) or prefix_scale.dtype != torch.bfloat16
+                                     or prefix_scale.device != k_hat.device or prefix_scale.stride(-1) != 1):
+        raise ValueError(f"prefix_scale must be a contiguous bfloat16 tensor [B, HKV, S]=[{B}, {HKV}, {S}] on "
+                         f"{k_hat.device}, got {prefix_scale.dtype} {list(prefix_scale.shape)}")
     return k_prefix if k_prefix.stride(-1) == 1 else k_prefix.contiguous()
 
 
 def launch_approx_scores(q_hat, k_hat, dd, lengths, starts, heads_out, agg_out, aggregate, block_s=None,
-                          num_warps=None):
-    """Launch the scores kernel; ``k_hat`` is the full [B, HKV, S, D] keys or a prefix buffer [.., dp]."""
+                          num_warps=None, prefix_scale=None, dot=None):
+    """Launch the scores kernel; ``k_hat`` is the full [B, HKV, S, D] keys or a prefix buffer [.., dp] (int8 codes
+    with ``prefix_scale`` [B, HKV, S] bf16 for an int8 score copy, whose per-head scores run on the tensor cores
+    unless ``dot=False``)."""
     if aggregate not in ("sum", "max"):  # the kernel sums unless told "max": never another aggregate silently
         raise ValueError(f"the approximate-scores kernel aggregates by 'sum' or 'max', got {aggregate!r}")
     B, HQ, _ = q_hat.shape
@@ -129,24 +177,35 @@ def launch_approx_scores(q_hat, k_hat, dd, lengths, starts, heads_out, agg_out, 
     G = HQ // HKV
     BLOCK_D = triton.next_power_of_2(dd)
     contiguous_rows = k_hat.stride(2) == dd  # a prefix buffer of exactly d dims: one contiguous stream
+    scaled = prefix_scale is not None
     if block_s is None:
-        block_s = interpreter_tile(S, 2048) if interpreting() else key_block(BLOCK_D, contiguous_rows)
+        if interpreting():
+            block_s = interpreter_tile(S, 2048)
+        else:  # an int8 copy: 128 keys, 2 warps, the fastest measured on an H100 (results/score-formats-h100-...)
+            block_s = 128 if scaled else key_block(BLOCK_D, contiguous_rows, k_hat.element_size())
     if num_warps is None:
-        num_warps = 4
+        num_warps = 2 if scaled else 4
     dummy = heads_out if heads_out is not None else agg_out
     ho = heads_out if heads_out is not None else dummy
     ao = agg_out if agg_out is not None else dummy
     grid = (B * HKV, triton.cdiv(S, block_s))
     use_pdl = pdl(q_hat.device)
+    sc = prefix_scale if prefix_scale is not None else lengths  # a placeholder pointer when not SCALED
+    # an int8 copy's per-head scores on the tensor cores (tl.dot takes tiles of at least 16 in every dimension)
+    G_PAD = max(16, triton.next_power_of_2(G))
+    use_dot = (prefix_scale is not None and heads_out is not None and BLOCK_D >= 16 and block_s >= 16
+               and dot is not False)
     launch(_approx_scores_kernel, grid, [
-        q_hat, k_hat, ho, ao, lengths, starts,
+        q_hat, k_hat, ho, ao, lengths, starts, sc,
         S, dd, HKV,
         q_hat.stride(0), q_hat.stride(1),
         k_hat.stride(0), k_hat.stride(1), k_hat.stride(2),
         ho.stride(0), ho.stride(1),
         ao.stride(0), ao.stride(1),
+        sc.stride(0) if prefix_scale is not None else 0, sc.stride(1) if prefix_scale is not None else 0,
         G, block_s, BLOCK_D,
-        heads_out is not None, agg_out is not None, aggregate == "max", use_pdl,
+        heads_out is not None, agg_out is not None, aggregate == "max", prefix_scale is not None, use_dot, G_PAD,
+        use_pdl,
     ], dict(num_warps=num_warps, pdl=use_pdl))
 
 
@@ -164,6 +223,7 @@ def approx_scores(
     block_s: int | None = None,
     k_prefix: torch.Tensor | None = None,
     scale: float | None = None,
+    prefix_scale: torch.Tensor | None = None,
 ):
     """Approximate scores ``q_hat[:d] . K_hat[:, :d]^T`` (unscaled, fp32), -inf outside valid tokens.
 
@@ -177,7 +237,9 @@ def approx_scores(
     ``(per_query_head [B, HQ, S], per_kv_head [B, HKV, S])`` from the same pass over the keys.
     ``out`` (optional) receives the [B, H, S] result.  ``k_prefix`` (optional): [B, HKV, S, dp], dp >= d,
     holding ``k_hat[..., :dp]`` contiguously (``make_key_prefix``); the keys are then read from it.
-    Matches ``approx_scores_reference``.
+    Matches ``approx_scores_reference``.  With ``prefix_scale`` [B, HKV, S] bf16, ``k_prefix`` is the "int8" score
+    copy (int8 codes, :func:`loki.reference.score_formats.encode_int8_score_keys`) and the result matches the
+    reference's ``score_format="int8"`` (up to the order of the rounding: the kernel scales each token's dot product).
     """
     if gqa_select not in GQA_SELECT_MODES:
         raise ValueError(f"gqa_select must be one of {GQA_SELECT_MODES}, got {gqa_select!r}")
@@ -204,13 +266,16 @@ def approx_scores(
     for t, H in ((heads_out, HQ), (agg_out, HKV)):
         if t is not None and (t.shape != (B, H, S) or t.dtype != torch.float32 or t.stride(-1) != 1):
             raise ValueError(f"out must be a contiguous fp32 tensor of shape [B, H, S]=[{B}, {H}, {S}]")
-    k_src = k_hat if k_prefix is None else check_key_prefix(k_prefix, k_hat, dd)
+    if prefix_scale is not None and k_prefix is None:
+        raise ValueError("prefix_scale is the scale of an int8 score copy: pass the copy's codes as k_prefix")
+    k_src = k_hat if k_prefix is None else check_key_prefix(k_prefix, k_hat, dd, prefix_scale)
     if softmax and agg_out is not None:  # per-query-head scores, then the group's softmax aggregate
         launch_softmax_group_scores(q_hat, k_src, dd, lengths, starts, heads_out, agg_out, HKV, aggregate, scale,
-                                     block_s)
+                                     block_s, prefix_scale=prefix_scale)
         agg_out.clamp_(min=0).log_()  # the kernel's probabilities (-inf: invalid) -> the reference's log values
     else:
-        launch_approx_scores(q_hat, k_src, dd, lengths, starts, heads_out, agg_out, aggregate, block_s)
+        launch_approx_scores(q_hat, k_src, dd, lengths, starts, heads_out, agg_out, aggregate, block_s,
+                             prefix_scale=prefix_scale)
     if return_both:
         return heads_out, agg_out
     return heads_out if gqa_select == "query" else agg_out

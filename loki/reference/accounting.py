@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .masks import masked_softmax, per_query_head, topk_mask
+from .score_formats import check_score_format, score_elements
 from .selection import selection_mask
 
 __all__ = ["BYTE_METHODS", "DIAGNOSTIC_FIELDS", "QUEST_PAGE_SIZE", "DiagnosticsTally", "SelectionTally",
@@ -51,7 +52,8 @@ BYTE_METHODS = ("full", "dense", "exact_topk", "loki", "pcaattn", "sparq", "h2o"
 
 
 def score_fraction(method: str, d: int | float | None = None, D: int | None = None, *,
-                   page_size: int = QUEST_PAGE_SIZE, components: float | None = None) -> float:
+                   page_size: int = QUEST_PAGE_SIZE, components: float | None = None,
+                   score_format: str = "native") -> float:
     """The bytes one decode step reads to score the visible tokens, relative to dense attention (the keys and values
     of every visible token once, ``2 n D`` values per KV head):
 
@@ -65,7 +67,9 @@ def score_fraction(method: str, d: int | float | None = None, D: int | None = No
     - ``"h2o"``: nothing (its scores are the attention it computed); ``"full"``, ``"dense"``: nothing beyond the
       attention itself.
 
-    ``d``: a count or a fraction of ``D`` (:func:`loki._checks.resolve_d`), needed for loki, pcaattn and sparq."""
+    ``d``: a count or a fraction of ``D`` (:func:`loki._checks.resolve_d`), needed for loki, pcaattn and sparq.
+    ``score_format``: Loki's score copy (:mod:`.score_formats`): ``d`` dims at its bits plus a 16-bit scale per token
+    for a quantized one, :func:`~loki.reference.score_formats.score_elements` ``/ (2D)``."""
     from .._checks import resolve_d
 
     if method not in BYTE_METHODS:
@@ -75,7 +79,13 @@ def score_fraction(method: str, d: int | float | None = None, D: int | None = No
     if method in ("loki", "pcaattn", "sparq"):
         if d is None or D is None:
             raise ValueError(f"method {method!r} needs d and D for its score bytes")
-        return resolve_d(d, D, name="r" if method == "sparq" else "d") / (2 * D)
+        dd = resolve_d(d, D, name="r" if method == "sparq" else "d")
+        if method == "loki":
+            return score_elements(score_format, dd) / (2 * D)
+        check_score_format(score_format)
+        if score_format != "native":
+            raise ValueError(f"score_format={score_format!r} applies to method 'loki' only, got {method!r}")
+        return dd / (2 * D)
     if method == "quest":
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
             raise ValueError(f"page_size must be an integer >= 1, got {page_size!r}")
@@ -86,13 +96,14 @@ def score_fraction(method: str, d: int | float | None = None, D: int | None = No
 
 
 def step_bytes_fraction(method: str, selected: float | None, d: int | float | None = None, D: int | None = None, *,
-                        page_size: int = QUEST_PAGE_SIZE, components: float | None = None) -> float | None:
+                        page_size: int = QUEST_PAGE_SIZE, components: float | None = None,
+                        score_format: str = "native") -> float | None:
     """The bytes one decode step reads relative to dense attention: :func:`score_fraction` plus the keys and values of
     the ``u`` distinct tokens read per KV head, ``selected = u / n`` of the ``n`` visible ones (measured from the
     selections, :class:`SelectionTally`); exact top-k has read the keys to score and adds the values only,
     ``1/2 + u/(2n)``; PCAAttn reads every value, ``d/(2D) + 1/2``; dense attention 1.  None when a sparse method's
     ``selected`` is None (not measured).  ``components``: SparQ's measured key components (:func:`score_fraction`)."""
-    sf = score_fraction(method, d, D, page_size=page_size, components=components)
+    sf = score_fraction(method, d, D, page_size=page_size, components=components, score_format=score_format)
     if method in ("full", "dense"):
         return 1.0
     if method == "pcaattn":

@@ -51,6 +51,7 @@ def loki_attention(
     compute_dtype: torch.dtype = torch.float32,
     return_indices: bool = False,
     counts: torch.Tensor | None = None,
+    score_format: str = "native",
 ):
     """Loki (Algorithm 1) on keys already stored in the PCA basis.
 
@@ -62,13 +63,15 @@ def loki_attention(
     ``gqa_select="query"`` (as the paper's code) selects per query head; ``"kv"`` shares one selection per KV
     head, from the group's scores combined by ``aggregate`` (one of ``GQA_AGGREGATES``:
     :func:`~loki.reference.selection.aggregate_group_scores`; not read for "query").  Both are required: the
-    library's defaults are decided by :class:`loki.LokiSettings`.
+    library's defaults are decided by :class:`loki.LokiSettings`.  ``score_format``: how the approximate scores
+    read the leading dims (:mod:`loki.reference.score_formats`); the attention reads the keys as given.
     """
     B, HQ, HKV, S, D, lengths, starts = check_decode_inputs(q_hat, k_hat, v_cache, lengths, starts)
     if (k is None) == (counts is None):
         raise ValueError("give the budget as exactly one of k (a count or a fraction) and counts ([B] int)")
     head_scores, s = approx_scores(q_hat, k_hat, d, lengths, starts, gqa_select=gqa_select, aggregate=aggregate,
-                                   scale=scale, compute_dtype=compute_dtype, return_both=True)
+                                   scale=scale, compute_dtype=compute_dtype, return_both=True,
+                                   score_format=score_format)
     if counts is None:
         counts = budget(k, lengths, starts, B, S, q_hat.device)
     if gqa_select == "kv" and aggregate == "agreement":

@@ -21,6 +21,7 @@ from .._checks import (
     resolve_scale,
     valid_token_mask,
 )
+from .score_formats import quantize_score_keys
 
 __all__ = ["DEFAULT_KV_AGGREGATE", "GQA_SELECT_MODES", "GQA_AGGREGATES", "KERNEL_AGGREGATES", "approx_scores",
            "aggregate_group_scores", "agreement_budget", "agreement_counts", "budget", "check_kernel_aggregate",
@@ -169,6 +170,7 @@ def approx_scores(
     scale: float | None = None,
     compute_dtype: torch.dtype = torch.float32,
     return_both: bool = False,
+    score_format: str = "native",
 ):
     """Approximate scores from the first d rotated dims: ``q_hat[:d] . K_hat[:, :d]^T`` (unscaled).
 
@@ -176,13 +178,15 @@ def approx_scores(
     tokens; H = HQ for ``gqa_select="query"``, HKV for ``"kv"`` (group scores combined by ``aggregate``,
     :func:`aggregate_group_scores`; the softmax aggregates use ``scale``, default ``1/sqrt(D)``).
     ``return_both`` returns ``(per_query_head [B, HQ, S], result)`` from the same pass (as the kernels'
-    ``approx_scores``).
+    ``approx_scores``).  ``score_format``: the keys' dims as the score copy holds them
+    (:func:`loki.reference.score_formats.quantize_score_keys`; "native", the cache's own, by default).
     """
     _check_mode(gqa_select, aggregate)
     B, HQ, HKV, S, D, lengths, starts = check_decode_inputs(q_hat, k_hat, k_hat, lengths, starts)
     dd = resolve_d(d, D)
     qg = q_hat[..., :dd].to(compute_dtype).view(B, HKV, HQ // HKV, dd)
-    s = torch.einsum("bhgd,bhsd->bhgs", qg, k_hat[..., :dd].to(compute_dtype)).reshape(B, HQ, S)
+    k_lead = quantize_score_keys(k_hat[..., :dd], score_format)
+    s = torch.einsum("bhgd,bhsd->bhgs", qg, k_lead.to(compute_dtype)).reshape(B, HQ, S)
     valid = valid_token_mask(lengths, starts, S)
     heads = s = s.masked_fill(~valid[:, None, :], float("-inf"))
     if gqa_select == "kv":

@@ -29,6 +29,7 @@ from .accounting import QUEST_PAGE_SIZE, diagnosing, record_components, record_d
 from .common import default_scale
 from .masks import masked_softmax, per_query_head, topk_mask
 from .quest import check_page_size, quest_row_selection
+from .score_formats import check_score_format, quantize_score_keys
 from .selection import GQA_AGGREGATES, aggregate_group_scores, agreement_counts, group_union_sizes
 
 __all__ = ["ROW_METHODS", "attend", "grouped_scores", "masked_softmax", "per_query_head", "teacher_forced_rows",
@@ -57,10 +58,10 @@ def attend(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 
 def _block(method, q, k, v, visible, n_visible, counts, *, dd, scale, gqa_select, aggregate, starts=None,
-           lengths=None, page_size=QUEST_PAGE_SIZE):
+           lengths=None, page_size=QUEST_PAGE_SIZE, k_score=None):
     """One block of rows. q: [B, HQ, R, D]; k, v: [B, HKV, S, D] (fp32); visible: [B, 1, R, S] bool;
-    n_visible, counts (tokens to select), starts, lengths (what each row sees; Quest's pages): [B, R]
-    -> [B, HQ, R, D] fp32."""
+    n_visible, counts (tokens to select), starts, lengths (what each row sees; Quest's pages): [B, R]; k_score:
+    Loki's score copy of the keys' dd leading dims [B, HKV, S, dd] (None: the keys' own) -> [B, HQ, R, D] fp32."""
     B, HQ, R, D = q.shape
     HKV = k.shape[1]
     if method == "dense":
@@ -95,8 +96,9 @@ def _block(method, q, k, v, visible, n_visible, counts, *, dd, scale, gqa_select
             record_diagnostics(sel, exact, visible, budget, n_visible, scale)
         return attend(masked_softmax(exact * scale, per_query_head(sel, HQ)), v)
     if method == "loki":  # approximate scores from the first d dims; the rest completes the exact scores
-        approx = grouped_scores(q[..., :dd], k[..., :dd])
-        exact = approx + grouped_scores(q[..., dd:], k[..., dd:]) if dd < D else approx
+        lead = grouped_scores(q[..., :dd], k[..., :dd])
+        approx = lead if k_score is None else grouped_scores(q[..., :dd], k_score)
+        exact = lead + grouped_scores(q[..., dd:], k[..., dd:]) if dd < D else lead
     elif method == "exact_topk":
         exact = approx = grouped_scores(q, k)
     else:
@@ -130,6 +132,7 @@ def teacher_forced_rows(
     aggregate: str,
     block_elements: int | None = None,
     page_size: int = QUEST_PAGE_SIZE,
+    score_format: str = "native",
 ) -> torch.Tensor:
     """Attention of every query row as a decode step of ``method`` over the tokens the row sees.
 
@@ -139,7 +142,8 @@ def teacher_forced_rows(
     ``starts[b, i] <= s < lengths[b, i]``.  ``k_budget``/``d`` are counts or fractions as in the decode
     references (``d`` is SparQ's ``r``; unused by Quest, whose pages hold ``page_size`` tokens), the budget
     resolved from each row's own visible count; ``gqa_select`` and ``aggregate`` (one of ``GQA_AGGREGATES``) as in
-    the decode references.  Computed in
+    the decode references; ``score_format``: Loki's score copy of the keys
+    (:func:`~loki.reference.score_formats.quantize_score_keys`).  Computed in
     fp32 in blocks of rows of at most ``block_elements`` score entries (default 2^24 on the CPU, 2^27 on a
     GPU).  Returns [B, HQ, L, D] in q's dtype; a row that sees no token gives zeros.
     """
@@ -168,6 +172,10 @@ def teacher_forced_rows(
     if not q.is_cuda:
         rows = min(rows, max(16, -(-L // 8)))
     kf, vf = k.float(), v.float()
+    check_score_format(score_format)
+    # the score copy is quantized per token, so once for the window
+    k_score = quantize_score_keys(kf[..., :dd], score_format) if method == "loki" and score_format != "native" \
+        else None
     for r0 in range(0, L, rows):
         r1 = min(L, r0 + rows)
         s_end = max(1, max(ends[r0:r1]))
@@ -175,6 +183,7 @@ def teacher_forced_rows(
         visible = (p >= starts[:, r0:r1, None]) & (p < lengths[:, r0:r1, None])  # [B, R, s_end]
         o = _block(method, q[:, :, r0:r1].float(), kf[:, :, :s_end], vf[:, :, :s_end], visible[:, None],
                    n_visible[:, r0:r1], counts[:, r0:r1], dd=dd, scale=scale, gqa_select=gqa_select,
-                   aggregate=aggregate, starts=starts[:, r0:r1], lengths=lengths[:, r0:r1], page_size=page_size)
+                   aggregate=aggregate, starts=starts[:, r0:r1], lengths=lengths[:, r0:r1], page_size=page_size,
+                   k_score=None if k_score is None else k_score[:, :, :s_end])
         out[:, :, r0:r1] = o.to(q.dtype)
     return out

@@ -14,7 +14,8 @@ from . import add_model_arguments, check_input_file, check_output_folder, fail, 
 
 #: loki.evaluation.compare.COMPARE_METHODS / DEFAULT_METHODS, written out so that --help imports no torch
 _METHODS = ("loki", "loki[query]", "loki-pca[query]", "loki-pca[kv]", "exact_topk[query]", "exact_topk[kv]", "sparq",
-            "quest", "quest[kv]", "double_sparsity", "double_sparsity[kv]", "h2o", "pcaattn")
+            "quest", "quest[kv]", "double_sparsity", "double_sparsity[kv]", "h2o", "pcaattn", "loki[fp8]",
+            "loki[int8]", "loki[int4]")
 _DEFAULT_METHODS = ("loki", "loki[query]", "loki-pca[query]", "exact_topk[query]", "exact_topk[kv]", "sparq",
                     "quest", "double_sparsity", "h2o")
 #: suite.PROFILES["long"].windows
@@ -66,7 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "8192x2 4096x4 1024x8, meant for a GPU)")
     parser.add_argument("--methods", type=_method_list, default=_DEFAULT_METHODS, metavar="A,B,...",
                         help="comma-separated methods (full attention is always measured); default: "
-                        f"{','.join(_DEFAULT_METHODS)}; also: loki-pca[kv], quest[kv], double_sparsity[kv], pcaattn")
+                        f"{','.join(_DEFAULT_METHODS)}; also: loki-pca[kv], quest[kv], double_sparsity[kv], pcaattn, "
+                        "and the default with its score copy in fewer bits, more dims for the same bytes: loki[fp8], "
+                        "loki[int8] (2d dims), loki[int4] (4d dims)")
     parser.add_argument("--k", type=_fraction, default=0.25,
                         help="the default configuration's budget fraction k_f, which sets the target bytes; also the "
                         "oracles' budget (default: %(default)s)")

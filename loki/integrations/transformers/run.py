@@ -23,7 +23,7 @@ from loki.kernels.plan import DecodeRun
 from loki.kernels.rotate import rotate_query_op
 from loki.reference import rotate_keys, rotate_query
 from loki.reference.dispatch import decode_rows
-from loki.settings import Backend, Method
+from loki.settings import Backend, Method, ScoreFormat
 
 from .state import LokiError, LokiState
 from .step import LayerRanges, Runner, StepPlan
@@ -85,15 +85,17 @@ def _reference(state, plan, g: LayerRanges, query, key, value, store, transforms
     if s.method is Method.SPARQ and keys_rotated:
         raise LokiError("SparQ works in the keys' own coordinates; its cache must not store keys in a basis")
     kw = dict(k=s.k, d=s.d, lengths=g.dec_lengths, starts=g.dec_starts, gqa_select=s.gqa_select.value,
-              aggregate=s.aggregate.value, scale=scale, counts=g.counts if s.method is Method.LOKI else None)
+              aggregate=s.aggregate.value, scale=scale, counts=g.counts if s.method is Method.LOKI else None,
+              **s.reference_args())
     if s.method is Method.H2O:
         return _h2o_step(s, q, key, value, store, kw)
     if torch.compiler.is_compiling():
-        if s.method is Method.LOKI and not query.is_cuda:
+        native = s.score_format is ScoreFormat.NATIVE
+        if s.method is Method.LOKI and not query.is_cuda and native:
             # a compiled CPU step: the reference as one opaque op (the op's CPU registration)
             return decode_step_op(q, key, value, None, g.dec_lengths, g.dec_starts, g.counts, s.d, g.width,
                                   s.gqa_select.value, s.aggregate.value, float(scale))
-        if query.is_cuda:
+        if query.is_cuda or not native:
             return reference_outside_graph(state, True, decode_rows, s.method.value, q, key, value, **kw)
     return decode_rows(s.method.value, q, key, value, **kw)
 
@@ -134,7 +136,9 @@ def reference_outside_graph(state: LokiState, compiling: bool, fn, *args, **kwar
     (``state``) that the compiled step is not the kernels'.  Same result as eager decoding."""
     if compiling:
         s = state.settings
-        if s.backend is Backend.TORCH:
+        if s.score_format is not ScoreFormat.NATIVE:
+            why = f"score_format={s.score_format.value!r}, which the kernels do not read"
+        elif s.backend is Backend.TORCH:
             why = "backend='torch'"
         elif s.method is not Method.LOKI:
             why = f"method={s.method.value!r}, which has no kernels"

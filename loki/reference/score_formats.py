@@ -1,0 +1,86 @@
+"""Formats of the key copy the approximate scores read: the cache's own elements, or fewer bits per dim.
+
+Loki's score phase reads the ``d`` leading rotated dims of every visible key.  Stored in fewer bits, the same bytes
+hold more dims: an 8-bit copy holds ``2 d`` dims in the bytes of ``d`` 16-bit ones, a 4-bit copy ``4 d``.  Whether
+the extra dims are worth the rounding is what :func:`quantize_score_keys` lets the evaluation measure (``loki
+compare --methods loki,loki[int8],...``); the exact attention over the selected tokens always reads the full-precision
+keys.  The formats (:data:`SCORE_FORMATS`):
+
+- ``"native"``: the cache's elements (16-bit in deployment), no rounding;
+- ``"fp8"``: float8 e4m3 of each token's dims divided by a per-token scale (the dims' largest magnitude over 448);
+- ``"int8"``: symmetric integers in [-127, 127] with a per-token scale (largest magnitude over 127);
+- ``"int4"``: symmetric integers in [-7, 7] with a per-token scale (largest magnitude over 7).
+
+The quantized formats keep one 16-bit scale per token and KV head beside the ``d`` dims; :func:`score_elements`
+counts it in the bytes the score phase reads (:func:`loki.reference.accounting.score_fraction`).  These formats are
+evaluated on the PyTorch reference; the Triton kernels read the native cache (``LokiSettings(score_format=...)``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loki.settings import ScoreFormat
+
+__all__ = ["SCORE_FORMATS", "SCORE_FORMAT_BITS", "check_score_format", "encode_int8_score_keys", "quantize_score_keys",
+           "score_elements"]
+
+#: Bits per dim of every format ("native": the cache's 16-bit elements).
+SCORE_FORMAT_BITS = {ScoreFormat.NATIVE.value: 16, ScoreFormat.FP8.value: 8, ScoreFormat.INT8.value: 8,
+                     ScoreFormat.INT4.value: 4}
+SCORE_FORMATS = tuple(f.value for f in ScoreFormat)
+#: Bits of the per-token scale a quantized format keeps per KV head.
+SCALE_BITS = 16
+_LEVELS = {"fp8": 448.0, "int8": 127.0, "int4": 7.0}
+
+
+def check_score_format(score_format: str) -> str:
+    """``score_format`` if it is one of :data:`SCORE_FORMATS` (ValueError naming it otherwise)."""
+    if score_format not in SCORE_FORMAT_BITS:
+        raise ValueError(f"score_format must be one of {SCORE_FORMATS}, got {score_format!r}")
+    return str(ScoreFormat(score_format).value)
+
+
+def score_elements(score_format: str, d: int) -> float:
+    """The 16-bit elements one key's score copy occupies: ``d`` dims at the format's bits, plus the per-token scale
+    of a quantized format (``d`` for "native"; ``d/2 + 1`` for the 8-bit formats; ``d/4 + 1`` for "int4")."""
+    bits = SCORE_FORMAT_BITS[check_score_format(score_format)]
+    if bits == 16:
+        return float(d)
+    return d * bits / 16 + SCALE_BITS / 16
+
+
+def _scale(x: torch.Tensor, levels: float) -> torch.Tensor:
+    """Per-token scale of fp32 ``x`` [..., d]: its largest magnitude over ``levels``, rounded to bf16 as stored."""
+    return (x.abs().amax(dim=-1, keepdim=True) / levels).to(torch.bfloat16).float()
+
+
+def encode_int8_score_keys(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The "int8" score copy as a cache stores it: ``(codes int8 [..., d], scale bf16 [...])`` with
+    ``quantize_score_keys(k, "int8") == codes * scale`` (what the Triton scores read, ``approx_scores(k_prefix=codes,
+    prefix_scale=scale)``)."""
+    x = k.float()
+    scale = _scale(x, _LEVELS["int8"])
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.round(x / safe).clamp(-127, 127).to(torch.int8)
+    return codes, scale[..., 0].to(torch.bfloat16)
+
+
+def quantize_score_keys(k: torch.Tensor, score_format: str) -> torch.Tensor:
+    """The keys' leading dims as the score copy holds them: ``k`` [..., d] rounded to ``score_format`` with one scale
+    per token (the last axis' largest magnitude), then scaled back, in fp32 (exact: the code times the bf16 scale).
+    "native" returns ``k`` itself."""
+    check_score_format(score_format)
+    if score_format == "native":
+        return k
+    levels = _LEVELS[score_format]
+    x = k.float()
+    # the scale is stored in 16 bits (bf16 keeps fp32's exponent range: no overflow, no flush of small keys)
+    scale = _scale(x, levels)
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    y = x / safe
+    if score_format == "fp8":
+        y = y.clamp(-levels, levels).to(torch.float8_e4m3fn).float()
+    else:
+        y = torch.round(y).clamp(-levels, levels)
+    return y * scale  # exact in fp32 (a code of at most 8 bits times a bf16 scale)
