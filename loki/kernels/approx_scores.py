@@ -182,7 +182,7 @@ def launch_approx_scores(q_hat, k_hat, dd, lengths, starts, heads_out, agg_out, 
         if interpreting():
             block_s = interpreter_tile(S, 2048)
         else:  # an int8 copy: 128 keys, 2 warps, the fastest measured on an H100 (results/score-formats-h100-...)
-            block_s = 128 if scaled else key_block(BLOCK_D, contiguous_rows, k_hat.element_size())
+            block_s = 128 if scaled else key_block(BLOCK_D, contiguous_rows)
     if num_warps is None:
         num_warps = 2 if scaled else 4
     dummy = heads_out if heads_out is not None else agg_out

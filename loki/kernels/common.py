@@ -32,12 +32,12 @@ def num_sms(device) -> int:
     return _SMS[key]
 
 
-def key_block(block_d: int, contiguous_rows: bool, elem_bytes: int = 2) -> int:
-    """Keys per program step of the score kernels (``approx_scores``, ``score_select``) on a GPU: 16 KB of keys
-    from a prefix buffer of exactly d dims (one contiguous stream; ``elem_bytes`` per dim: 2 for bf16, 1 for an
-    int8 score copy), else 128 rows (64 when the padded d exceeds 64) read in place."""
+def key_block(block_d: int, contiguous_rows: bool) -> int:
+    """Keys per program step of the score kernels (``approx_scores``, ``score_select``) on a GPU: 16 KB of bf16
+    keys from a prefix buffer of exactly d dims (one contiguous stream), else 128 rows (64 when the padded d
+    exceeds 64) read in place."""
     if contiguous_rows:
-        return max(16, 16384 // (block_d * elem_bytes))
+        return max(16, 8192 // block_d)
     return 128 if block_d <= 64 else 64
 
 
