@@ -20,6 +20,7 @@ import torch
 
 from loki.basis import PCABasis
 from loki.cli import COMMANDS, main
+from loki.testing.cli import one_error_line as _one_error_line
 from loki.testing.models import tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,16 +28,6 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _boom(*args, **kwargs):
     raise AssertionError("the work started although an argument was bad")
-
-
-def _one_error_line(capsys, *words):
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    lines = [line for line in err.strip().splitlines() if line.startswith("error: ")]
-    assert len(lines) == 1, err
-    for w in words:
-        assert w in lines[0], (w, lines[0])
-    return lines[0]
 
 
 def _argparse_error(capsys, argv, *words):

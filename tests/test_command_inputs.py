@@ -17,6 +17,7 @@ from loki.basis import PCABasis
 from loki.cli import main
 from loki.embedded import DATA_INSTALL
 from loki.evaluation import gates
+from loki.testing.cli import one_error_line as _error_line
 from loki.testing.models import ByteTokenizer, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,16 +43,6 @@ def no_model(monkeypatch):
     monkeypatch.setattr(models, "load_default_model", _boom)
     monkeypatch.setattr(models, "load_model", _boom)
     monkeypatch.setattr(bases, "get_bases", _boom)
-
-
-def _error_line(capsys, *words) -> str:
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    lines = [line for line in err.strip().splitlines() if line.startswith("error: ")]
-    assert len(lines) == 1, err
-    for w in words:
-        assert w in lines[0], (w, lines[0])
-    return lines[0]
 
 
 @pytest.fixture

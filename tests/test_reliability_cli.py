@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from loki.cli import main
+from loki.testing.cli import one_error_line
 
 
 @pytest.fixture
@@ -26,13 +27,7 @@ def no_model(monkeypatch):
 
 
 def _one_error_line(capsys, *words):
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    for w in words:
-        assert w in lines[0], (w, lines[0])
-    return lines[0]
+    return one_error_line(capsys, *words, whole=True)
 
 
 def test_empty_prompt(capsys, no_model):

@@ -20,16 +20,11 @@ def _pct(x) -> str:
     return "-" if x is None else f"{100 * x:+.1f}%"
 
 
-def _increase_cell(r: dict) -> str:
-    if "increase" not in r:
+def _interval_cell(r: dict, key: str = "increase") -> str:
+    """``r[key]`` as a percentage with its 95% interval (``key_lo``, ``key_hi``); "-" when not measured."""
+    if key not in r:
         return "-"
-    return f"{_pct(r['increase'])} [{100 * r['increase_lo']:+.1f}, {100 * r['increase_hi']:+.1f}]"
-
-
-def _vs_default_cell(r: dict) -> str:
-    if "vs_default" not in r:
-        return "-"
-    return f"{_pct(r['vs_default'])} [{100 * r['vs_default_lo']:+.1f}, {100 * r['vs_default_hi']:+.1f}]"
+    return f"{_pct(r[key])} [{100 * r[key + '_lo']:+.1f}, {100 * r[key + '_hi']:+.1f}]"
 
 
 def compare_markdown(results: dict) -> str:
@@ -69,9 +64,9 @@ def compare_markdown(results: dict) -> str:
             k = "-" if r["method"] == "full" else _fmt(r["k"], 4)
             d = "-" if r["d"] is None else f"{r['d']:g}"
             mass = "-" if r.get("mass") is None else f"{r['mass']:.3f} ({r['oracle_mass']:.3f})"
-            inc = "0 (reference)" if r["method"] == "full" else _increase_cell(r)
+            inc = "0 (reference)" if r["method"] == "full" else _interval_cell(r)
             lines.append(f"| {name} | {k} | {d} | {_fmt(r['bytes_fraction'])} | {r['ppl']:.3f} | {inc} | "
-                         f"{_vs_default_cell(r)} | {_fmt(r.get('recall'))} | {mass} | {r['note']} |")
+                         f"{_interval_cell(r, 'vs_default')} | {_fmt(r.get('recall'))} | {mass} | {r['note']} |")
         lines += ["", *_layer_table(run), "", *_worst_heads(run), ""]
     lines.append(f"Ran in {st.get('seconds', 0):.0f} s ({st['threads']} torch threads, torch {st['torch']}).")
     return "\n".join(lines) + "\n"

@@ -93,9 +93,7 @@ class MethodSpec:
             raise ValueError(f"gqa_select must be one of {GQA_SELECT_MODES}, got {self.gqa_select!r} ({self.name})")
         if self.aggregate not in GQA_AGGREGATES:
             raise ValueError(f"aggregate must be one of {GQA_AGGREGATES}, got {self.aggregate!r} ({self.name})")
-        check_score_format(self.score_format)
-        if self.score_format != "native" and self.method != "loki":
-            raise ValueError(f"score_format={self.score_format!r} applies to method 'loki' only ({self.name})")
+        check_score_format(self.score_format, self.method)
         if self.method in ("loki", "pcaattn") and self.basis is None:
             raise ValueError(f"method {self.method!r} ({self.name}) needs a basis name")
 

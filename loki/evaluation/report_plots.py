@@ -73,6 +73,22 @@ def _off_axis_note(ax, notes: list[str]) -> None:
                 bbox=dict(boxstyle="round", facecolor="white", edgecolor="grey", alpha=0.9))
 
 
+def _finish(fig, axes, notes, out_dir, filename: str) -> str:
+    """The legend and the off-axis notes drawn, the figure written to ``out_dir/filename`` (atomically) and closed;
+    returns ``filename``."""
+    import matplotlib.pyplot as plt
+
+    _legend(fig, axes[0])
+    for ax, off in notes:
+        _off_axis_note(ax, off)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with atomic_path(out_dir / filename) as tmp:
+        fig.savefig(tmp, dpi=110, format="png")
+    plt.close(fig)
+    return filename
+
+
 def write_bytes_plot(rows: list[dict], out_dir, filename: str = "ppl_vs_bytes.png") -> dict[str, str]:
     """``ppl_vs_bytes.png``: the perplexity increase over full attention in percent (linear axis, with its 95%
     interval) against the bytes a decode step reads relative to dense attention (``bytes_fraction``, 0 to 1), one
@@ -123,15 +139,7 @@ def write_bytes_plot(rows: list[dict], out_dir, filename: str = "ppl_vs_bytes.pn
         ks = sorted({budget_cell(r["k"]) for r in here})
         ax.set_title(f"{T}-token windows, k = {', '.join(ks)} (lower left is better)")
         ax.grid(True, alpha=0.3)
-    _legend(fig, axes[0])
-    for ax, off in notes:
-        _off_axis_note(ax, off)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with atomic_path(out_dir / filename) as tmp:
-        fig.savefig(tmp, dpi=110, format="png")
-    plt.close(fig)
-    return {"ppl_vs_bytes": filename}
+    return {"ppl_vs_bytes": _finish(fig, axes, notes, out_dir, filename)}
 
 
 def write_length_plot(results: dict, out_dir) -> dict[str, str]:
@@ -181,12 +189,4 @@ def write_length_plot(results: dict, out_dir) -> dict[str, str]:
         ax.set_ylabel("perplexity increase over full attention (%)")
         ax.set_title(budget_label(k))
         ax.grid(True, alpha=0.3)
-    _legend(fig, axes[0])
-    for ax, off in notes:
-        _off_axis_note(ax, off)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with atomic_path(out_dir / "ppl_vs_length.png") as tmp:
-        fig.savefig(tmp, dpi=110, format="png")
-    plt.close(fig)
-    return {"ppl_vs_length": "ppl_vs_length.png"}
+    return {"ppl_vs_length": _finish(fig, axes, notes, out_dir, "ppl_vs_length.png")}

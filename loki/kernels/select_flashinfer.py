@@ -37,7 +37,7 @@ import torch
 from loki._triton import tl, triton
 
 from .common import interpreter_tile, interpreting
-from .launch import new_output
+from .launch import launch, new_output
 
 __all__ = ["FLASHINFER_MAX_K", "flashinfer_topk_available", "require_flashinfer", "select_topk_flashinfer"]
 
@@ -100,8 +100,8 @@ def _rows(scores: torch.Tensor, canonicalize: bool) -> torch.Tensor:
         if scores.stride(-1) != 1:
             scores = scores.contiguous()
         block = interpreter_tile(S, 1 << 16) if interpreting() else _COPY_BLOCK
-        _canonical_copy_kernel[(B * H, triton.cdiv(S, block))](
-            scores, rows, S, H, scores.stride(0), scores.stride(1), BLOCK=block)
+        launch(_canonical_copy_kernel, (B * H, triton.cdiv(S, block)),
+               [scores, rows, S, H, scores.stride(0), scores.stride(1), block], {})
         return rows
     if not scores.is_contiguous() or scores.data_ptr() % 16:
         scores = scores.contiguous() if not scores.is_contiguous() else scores.clone()

@@ -82,9 +82,7 @@ def score_fraction(method: str, d: int | float | None = None, D: int | None = No
         dd = resolve_d(d, D, name="r" if method == "sparq" else "d")
         if method == "loki":
             return score_elements(score_format, dd) / (2 * D)
-        check_score_format(score_format)
-        if score_format != "native":
-            raise ValueError(f"score_format={score_format!r} applies to method 'loki' only, got {method!r}")
+        check_score_format(score_format, method)
         return dd / (2 * D)
     if method == "quest":
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:

@@ -34,10 +34,13 @@ SCALE_BITS = 16
 _LEVELS = {"fp8": 448.0, "int8": 127.0, "int4": 7.0}
 
 
-def check_score_format(score_format: str) -> str:
-    """``score_format`` if it is one of :data:`SCORE_FORMATS` (ValueError naming it otherwise)."""
+def check_score_format(score_format: str, method: str = "loki") -> str:
+    """``score_format`` if it is one of :data:`SCORE_FORMATS` and ``method`` can read it: a format other than "native"
+    is Loki's only (ValueError naming the argument otherwise; ``LokiSettings`` applies the same rule)."""
     if score_format not in SCORE_FORMAT_BITS:
         raise ValueError(f"score_format must be one of {SCORE_FORMATS}, got {score_format!r}")
+    if score_format != ScoreFormat.NATIVE.value and method != "loki":
+        raise ValueError(f"score_format={score_format!r} applies to method 'loki' only, got {method!r}")
     return str(ScoreFormat(score_format).value)
 
 
@@ -50,20 +53,25 @@ def score_elements(score_format: str, d: int) -> float:
     return d * bits / 16 + SCALE_BITS / 16
 
 
-def _scale(x: torch.Tensor, levels: float) -> torch.Tensor:
-    """Per-token scale of fp32 ``x`` [..., d]: its largest magnitude over ``levels``, rounded to bf16 as stored."""
-    return (x.abs().amax(dim=-1, keepdim=True) / levels).to(torch.bfloat16).float()
+def _codes(k: torch.Tensor, score_format: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes, scale)`` of a quantized format, both fp32: ``k`` [..., d] over its per-token scale [..., 1] (the
+    largest magnitude over the format's levels, rounded to bf16 as stored: bf16 keeps fp32's exponent range, so no
+    overflow and no flush of small keys), rounded to the format."""
+    levels = _LEVELS[score_format]
+    x = k.float()
+    scale = (x.abs().amax(dim=-1, keepdim=True) / levels).to(torch.bfloat16).float()
+    y = x / torch.where(scale > 0, scale, torch.ones_like(scale))
+    if score_format == "fp8":
+        return y.clamp(-levels, levels).to(torch.float8_e4m3fn).float(), scale
+    return torch.round(y).clamp(-levels, levels), scale
 
 
 def encode_int8_score_keys(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The "int8" score copy as a cache stores it: ``(codes int8 [..., d], scale bf16 [...])`` with
     ``quantize_score_keys(k, "int8") == codes * scale`` (what the Triton scores read, ``approx_scores(k_prefix=codes,
     prefix_scale=scale)``)."""
-    x = k.float()
-    scale = _scale(x, _LEVELS["int8"])
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    codes = torch.round(x / safe).clamp(-127, 127).to(torch.int8)
-    return codes, scale[..., 0].to(torch.bfloat16)
+    codes, scale = _codes(k, "int8")
+    return codes.to(torch.int8), scale[..., 0].to(torch.bfloat16)
 
 
 def quantize_score_keys(k: torch.Tensor, score_format: str) -> torch.Tensor:
@@ -73,14 +81,5 @@ def quantize_score_keys(k: torch.Tensor, score_format: str) -> torch.Tensor:
     check_score_format(score_format)
     if score_format == "native":
         return k
-    levels = _LEVELS[score_format]
-    x = k.float()
-    # the scale is stored in 16 bits (bf16 keeps fp32's exponent range: no overflow, no flush of small keys)
-    scale = _scale(x, levels)
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    y = x / safe
-    if score_format == "fp8":
-        y = y.clamp(-levels, levels).to(torch.float8_e4m3fn).float()
-    else:
-        y = torch.round(y).clamp(-levels, levels)
-    return y * scale  # exact in fp32 (a code of at most 8 bits times a bf16 scale)
+    codes, scale = _codes(k, score_format)
+    return codes * scale  # exact in fp32 (a code of at most 8 bits times a bf16 scale)

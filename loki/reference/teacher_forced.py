@@ -172,7 +172,7 @@ def teacher_forced_rows(
     if not q.is_cuda:
         rows = min(rows, max(16, -(-L // 8)))
     kf, vf = k.float(), v.float()
-    check_score_format(score_format)
+    check_score_format(score_format, method)
     # the score copy is quantized per token, so once for the window
     k_score = quantize_score_keys(kf[..., :dd], score_format) if method == "loki" and score_format != "native" \
         else None

@@ -26,6 +26,7 @@ __all__ = [
     "check_output_folder",
     "fail",
     "fraction_or_count",
+    "check_basis_for",
     "load_basis_arg",
     "load_model_from_args",
     "load_text_arg",
@@ -230,6 +231,19 @@ def load_basis_arg(path: str, option: str = "--basis", *, config=None):
     except (FileNotFoundError, BasisError) as exc:
         msg = str(exc)
         raise UsageError(f"{option} {msg}" if msg.startswith(str(path)) else f"{option} {path}: {msg}") from None
+
+
+def check_basis_for(basis, config, option: str = "--basis", path=None) -> None:
+    """:class:`UsageError` naming ``option`` (and its file ``path``) when ``basis`` (a loaded
+    :class:`~loki.basis.PCABasis`, or None: nothing to check) was not calibrated for the model of ``config``."""
+    from loki.basis import BasisError
+
+    if basis is None:
+        return
+    try:
+        basis.validate(config)  # calibrated for this model (its architecture fields)
+    except BasisError as exc:
+        raise UsageError(f"{option} {path}: {exc}") from None
 
 
 def load_text_arg(corpus: str, part: str, text_file: str | None, *, corpus_option: str = "--corpus",

@@ -7,6 +7,7 @@ import time
 
 from . import (
     add_model_arguments,
+    check_basis_for,
     check_corpus,
     check_fits_context,
     check_model_folder,
@@ -74,14 +75,9 @@ def run(args: argparse.Namespace) -> int:
                        f"prompt ({n_prompt} tokens) + --max-new-tokens {args.max_new_tokens}")
     import torch
 
-    from loki.basis import BasisError
     from loki.integrations.transformers import disable_loki, enable_loki
 
-    if basis is not None:
-        try:
-            basis.validate(config)  # calibrated for this model (its architecture fields)
-        except BasisError as exc:
-            return fail(f"--basis {args.basis}: {exc}")
+    check_basis_for(basis, config, "--basis", args.basis)
     model, tokenizer = load_model_from_args(args)
     if wants_basis and basis is None:
         from loki.evaluation.bases import DEFAULT_RECIPE, get_bases

@@ -7,6 +7,7 @@ import sys
 
 from . import (
     add_model_arguments,
+    check_basis_for,
     check_corpus,
     check_fits_context,
     check_model_folder,
@@ -101,14 +102,9 @@ def run(args: argparse.Namespace) -> int:
     log = (lambda m: print(m, file=sys.stderr)) if main else None
     tokenizer, config = load_tokenizer_and_config(args, log=log)
     windows = text_windows(tokenizer, src, seq_len, n_windows, offset=args.offset)
-    from loki.basis import BasisError
     from loki.evaluation.perplexity import MethodSpec, perplexity
 
-    if basis is not None:
-        try:
-            basis.validate(config)  # calibrated for this model (its architecture fields)
-        except BasisError as exc:
-            return fail(f"--basis {args.basis}: {exc}")
+    check_basis_for(basis, config, "--basis", args.basis)
     model, tokenizer = load_model_from_args(args)
     bases = None
     if wants_basis:
