@@ -113,12 +113,18 @@ class Backend(_Choice):
 class ScoreFormat(_Choice):
     """How the score copy of the keys' leading dims is stored (``loki.reference.score_formats``): ``NATIVE`` the
     cache's elements; ``FP8``, ``INT8``, ``INT4`` fewer bits per dim with a per-token scale (so more dims fit the
-    same bytes), evaluated on the PyTorch reference."""
+    same bytes).  ``INT8`` runs on the Triton kernels too (the caches write an int8 copy); ``FP8`` and ``INT4`` are
+    evaluated on the PyTorch reference only (:attr:`reference_only`)."""
 
     NATIVE = "native"
     FP8 = "fp8"
     INT8 = "int8"
     INT4 = "int4"
+
+    @property
+    def reference_only(self) -> bool:
+        """Whether the format runs on the PyTorch reference only (the kernels read "native" and "int8" copies)."""
+        return self in (ScoreFormat.FP8, ScoreFormat.INT4)
 
 
 class Semantics(_Choice):
@@ -145,8 +151,9 @@ class LokiSettings:
     method, gqa_select, aggregate, backend, semantics: see :class:`Method`, :class:`GQAMode`, :class:`Aggregate`,
     :class:`Backend`, :class:`Semantics` (strings are accepted).  h2o_recent_fraction: H2O's share of the budget
     given to the most recent tokens.  score_format: how Loki's approximate scores read the keys' ``d`` leading dims
-    (:class:`ScoreFormat`; "native" by default); another format runs on the PyTorch reference (``backend="auto"``
-    resolves to "torch"; "triton" is refused), for evaluating it.
+    (:class:`ScoreFormat`; "native" by default); "int8" runs on the kernels too (the caches keep an int8 copy of
+    the d dims with a bf16 scale per token); "fp8" and "int4" run on the PyTorch reference only (``backend="auto"``
+    resolves to "torch"; "triton" is refused), for evaluating them.
 
     Values are checked when the object is made (an error names the argument); the "auto" values are decided by
     :meth:`resolve` / :meth:`resolve_shapes`.
@@ -172,9 +179,9 @@ class LokiSettings:
         if self.score_format is not ScoreFormat.NATIVE and self.method is not Method.LOKI:
             raise ValueError(f"score_format={self.score_format.value!r} applies to method='loki' only "
                              f"(got method={self.method.value!r})")
-        if self.score_format is not ScoreFormat.NATIVE and self.backend is Backend.TRITON:
+        if self.score_format.reference_only and self.backend is Backend.TRITON:
             raise ValueError(f"score_format={self.score_format.value!r} runs on the PyTorch reference only (the "
-                             "Triton kernels read the native cache): use backend='torch' or 'auto'")
+                             "Triton kernels read a native or int8 copy): use backend='torch' or 'auto'")
         object.__setattr__(self, "k", check_budget(self.k, name="k"))
         object.__setattr__(self, "d", check_dims(self.d, name="d"))
         f = self.h2o_recent_fraction
@@ -216,8 +223,8 @@ class LokiSettings:
                 raise ValueError(f"{exc} (the model is on {device})") from None
         elif backend is Backend.AUTO and dev_type == "cpu":
             backend = Backend.TORCH  # the kernels run on CUDA only unless asked for by name (the interpreter)
-        if self.score_format is not ScoreFormat.NATIVE:
-            backend = Backend.TORCH  # the kernels read the native cache; other formats are the reference's
+        if self.score_format.reference_only:
+            backend = Backend.TORCH  # the kernels read a native or int8 copy; other formats are the reference's
         if (self.method is Method.LOKI and mode is GQAMode.KV and agg not in KERNEL_AGGREGATES
                 and (backend is Backend.TRITON or backend is Backend.AUTO and dev_type == "cuda")):
             where = where or f"the Triton kernels that backend={self.backend.value!r} runs"
@@ -257,8 +264,15 @@ class ResolvedSettings:
 
     @property
     def prefix_dims(self) -> int | None:
-        """d of the contiguous key prefix the kernels read (None: the method never runs the kernels)."""
+        """d of the contiguous key prefix the kernels read (None: the method never runs the kernels); with
+        :attr:`int8_prefix` the prefix holds these d dims as int8 codes (one bf16 scale per token beside it)."""
         return self.d if self.method is Method.LOKI and self.backend is not Backend.TORCH else None
+
+    @property
+    def int8_prefix(self) -> bool:
+        """Whether the kernels' key prefix is the "int8" score copy (``encode_int8_score_keys``: int8 codes of the
+        d scored dims and a bf16 scale per token) instead of the keys' own elements."""
+        return self.score_format is ScoreFormat.INT8 and self.prefix_dims is not None
 
     def use_kernels(self, *, cuda: bool, needs_grad: bool) -> bool:
         """Whether a decode step runs the Triton kernels: always for backend "triton", never for "torch"; for

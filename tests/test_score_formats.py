@@ -1,5 +1,6 @@
 """Loki's score copy in fewer bits (``loki.reference.score_formats``): the rounding, the bytes it reads, the
-reference's use of it on every route, and the settings that refuse it where the kernels would run."""
+reference's use of it on every route, and the settings that refuse fp8 and int4 where the kernels would run (int8 on
+the kernels and the caches: tests/test_int8_cache.py)."""
 
 from __future__ import annotations
 
@@ -105,9 +106,11 @@ def test_teacher_forced_rows_equal_the_decode_reference_with_a_rounded_copy(fmt,
         assert not torch.allclose(got, native)
 
 
-def test_settings_run_another_format_on_the_reference_only():
+def test_settings_run_fp8_and_int4_on_the_reference_only():
+    s = LokiSettings(score_format="int4").resolve_shapes(num_q_heads=4, num_kv_heads=2, head_dim=16, device="cuda")
+    assert s.backend is Backend.TORCH and s.prefix_dims is None and s.reference_args() == {"score_format": "int4"}
     s = LokiSettings(score_format="int8").resolve_shapes(num_q_heads=4, num_kv_heads=2, head_dim=16, device="cuda")
-    assert s.backend is Backend.TORCH and s.prefix_dims is None and s.reference_args() == {"score_format": "int8"}
+    assert s.backend is Backend.AUTO and s.int8_prefix  # int8 runs on the kernels too (tests/test_int8_cache.py)
     assert LokiSettings().resolve_shapes(num_q_heads=4, num_kv_heads=2, head_dim=16).reference_args() == {
         "score_format": "native"}
     assert LokiSettings(method="sparq").resolve_shapes(num_q_heads=4, num_kv_heads=2, head_dim=16).reference_args() \
@@ -116,8 +119,10 @@ def test_settings_run_another_format_on_the_reference_only():
         LokiSettings(score_format="int2")
     with pytest.raises(ValueError, match="score_format='int8' applies to method='loki' only"):
         LokiSettings(method="sparq", score_format="int8")
-    with pytest.raises(ValueError, match="runs on the PyTorch reference only"):
-        LokiSettings(score_format="fp8", backend="triton")
+    for fmt in ("fp8", "int4"):
+        with pytest.raises(ValueError, match="runs on the PyTorch reference only"):
+            LokiSettings(score_format=fmt, backend="triton")
+    assert LokiSettings(score_format="int8", backend="triton").backend is Backend.TRITON
 
 
 def test_a_model_decodes_with_the_rounded_copy_on_both_routes():

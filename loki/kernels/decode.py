@@ -190,6 +190,7 @@ def launch_decode_step(
     uniform: bool = False,
     out: torch.Tensor | None = None,
     tuning: DecodeTuning = _DEFAULT_TUNING,
+    prefix_scale: torch.Tensor | None = None,
 ):
     """The launches of one decode step on validated inputs, with no host sync: the one launch sequence that
     ``decode_attention``, :class:`~loki.kernels.plan.DecodeRun` (which records and replays it) and the
@@ -204,10 +205,16 @@ def launch_decode_step(
     ``1 <= counts[b] <= lengths[b] - starts[b]`` (trusted: they bound the kernels' reads); d: int (1 <= d <= D);
     width: int bound K >= max(counts) (``selection_width``); ``uniform``: every count equals width; ``k_prefix``:
     optional [B, HKV, S, dp >= d] contiguous copy of the first dims of k_hat (validated by the caller);
-    gqa_select, aggregate: resolved modes (``ResolvedSettings.kernel_args()``).  Returns
+    gqa_select, aggregate: resolved modes (``ResolvedSettings.kernel_args()``).  ``prefix_scale``: optional
+    [B, HKV, S] bf16, making ``k_prefix`` the "int8" score copy (int8 codes, ``encode_int8_score_keys``): the scores
+    then take the unfused launches (the fused kernels read a 16-bit prefix) and the attention re-reads the keys'
+    first d dims (the approximate scores are rounded: never reused as exact ones).  Returns
     ``(idx [B, H, K], out [B, HQ, D])``, both freshly allocated on every call (or ``out`` itself when given).
     """
     t = tuning
+    int8 = prefix_scale is not None
+    if int8 and k_prefix is None:
+        raise ValueError("prefix_scale is the scale of an int8 score copy: pass the copy's codes as k_prefix")
     B, HQ, D = q_hat.shape
     _, HKV, S, _ = k_hat.shape
     if k_hat.stride(-1) != 1:
@@ -221,7 +228,7 @@ def launch_decode_step(
     fuse_select = t.fuse_select
     if fuse_select is None:
         fuse_select = method == "triton" and score_select_fusable(B * H, S, q_hat.device)
-    fusable = method == "triton" and S <= TRITON_SELECT_MAX_S and (
+    fusable = not int8 and method == "triton" and S <= TRITON_SELECT_MAX_S and (
         not softmax or HQ // HKV <= SOFTMAX_FUSED_DEFAULTS["max_group"])
     # the scores' rows start at multiples of 16 elements: a cache that grows by one token per step then keeps
     # the same Triton specialisation of the row stride (no recompilation every time S crosses a multiple of 16)
@@ -236,16 +243,16 @@ def launch_decode_step(
                                    aggregate=aggregate, scores=scores)
     else:
         if gqa_select == GQAMode.QUERY:
-            launch_approx_scores(q_hat, k_src, d, lengths, starts, scores, None, aggregate)
+            launch_approx_scores(q_hat, k_src, d, lengths, starts, scores, None, aggregate, prefix_scale=prefix_scale)
         elif softmax:  # per-query-head scores (rows padded as ``scores``), then the group's softmax aggregate
             heads = new_output((B, HQ, S16), torch.float32, q_hat.device)[:, :, :S]
             launch_softmax_group_scores(q_hat, k_src, d, lengths, starts, heads, scores, HKV, aggregate,
-                                        resolve_scale(scale, D))
+                                        resolve_scale(scale, D), prefix_scale=prefix_scale)
         else:
-            launch_approx_scores(q_hat, k_src, d, lengths, starts, None, scores, aggregate)
+            launch_approx_scores(q_hat, k_src, d, lengths, starts, None, scores, aggregate, prefix_scale=prefix_scale)
         idx = select_topk(scores, counts, k_max=width, method=method, uniform=uniform)
     extra = dict(t.attn_options or {})
-    if t.reuse_scores and gqa_select == GQAMode.QUERY and d < D:
+    if t.reuse_scores and gqa_select == GQAMode.QUERY and d < D and not int8:  # int8 scores are rounded
         extra.setdefault("prefix_scores", scores)
         extra.setdefault("prefix_dims", d)
     res = sparse_attention(q_hat, k_hat, v_cache, idx, counts, scale=scale, out=out, num_splits=t.num_splits,

@@ -33,31 +33,38 @@ def decode_step_op(
     gqa_select: str,
     aggregate: str,
     scale: float,
+    prefix_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One Loki decode step on validated inputs (the caller checks shapes, d and scale once).
 
     q_hat: [B, HQ, D] (q P_q); k_hat, v_cache: [B, HKV, S, D]; k_prefix: [B, HKV, S, dp >= d] or None (read by
     the kernels only); lengths, starts: [B] int with ``0 <= starts[b] < lengths[b] <= S`` (not checked: the
     kernels trust them); counts: [B] int, the tokens each sequence attends, ``1 <= counts[b] <= lengths[b] -
-    starts[b]``; width: an int bound on every count (``loki.kernels.decode.selection_width``).  Returns
+    starts[b]``; width: an int bound on every count (``loki.kernels.decode.selection_width``); prefix_scale:
+    [B, HKV, S] bf16 or None, making k_prefix the "int8" score copy (int8 codes of its first dp dims).  Returns
     out [B, HQ, D] in q_hat's dtype.  CUDA: the Triton kernels.
     """
     from .decode import launch_decode_step  # the kernels' modules import this one: imported at the first call
 
     _, out = launch_decode_step(q_hat=q_hat, k_hat=k_hat, v_cache=v_cache, k_prefix=k_prefix, lengths=lengths,
                                 starts=starts, counts=counts, d=d, width=width, gqa_select=gqa_select,
-                                aggregate=aggregate, scale=scale)
+                                aggregate=aggregate, scale=scale, prefix_scale=prefix_scale)
     return out if out.dtype == q_hat.dtype else out.to(q_hat.dtype)
 
 
 @decode_step_op.register_kernel("cpu")
 def _decode_step_cpu(q_hat, k_hat, v_cache, k_prefix, lengths, starts, counts, d, width, gqa_select, aggregate,
-                     scale):
-    """The CPU registration: the PyTorch reference with the same budgets (``k_prefix`` and ``width`` unused)."""
+                     scale, prefix_scale=None):
+    """The CPU registration: the PyTorch reference with the same budgets (``k_prefix`` and ``width`` unused; with
+    ``prefix_scale``, the reference's ``score_format="int8"``, which rounds k_hat's first d dims as the copy holds
+    them)."""
+    fmt = "native" if prefix_scale is None else "int8"
     return loki_attention_reference(q_hat, k_hat, v_cache, d=d, counts=counts, lengths=lengths, starts=starts,
-                                    gqa_select=gqa_select, aggregate=aggregate, scale=scale).to(q_hat.dtype)
+                                    gqa_select=gqa_select, aggregate=aggregate, scale=scale,
+                                    score_format=fmt).to(q_hat.dtype)
 
 
 @decode_step_op.register_fake
-def _(q_hat, k_hat, v_cache, k_prefix, lengths, starts, counts, d, width, gqa_select, aggregate, scale):
+def _(q_hat, k_hat, v_cache, k_prefix, lengths, starts, counts, d, width, gqa_select, aggregate, scale,
+      prefix_scale=None):
     return torch.empty_like(q_hat, memory_format=torch.contiguous_format)

@@ -92,7 +92,7 @@ class DecodeRun:
     def _launches(self, inputs, width: int, with_budget: bool):
         from .decode import launch_decode_step
 
-        q_hat, k_hat, v_cache, k_prefix, lengths, starts, counts, out, _ = inputs
+        q_hat, k_hat, v_cache, k_prefix, lengths, starts, counts, out, _, prefix_scale = inputs
         if with_budget:
             counts = _launch.new_output((q_hat.shape[0],), torch.int64, q_hat.device)
             B = q_hat.shape[0]
@@ -102,11 +102,12 @@ class DecodeRun:
         return launch_decode_step(
             q_hat=q_hat, k_hat=k_hat, v_cache=v_cache, k_prefix=k_prefix, lengths=lengths, starts=starts,
             counts=counts, d=self.settings.d, width=width, scale=self.scale, select_method="triton", out=out,
-            tuning=self.tuning, **self.settings.kernel_args())
+            tuning=self.tuning, prefix_scale=prefix_scale, **self.settings.kernel_args())
 
     def _call(self, inputs, width: int, with_budget: bool):
         """Launch, record or replay the step on ``inputs`` (q_hat, k_hat, v_cache, k_prefix, lengths, starts, counts,
-        out, and the budget kernel's fraction for ``run``).  Returns ``(idx, out)``."""
+        out, the budget kernel's fraction for ``run``, and the int8 copy's prefix_scale or None).  Returns
+        ``(idx, out)``."""
         from .select import TRITON_SELECT_MAX_S
 
         q_hat, k_hat, out = inputs[0], inputs[1], inputs[7]
@@ -139,11 +140,13 @@ class DecodeRun:
         return sum(1 for p in self._plans.values() if p)
 
     def step(self, *, q_hat, k_hat, v_cache, k_prefix, lengths, starts, counts, width: int,
-             out: torch.Tensor | None = None, return_indices: bool = False):
+             out: torch.Tensor | None = None, return_indices: bool = False, prefix_scale=None):
         """One step over a cache given per call (validated by the caller; ``counts`` [B] from
-        ``loki._checks.budget_counts``, ``width`` >= max(counts)).  Returns out [B, HQ, D] (``out`` itself when
-        given), and the selection ``idx [B, H, width]`` first when ``return_indices``."""
-        idx, res = self._call((q_hat, k_hat, v_cache, k_prefix, lengths, starts, counts, out, None), width, False)
+        ``loki._checks.budget_counts``, ``width`` >= max(counts); ``prefix_scale`` [B, HKV, S] bf16 when ``k_prefix``
+        is the int8 score copy, as ``launch_decode_step``).  Returns out [B, HQ, D] (``out`` itself when given), and
+        the selection ``idx [B, H, width]`` first when ``return_indices``."""
+        idx, res = self._call((q_hat, k_hat, v_cache, k_prefix, lengths, starts, counts, out, None, prefix_scale),
+                              width, False)
         return (idx, res) if return_indices else res
 
     def run(self, q_hat: torch.Tensor, lengths: torch.Tensor, starts: torch.Tensor | None = None) -> torch.Tensor:
@@ -166,7 +169,8 @@ class DecodeRun:
         from .decode import selection_width
 
         width = selection_width(self.settings.k, k_hat.shape[2])
-        return self._call((q_hat, k_hat, v_cache, k_prefix, lengths, starts, None, out, self._frac), width, True)[1]
+        return self._call((q_hat, k_hat, v_cache, k_prefix, lengths, starts, None, out, self._frac, None), width,
+                          True)[1]
 
 
 def plan_decode(

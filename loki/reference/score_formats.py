@@ -13,7 +13,8 @@ keys.  The formats (:data:`SCORE_FORMATS`):
 
 The quantized formats keep one 16-bit scale per token and KV head beside the ``d`` dims; :func:`score_elements`
 counts it in the bytes the score phase reads (:func:`loki.reference.accounting.score_fraction`).  These formats are
-evaluated on the PyTorch reference; the Triton kernels read the native cache (``LokiSettings(score_format=...)``).
+evaluated on the PyTorch reference; the Triton kernels read the native cache or, for ``LokiSettings(score_format=
+"int8")``, the int8 copy the Loki caches write (:func:`encode_int8_score_keys`).
 """
 
 from __future__ import annotations

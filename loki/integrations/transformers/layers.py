@@ -29,6 +29,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, St
 from loki._hf import attention_modules, config_head_dim, config_kv_heads, config_num_layers, text_config
 from loki.kernels.cache_write import check_write, write_rotated, write_rotated_reference
 from loki.reference import rotate_keys
+from loki.reference.score_formats import encode_int8_score_keys
 from loki.settings import Backend, Method
 
 from .state import CacheOwner, LayerTransforms, LokiError, LokiState, state_of
@@ -52,17 +53,23 @@ class LayerStore:
     :class:`~.state.LayerTransforms` (``key`` None for methods that keep keys in their own coordinates);
     ``prefix_dims``: dp of the key prefix kept for the kernels (None: none); ``triton``: the Triton backend was asked
     for by name (the kernels' write and prefix on the CPU interpreter too); ``prefix``: [B, HKV, S, dp], the first dp
-    rotated dims of every key, contiguous rows, or None; ``acc``: H2O's accumulated attention [B, HQ, S] or None.
+    rotated dims of every key, contiguous rows, or None; ``int8``: the prefix is the "int8" score copy
+    (``ResolvedSettings.int8_prefix``): ``prefix`` then holds int8 codes of the stored keys' first dp dims and
+    ``prefix_scale`` [B, HKV, S] bf16 their per-token scales (``encode_int8_score_keys``; None otherwise); ``acc``:
+    H2O's accumulated attention [B, HQ, S] or None.
     """
 
-    __slots__ = ("owner", "transforms", "prefix_dims", "triton", "prefix", "acc")
+    __slots__ = ("owner", "transforms", "prefix_dims", "triton", "int8", "prefix", "prefix_scale", "acc")
 
-    def __init__(self, owner: CacheOwner, transforms: LayerTransforms, prefix_dims: int | None, triton: bool):
+    def __init__(self, owner: CacheOwner, transforms: LayerTransforms, prefix_dims: int | None, triton: bool,
+                 int8: bool = False):
         self.owner = owner
         self.transforms = transforms
         self.prefix_dims = prefix_dims
         self.triton = triton
+        self.int8 = int8 and prefix_dims is not None
         self.prefix = None
+        self.prefix_scale = None
         self.acc = None
 
     def check_active(self) -> None:
@@ -92,12 +99,33 @@ class LayerStore:
     def keeps_prefix(self, device) -> bool:
         return self.prefix_dims is not None and self.kernel_writes(device)
 
+    def new_prefix(self, keys: torch.Tensor):
+        """``(prefix, prefix_scale)`` of ``keys`` [B, HKV, S, D] (stored keys, or zeros), fresh contiguous tensors:
+        the keys' first dp dims and None, or for an int8 copy their codes and scales."""
+        if self.int8:
+            return encode_int8_score_keys(keys[..., : self.prefix_dims])
+        return keys[..., : self.prefix_dims].contiguous(), None
 
-def write_tokens(store: LayerStore, keys, values, prefix, k_new, v_new, pos, *, check: bool) -> None:
+
+def _write_int8_prefix(keys, prefix, prefix_scale, pos) -> None:
+    """The int8 score copy of the keys just written at ``pos``: their stored (rotated, cache-dtype) first dp dims
+    encoded by ``encode_int8_score_keys`` and written at the same positions (plain torch ops, no host sync)."""
+    codes, scale = encode_int8_score_keys(keys.index_select(2, pos)[..., : prefix.shape[-1]])
+    prefix.index_copy_(2, pos, codes)
+    prefix_scale.index_copy_(2, pos, scale)
+
+
+def write_tokens(store: LayerStore, keys, values, prefix, k_new, v_new, pos, *, check: bool,
+                 prefix_scale=None) -> None:
     """The one write of new tokens into a Loki cache layer's storage: keys rotated into the basis (``K P``) and
     written with their values and key prefix at positions ``pos`` ([L] int64), in place.  keys, values:
     [B, HKV, S, D]; prefix: [B, HKV, S, dp] or None; k_new, v_new: [B, HKV, L, D].  Bounds checked before anything
-    is written (``check``: the positions too, one host sync)."""
+    is written (``check``: the positions too, one host sync).  ``prefix_scale`` [B, HKV, S] bf16: ``prefix`` is an
+    int8 score copy (int8 codes), written after the keys from the keys as stored."""
+    if prefix_scale is not None:
+        write_tokens(store, keys, values, None, k_new, v_new, pos, check=check)
+        _write_int8_prefix(keys, prefix, prefix_scale, pos)
+        return
     P = store.transforms.key
     if P is not None and store.kernel_writes(keys.device):
         write_rotated(keys, values, prefix, k_new, v_new, P, pos, check_positions=check)
@@ -125,14 +153,14 @@ class LokiDynamicLayer(DynamicLayer):
     def __init__(self, store: LayerStore):
         super().__init__()
         self.loki = store
-        self._buffers = None  # (keys, values, prefix or None), each [B, HKV, capacity, .]
+        self._buffers = None  # (keys, values, prefix or None, prefix scale or None), each [B, HKV, capacity, ...]
 
     def _filled(self, n: int):
         """The buffers, when ``keys`` / ``values`` are still their first n slots (nothing outside replaced them)."""
         bufs = self._buffers
         if bufs is None or n == 0:
             return None
-        kb, vb, _ = bufs
+        kb, vb = bufs[:2]
         for t, b in ((self.keys, kb), (self.values, vb)):
             if t.data_ptr() != b.data_ptr() or t.stride() != b.stride() or t.shape[:2] != b.shape[:2]:
                 return None
@@ -149,13 +177,20 @@ class LokiDynamicLayer(DynamicLayer):
         kb = torch.empty(B, HKV, cap, D, dtype=k_new.dtype, device=dev)
         vb = torch.empty(B, HKV, cap, v_new.shape[-1], dtype=v_new.dtype, device=dev)
         dp = self.loki.prefix_dims if self.loki.keeps_prefix(dev) else None
-        pb = None if dp is None else torch.empty(B, HKV, cap, dp, dtype=k_new.dtype, device=dev)
+        int8 = dp is not None and self.loki.int8
+        pb = None if dp is None else torch.empty(B, HKV, cap, dp, dtype=torch.int8 if int8 else k_new.dtype,
+                                                 device=dev)
+        sb = torch.empty(B, HKV, cap, dtype=torch.bfloat16, device=dev) if int8 else None
         if n:
             kb[:, :, :n].copy_(self.keys)
             vb[:, :, :n].copy_(self.values)
-            if pb is not None:
+            if int8:
+                codes, scale = self.loki.new_prefix(self.keys)
+                pb[:, :, :n].copy_(codes)
+                sb[:, :, :n].copy_(scale)
+            elif pb is not None:
                 pb[:, :, :n].copy_(self.keys[..., :dp])
-        self._buffers = (kb, vb, pb)
+        self._buffers = (kb, vb, pb, sb)
         return self._buffers
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -165,17 +200,19 @@ class LokiDynamicLayer(DynamicLayer):
         self.loki.to(key_states.device)
         n = self.get_seq_length()
         L = key_states.shape[-2]
-        kb, vb, pb = self._reserve(n + L, key_states, value_states)
+        kb, vb, pb, sb = self._reserve(n + L, key_states, value_states)
         pos = torch.arange(n, n + L, device=kb.device)
-        write_tokens(self.loki, kb, vb, pb, key_states, value_states, pos, check=False)
+        write_tokens(self.loki, kb, vb, pb, key_states, value_states, pos, check=False, prefix_scale=sb)
         self.keys, self.values = kb[:, :, : n + L], vb[:, :, : n + L]
         self.loki.prefix = None if pb is None else pb[:, :, : n + L]
+        self.loki.prefix_scale = None if sb is None else sb[:, :, : n + L]
         return self.keys, self.values
 
     def _drop_buffers(self) -> None:
         """After transformers edited ``keys`` / ``values`` (new tensors): the next update buffers them again."""
         self._buffers = None
         self.loki.prefix = None
+        self.loki.prefix_scale = None
 
     def _map_acc(self, fn) -> None:
         if self.loki.acc is not None:
@@ -250,9 +287,12 @@ class LokiStaticLayer(StaticLayer):
         dev = self.keys.device
         self.loki.to(dev, static=True)
         if self.loki.keeps_prefix(dev) and self.loki.prefix is None:
-            self.loki.prefix = self.keys[..., : self.loki.prefix_dims].contiguous()  # zeros, or the keys written
+            # zeros, or the keys written (their int8 copy and its scales for an int8 setting)
+            self.loki.prefix, self.loki.prefix_scale = self.loki.new_prefix(self.keys)
             if not torch.compiler.is_compiling():
-                torch._dynamo.mark_static_address(self.loki.prefix)
+                for t in (self.loki.prefix, self.loki.prefix_scale):
+                    if t is not None:
+                        torch._dynamo.mark_static_address(t)
 
     def _positions(self, n: int, args, kwargs) -> torch.Tensor:
         counter = getattr(self, "cumulative_length", None)
@@ -280,18 +320,22 @@ class LokiStaticLayer(StaticLayer):
         # compiled (no host sync possible; the kernel's stores stay inside the cache): no sync here
         check = not self.loki.owner.in_forward and not torch.compiler.is_compiling()
         write_tokens(self.loki, self.keys, self.values, self.loki.prefix, key_states, value_states, pos,
-                     check=check)
+                     check=check, prefix_scale=self.loki.prefix_scale)
         return self.keys, self.values
 
     def reorder_cache(self, beam_idx):
         super().reorder_cache(beam_idx)
         if self.loki.prefix is not None:
             self.loki.prefix = self.loki.prefix.index_select(0, beam_idx.to(self.loki.prefix.device))
+        if self.loki.prefix_scale is not None:
+            self.loki.prefix_scale = self.loki.prefix_scale.index_select(0, beam_idx.to(self.loki.prefix_scale.device))
 
     def reset(self):
         super().reset()
         if self.loki.prefix is not None:
             self.loki.prefix.zero_()
+        if self.loki.prefix_scale is not None:
+            self.loki.prefix_scale.zero_()
 
 
 _LOKI_LAYERS = (LokiDynamicLayer, LokiSlidingWindowLayer, LokiStaticLayer)
@@ -305,7 +349,7 @@ _LOKI_ATTRS = ("loki", "_buffers")
 def _new_store(state: LokiState, idx: int, sliding: bool) -> LayerStore:
     s = state.settings
     return LayerStore(state.owner, state.transforms.layer(idx), None if sliding else s.prefix_dims,
-                      s.backend is Backend.TRITON)
+                      s.backend is Backend.TRITON, int8=s.int8_prefix)
 
 
 def _adopt_layer(layer, state: LokiState, idx: int):

@@ -45,7 +45,13 @@ def run_decode(state: LokiState, plan: StepPlan, ranges: LayerRanges, query: tor
     the basis when ``keys_rotated``), the layer's ranges and budgets, the layer's store (its
     :class:`~.layers.LayerStore`, None without a Loki cache) and transforms.  Returns [B, 1, HQ, D] in query's
     dtype; rows that see no token give zeros."""
-    if plan.runner is Runner.KERNELS:
+    kernels = plan.runner is Runner.KERNELS
+    if kernels and plan.settings.int8_prefix and not _int8_copy_in_step(store, key.shape[2]):
+        # an int8 setting whose cache holds no int8 copy in step with the keys (a cache edited outside Loki, or one
+        # that keeps no prefix): the kernels would read the keys in place as native scores, so this step runs the
+        # reference route instead, which rounds the stored keys itself (the same results as the copy would give)
+        kernels = False
+    if kernels:
         if not keys_rotated:
             raise LokiError("Loki's kernels read keys stored in the basis: decode with a cache (use_cache=True)")
         q_hat = rotate_query_op(query[:, :, 0], transforms.query)
@@ -56,20 +62,27 @@ def run_decode(state: LokiState, plan: StepPlan, ranges: LayerRanges, query: tor
     return out[:, None]
 
 
+def _int8_copy_in_step(store, S: int) -> bool:
+    """Whether ``store`` holds an int8 score copy (codes and scales) of all S keys."""
+    return (store is not None and store.prefix is not None and store.prefix_scale is not None
+            and store.prefix.dtype == torch.int8 and store.prefix.shape[-2] == S and store.prefix_scale.shape[-1] == S)
+
+
 def _kernels(state, plan, g: LayerRanges, q_hat, key, value, store, scale):
     s = plan.settings
     S = key.shape[2]
     prefix = store.prefix
+    prefix_scale = store.prefix_scale if s.int8_prefix else None  # run_decode checked the copy is in step
     if prefix is not None and prefix.shape[-2] != S:
         prefix = None  # out of step with the keys (a cache edited outside Loki): the kernels read the keys in place
     if torch.compiler.is_compiling() or (q_hat.is_cuda and torch.cuda.is_current_stream_capturing()):
         return decode_step_op(q_hat, key, value, prefix, g.dec_lengths, g.dec_starts, g.counts, s.d, g.width,
-                              s.gqa_select.value, s.aggregate.value, float(scale))
+                              s.gqa_select.value, s.aggregate.value, float(scale), prefix_scale)
     run = state.decode_run
     if run is None or run.scale != float(scale):
         run = state.decode_run = DecodeRun(s, scale=scale)
     return run.step(q_hat=q_hat, k_hat=key, v_cache=value, k_prefix=prefix, lengths=g.dec_lengths,
-                    starts=g.dec_starts, counts=g.counts, width=g.width)
+                    starts=g.dec_starts, counts=g.counts, width=g.width, prefix_scale=prefix_scale)
 
 
 def _reference(state, plan, g: LayerRanges, query, key, value, store, transforms, keys_rotated, scale):
@@ -136,7 +149,7 @@ def reference_outside_graph(state: LokiState, compiling: bool, fn, *args, **kwar
     (``state``) that the compiled step is not the kernels'.  Same result as eager decoding."""
     if compiling:
         s = state.settings
-        if s.score_format is not ScoreFormat.NATIVE:
+        if s.score_format.reference_only:
             why = f"score_format={s.score_format.value!r}, which the kernels do not read"
         elif s.backend is Backend.TORCH:
             why = "backend='torch'"
@@ -144,6 +157,8 @@ def reference_outside_graph(state: LokiState, compiling: bool, fn, *args, **kwar
             why = f"method={s.method.value!r}, which has no kernels"
         else:
             why = f"backend={s.backend.value!r} with autograd recording (the Triton kernels have no backward)"
+            if s.int8_prefix:
+                why += ", or score_format='int8' with no int8 copy of the keys in step with the cache"
         state.warn_once("reference", (
             f"Loki's decode step runs the PyTorch reference ({why}): inside torch.compile it runs eagerly, outside "
             "the compiled graph and any CUDA graph, so the step is much slower than the kernels' (results are the "

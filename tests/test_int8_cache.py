@@ -1,0 +1,234 @@
+"""The "int8" score copy on the kernels: ``LokiSettings(score_format="int8")`` with the Triton backend, the caches
+writing the copy (int8 codes of the stored keys' d scored dims, a bf16 scale per token), the decode step reading it
+(``launch_decode_step(prefix_scale=...)``, ``DecodeRun.step``, the ``loki::decode_step`` op), against the PyTorch
+reference's ``score_format="int8"``.
+
+CPU: tiny random models (fp32) and the Triton interpreter; compiled steps with the "aot_eager" backend.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from loki import LokiSettings  # noqa: E402
+from loki.reference.score_formats import encode_int8_score_keys  # noqa: E402
+from loki.settings import Backend  # noqa: E402
+
+PROMPT, STEPS = 24, 6
+
+
+def test_settings_run_int8_on_the_kernels_and_the_other_formats_on_the_reference():
+    kw = dict(num_q_heads=4, num_kv_heads=2, head_dim=16)
+    s = LokiSettings(d=0.5, score_format="int8", backend="triton").resolve_shapes(**kw)
+    assert s.backend is Backend.TRITON and s.prefix_dims == 8 and s.int8_prefix
+    assert s.reference_args() == {"score_format": "int8"}
+    s = LokiSettings(score_format="int8").resolve_shapes(**kw, device="cuda")
+    assert s.backend is Backend.AUTO and s.prefix_dims == 4 and s.int8_prefix
+    s = LokiSettings(score_format="int8").resolve_shapes(**kw, device="cpu")  # auto on a CPU: the reference
+    assert s.backend is Backend.TORCH and s.prefix_dims is None and not s.int8_prefix
+    assert not LokiSettings(backend="triton").resolve_shapes(**kw).int8_prefix  # native: the keys' own elements
+    for fmt in ("fp8", "int4"):
+        with pytest.raises(ValueError, match="runs on the PyTorch reference only"):
+            LokiSettings(score_format=fmt, backend="triton")
+        s = LokiSettings(score_format=fmt).resolve_shapes(**kw, device="cuda")
+        assert s.backend is Backend.TORCH and s.prefix_dims is None and not s.int8_prefix
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("fuse", [None, True], ids=["default", "fuse-asked"])
+@pytest.mark.parametrize("mode,agg,d,seed", [("query", "sum", 16, 0), ("kv", "sum", 8, 4), ("kv", "max", 16, 5),
+                                             ("kv", "softmax-max", 8, 0), ("kv", "softmax-max", 16, 4)])
+@torch.no_grad()
+def test_the_decode_step_reads_the_int8_copy_like_the_reference(triton_device, mode, agg, d, seed, fuse):
+    """``launch_decode_step(k_prefix=codes, prefix_scale=scale)`` equals the reference's ``score_format="int8"``
+    (never the fused kernels, which read a 16-bit prefix; never the rounded scores reused as exact ones), and
+    differs from the native step (inputs where the rounding changes a selection; 16 dims: the tensor-core scores)."""
+    from loki.kernels.decode import DecodeTuning, launch_decode_step, selection_bound
+    from loki.reference import loki_attention
+    from loki.reference.selection import budget
+    from loki.testing.inputs import make_decode_inputs
+
+    k = 32
+    x = make_decode_inputs(2, 4, 2, 128, 32, device=triton_device, ragged=True, left_pad=True, seed=seed)
+    B, _, S, _ = x.k_cache.shape
+    codes, scale = encode_int8_score_keys(x.k_cache[..., :d])
+    counts = budget(k, x.lengths, x.starts, B, S, x.q.device)
+    common = dict(q_hat=x.q, k_hat=x.k_cache, v_cache=x.v_cache, lengths=x.lengths, starts=x.starts, counts=counts,
+                  d=d, width=selection_bound(k, S), gqa_select=mode, aggregate=agg, scale=None,
+                  tuning=DecodeTuning(fuse_select=fuse))
+    _, got = launch_decode_step(k_prefix=codes, prefix_scale=scale, **common)
+    want = loki_attention(x.q, x.k_cache, x.v_cache, d=d, counts=counts, lengths=x.lengths, starts=x.starts,
+                          gqa_select=mode, aggregate=agg, score_format="int8")
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-4, atol=1e-4)
+    _, native = launch_decode_step(k_prefix=None, **common)
+    assert (native.float() - want.float()).abs().max().item() > 1e-3  # the rounding changes selections here
+    with pytest.raises(ValueError, match="pass the copy's codes as k_prefix"):
+        launch_decode_step(k_prefix=None, prefix_scale=scale, **common)
+
+
+def _model_and_basis():
+    from loki.basis import PCABasis
+    from loki.testing.models import tiny_model
+
+    model = tiny_model("llama", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, seed=0)
+    c = model.config
+    return model, PCABasis.random(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, seed=1)
+
+
+def _decode(model, basis, *, fmt, backend, static, compiled=False, check_store=False, gqa_select="auto"):
+    """Logits of STEPS decode steps after a dense prefill of PROMPT tokens ([STEPS, V]); ``check_store``: the cache's
+    int8 copy equals ``encode_int8_score_keys`` of its stored keys after every forward."""
+    from loki._hf import cache_keyword
+    from loki.integrations.transformers import disable_loki, enable_loki, loki_cache
+
+    ids = torch.randint(0, model.config.vocab_size, (1, PROMPT + STEPS), generator=torch.Generator().manual_seed(2))
+    enable_loki(model, basis, settings=LokiSettings(k=0.25, d=0.5, score_format=fmt, backend=backend,
+                                                    gqa_select=gqa_select))
+    try:
+        with torch.no_grad():
+            cache = loki_cache(model, static=True, max_cache_len=PROMPT + STEPS + 2) if static else loki_cache(model)
+            kw = {cache_keyword(model): cache, "use_cache": True}
+            model(input_ids=ids[:, :PROMPT], **kw)  # dense prefill
+            step = torch.compile(model.forward, fullgraph=True, backend="aot_eager") if compiled else model
+            rows = []
+            for t in range(PROMPT, PROMPT + STEPS):
+                pos = torch.tensor([t])
+                rows.append(step(input_ids=ids[:, t : t + 1], cache_position=pos, position_ids=pos[None],
+                                 **kw).logits[0, -1])
+                if check_store:
+                    _check_int8_copy(cache, t + 1, static)
+            return torch.stack(rows)
+    finally:
+        disable_loki(model)
+
+
+def _check_int8_copy(cache, n: int, static: bool) -> None:
+    for layer in cache.layers:
+        store = layer.loki
+        assert store.prefix.dtype == torch.int8 and store.prefix_scale.dtype == torch.bfloat16
+        keys = layer.keys
+        if static:
+            assert store.prefix.shape[-2] == store.prefix_scale.shape[-1] == keys.shape[-2]
+            keys, prefix, scale = keys[:, :, :n], store.prefix[:, :, :n], store.prefix_scale[:, :, :n]
+        else:
+            assert store.prefix.shape[-2] == store.prefix_scale.shape[-1] == keys.shape[-2] == n
+            prefix, scale = store.prefix, store.prefix_scale
+        codes, want_scale = encode_int8_score_keys(keys[..., : store.prefix_dims])
+        assert torch.equal(prefix, codes) and torch.equal(scale, want_scale)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_a_model_decodes_on_the_int8_copy_like_the_reference(triton_device, static, monkeypatch):
+    """``enable_loki(score_format="int8", backend="triton")``: the caches keep the int8 copy of the stored keys, the
+    kernels' step reads it, and the decode steps' logits equal the reference's with the same format and differ from
+    the native copy's."""
+    if triton_device.type != "cpu":
+        pytest.skip("the interpreter's test (a GPU run needs no change but the device)")
+    from loki.kernels.plan import DecodeRun
+
+    seen = []
+    real = DecodeRun.step
+
+    def spy(self, **kwargs):
+        seen.append((kwargs["k_prefix"], kwargs.get("prefix_scale")))
+        return real(self, **kwargs)
+
+    monkeypatch.setattr(DecodeRun, "step", spy)
+    model, basis = _model_and_basis()
+    got = _decode(model, basis, fmt="int8", backend="triton", static=static, check_store=True)
+    assert len(seen) == STEPS * model.config.num_hidden_layers
+    assert all(p.dtype == torch.int8 and sc is not None and sc.dtype == torch.bfloat16 for p, sc in seen)
+    seen.clear()
+    want = _decode(model, basis, fmt="int8", backend="torch", static=static)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    native = _decode(model, basis, fmt="native", backend="triton", static=static)
+    assert seen and all(sc is None and p.dtype == torch.float32 for p, sc in seen)  # the native prefix as before
+    assert not torch.allclose(got, native, atol=1e-4)
+
+
+@pytest.mark.interpreter
+def test_a_compiled_static_step_passes_the_int8_copy_to_the_op(triton_device, monkeypatch):
+    """Traced whole (``fullgraph=True``, aot_eager), the kernels' route calls ``loki::decode_step`` with the copy's
+    codes and scales (the CPU registration: the reference's int8 scores) and gives the eager kernels' logits."""
+    if triton_device.type != "cpu":
+        pytest.skip("the interpreter's test")
+    from loki.integrations.transformers import run as lt_run
+
+    seen = []
+    real = lt_run.decode_step_op
+
+    def spy(*args):
+        seen.append((args[3], args[-1]))
+        return real(*args)
+
+    monkeypatch.setattr(lt_run, "decode_step_op", spy)
+    torch._dynamo.reset()
+    model, basis = _model_and_basis()
+    got = _decode(model, basis, fmt="int8", backend="triton", static=True, compiled=True)
+    assert seen and all(p is not None and p.dtype == torch.int8 and sc is not None and sc.dtype == torch.bfloat16
+                        for p, sc in seen)
+    want = _decode(model, basis, fmt="int8", backend="triton", static=True)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.interpreter
+@torch.no_grad()
+def test_an_int8_step_without_its_copy_runs_the_reference(triton_device, monkeypatch):
+    """A cache whose int8 copy is missing (here: dropped) never has its keys read in place as native scores: the
+    step takes the reference route (the same logits as the reference with score_format="int8")."""
+    if triton_device.type != "cpu":
+        pytest.skip("the interpreter's test")
+    from loki.integrations.transformers.layers import LokiDynamicLayer
+
+    real = LokiDynamicLayer.update
+
+    def update_then_drop(self, *a, **k):
+        out = real(self, *a, **k)
+        self.loki.prefix_scale = None  # the copy is gone (as after an edit outside Loki)
+        return out
+
+    want = _decode(*_model_and_basis(), fmt="int8", backend="torch", static=False)
+    monkeypatch.setattr(LokiDynamicLayer, "update", update_then_drop)
+    got = _decode(*_model_and_basis(), fmt="int8", backend="triton", static=False)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.interpreter
+@torch.no_grad()
+def test_the_int8_copy_follows_crop_reorder_and_reset(triton_device):
+    """The copy is rebuilt from the stored keys after transformers edits a dynamic layer (crop, beam reorder) and
+    is reordered and zeroed with a static layer's keys."""
+    if triton_device.type != "cpu":
+        pytest.skip("the interpreter's test")
+    from loki._hf import cache_keyword
+    from loki.integrations.transformers import disable_loki, enable_loki, loki_cache
+
+    model, basis = _model_and_basis()
+    ids = torch.randint(0, model.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(3))
+    enable_loki(model, basis, settings=LokiSettings(k=0.25, d=0.5, score_format="int8", backend="triton"))
+    try:
+        cache = loki_cache(model)
+        kw = {cache_keyword(model): cache, "use_cache": True}
+        model(input_ids=ids[:, :16], **kw)
+        cache.crop(-4)
+        model(input_ids=ids[:, 12:13], **kw)  # the buffers are made again from the 12 tokens kept
+        _check_int8_copy(cache, 13, static=False)
+        cache.reorder_cache(torch.tensor([1, 0]))
+        model(input_ids=ids[:, 13:14], **kw)
+        _check_int8_copy(cache, 14, static=False)
+        static = loki_cache(model, static=True, max_cache_len=24)
+        model(input_ids=ids[:, :16], **{cache_keyword(model): static, "use_cache": True})
+        layer = static.layers[0]
+        before = layer.loki.prefix.clone(), layer.loki.prefix_scale.clone()
+        static.reorder_cache(torch.tensor([1, 0]))
+        assert torch.equal(layer.loki.prefix, before[0][[1, 0]])
+        assert torch.equal(layer.loki.prefix_scale, before[1][[1, 0]])
+        _check_int8_copy(static, 16, static=True)
+        static.reset()
+        assert not layer.loki.prefix.any() and not layer.loki.prefix_scale.any()
+    finally:
+        disable_loki(model)
