@@ -84,6 +84,8 @@ def test_selection():
                                   "--paths", "sdpa_compiled", "loki_compiled", "--steps", "8"))
     assert [s.id for s in one["grid"]] == ["llama3-8b-B16-S8192"]
     assert one["paths"] == ("sdpa_compiled", "loki_compiled") and one["steps"] == 8
+    assert one["score_format"] == "native"
+    assert e2e_report.select(_args("--e2e", "--quick", "--score-format", "int8"))["score_format"] == "int8"
 
 
 def test_default_selection_is_the_accuracy_suites(capsys):
@@ -140,6 +142,11 @@ def test_byte_floor_by_hand():
     # averaged over the steps' lengths; k rounds up
     avg = e2e.byte_floor(cfg2, 1, [10, 11], weights=0, itemsize=2, k_f=0.25, d_f=0.25, gqa_select="query")
     assert avg["loki_kv"] == 32 * (32 * 21 * 32 + 2 * 32 * (3 + 3) * 128) * 2 / 2
+    # an int8 score copy of 2d dims: d one-byte codes and a 2-byte scale per token, the selection's rows unchanged
+    i8 = e2e.byte_floor(cfg3, 16, [8192], weights=0, itemsize=2, k_f=0.25, d_f=0.5, gqa_select="kv",
+                        score_format="int8")
+    assert i8["d"] == 64 and i8["score_format"] == "int8"
+    assert i8["loki_kv"] == 32 * 16 * (8 * 8192 * (64 + 2) + 2 * 8 * 2048 * 128 * 2)
 
 
 def test_memory_needed_skips_what_cannot_fit_an_h100():
@@ -230,6 +237,18 @@ def test_loki_compiled_path_uncompiled_on_cpu():
     assert r.get("finite"), r
     assert r["generate_ms_per_token"] > 0 and not r["generate_compiled"]  # generate on the LokiStaticCache
     assert r["rewind_diff"] < 1e-4 and r["attn_implementation"] == "loki" and r["cache_layer"] == "LokiStaticLayer"
+
+
+def test_the_int8_score_copy_runs_where_asked():
+    """--score-format int8: enable_loki gets it (on the CPU the reference rounds the keys as the copy holds them)
+    and the run records it, with the byte floor of the copy."""
+    if e2e._loki_import_error():
+        pytest.skip(e2e._loki_import_error())
+    (res,) = e2e.run_grid([e2e.Setting("tiny", 2, 40)], device="cpu", dtype=torch.float32, models=TINY, steps=3,
+                          paths=("loki_eager",), log=lambda m: None, d_f=0.5, score_format="int8")
+    r = res["paths"]["loki_eager"]
+    assert r.get("finite"), r
+    assert r["score_format"] == "int8" and res["score_format"] == "int8" and res["bytes"]["score_format"] == "int8"
 
 
 def test_skips_budget_and_memory():

@@ -262,3 +262,57 @@ def test_sparq_score_bytes_count_the_components_a_group_reads():
         teacher_forced_rows(q1, k, v, starts, lengths, method="sparq", k_budget=0.5, d=r, gqa_select="query",
                             aggregate="sum")
     assert t1.component_fraction == pytest.approx(r / D)
+
+
+def test_retrieval_runs_every_method_at_its_matched_budget(monkeypatch):
+    """--retrieval: the suite runs each method at the budget matched on the window set nearest in length (not the
+    default's), pools the answers, and pairs every method with exact top-k of the default's mode and the default."""
+    from loki.evaluation import retrieval as ret_mod
+    from loki.evaluation.bases import CalibrationRecipe
+    from loki.testing.models import ByteTokenizer, tiny_model
+
+    seen = {}
+    real = ret_mod.evaluate_retrieval
+
+    def spy(model, tokenizer, specs, bases=None, **kw):
+        seen.update({s.name: s for s in specs}, kw=kw)
+        return real(model, tokenizer, specs, bases, **kw)
+
+    monkeypatch.setattr(ret_mod, "evaluate_retrieval", spy)
+    import loki.integrations.transformers as hf
+
+    formats, enable = set(), hf.enable_loki
+
+    def enable_spy(*args, **kw):  # the retrieval decodes each method with its own score format
+        formats.add(kw.get("score_format"))
+        return enable(*args, **kw)
+
+    monkeypatch.setattr(hf, "enable_loki", enable_spy)
+    torch.manual_seed(0)
+    model = tiny_model("llama", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, seed=0)
+    opts = CompareOptions(windows=((160, 1), (1152, 1)), methods=("loki", "exact_topk[kv]", "loki[int8]", "sparq"),
+                          recipe=CalibrationRecipe(num_tokens=1152, seq_len=1152, max_positions=1200),
+                          use_cache=False, progress=False, probe_rows=64,
+                          retrieval={"context_lens": (1152,), "samples": 3, "batch_size": 2, "tasks": ("passkey",)})
+    res = run_compare(model, ByteTokenizer(), opts)
+    rows = {r["name"]: r for r in res["runs"][1]["rows"]}
+    (entry,) = res["retrieval"]
+    assert entry["context_len"] == 1152 and entry["budgets_from"] == 1152 and entry["oracle"] == "exact_topk[kv]"
+    assert seen["kw"]["context_lens"] == (1152,) and seen["kw"]["samples"] == 3
+    for name in ("loki", "loki[int8]", "sparq"):  # each at its own matched budget of the 1152-token windows
+        assert seen[name].k == rows[name]["k"], name
+    assert seen["loki[int8]"].score_format == "int8" and seen["loki[int8]"].d == 0.5
+    assert rows["sparq"]["k"] != rows["loki"]["k"]
+    got = {r["name"]: r for r in entry["rows"]}
+    assert set(got) == {"full", "loki", "exact_topk[kv]", "loki[int8]", "sparq"}
+    for name, r in got.items():
+        assert r["n"] == 3 and 0 <= r["correct"] <= 3
+        if name in ("full", "loki"):
+            assert "vs_default" not in r
+        else:
+            d = r["vs_default"]
+            assert d["lo"] <= d["diff"] <= d["hi"] and d["n"] == 3
+    assert "vs_oracle" not in got["exact_topk[kv]"] and "vs_oracle" in got["loki"]
+    md = compare_markdown(res)
+    assert {"native", "int8"} <= formats  # (the perplexity runs pass LokiSettings: None here)
+    assert "## Retrieval at 1152 tokens" in md and "| **Loki, default" in md.split("## Retrieval")[1]

@@ -5,7 +5,9 @@ compiled static cache on CUDA) x batch (one unpadded sequence passed without a m
 left-padded, ragged left padding) x basis (an orthogonal PCA basis; a score-aware pair whose key transform is not
 orthogonal) x budget (k = 1.0 and an int k above every valid length must equal dense attention; k = 0.5 and int
 k in {1, P - 1, P} must equal the dynamic PyTorch path) x GQA mode ("kv" with the raw sum; a few cases,
-``AGG_CASES``, of the shared selection with the softmax aggregates, written "kv:<aggregate>").  Logits of the
+``AGG_CASES``, of the shared selection with the softmax aggregates, written "kv:<aggregate>"; and a few,
+``INT8_CASES``, with the int8 score copy, written "<mode>@int8", whose reference is the dynamic PyTorch path in the
+same score format).  Logits of the
 prefill's last position and of every decode step are compared (fp32, to 1e-5), never greedy tokens.
 
 On the CPU the Triton kernels run in the interpreter: the PyTorch paths run the whole matrix, the Triton paths a
@@ -55,8 +57,10 @@ def run_path(path: str, batch_kind: str, basis: str, k, gqa: str, device: str) -
     torch._dynamo.reset()
     model = tiny_model(**MODEL).to(device)
     backend = {"torch": "torch", "triton": "triton", "static": "auto"}[path.split("-")[-1]]
+    gqa, _, score_format = gqa.partition("@")  # "kv@int8": the int8 score copy
     gqa, _, aggregate = gqa.partition(":")  # "kv:softmax-max": a shared selection with that aggregate
-    enable_loki(model, _basis(basis), k=k, d=D_DIMS, backend=backend, gqa_select=gqa, aggregate=aggregate or "sum")
+    enable_loki(model, _basis(basis), k=k, d=D_DIMS, backend=backend, gqa_select=gqa, aggregate=aggregate or "sum",
+                score_format=score_format or "native")
     batch = batch_inputs(batch_kind, prompt_len=P, steps=T).to(device)
     cache = loki_cache(model, static=True, max_cache_len=P + T + 2) if "static" in path else None
     step = None
@@ -134,6 +138,17 @@ AGG_CASES = [
     ("static-triton", "B2-unpadded", "pca", 1.0, SOFTMAX_AGGS[0]),
 ]
 
+#: The int8 score copy (the caches write int8 codes of the d scored dims, the kernels read them): a few cases on
+#: every path, each batch kind and GQA mode, both bases, fractional and int budgets (k = 1.0: dense too).
+INT8_CASES = [
+    ("dynamic-triton", "B3-ragged", "score", 0.5, "kv:softmax-max@int8"),
+    ("static-triton", "B2-left-padded", "pca", P - 1, "query@int8"),
+    ("dynamic-triton", "B1-unpadded", "pca", 1.0, "kv@int8"),
+    ("static-triton", "B2-unpadded", "score", 1, "kv:softmax-max@int8"),
+]
+TORCH_INT8_CASES = [("static-torch", "B3-ragged", "score", 0.5, "kv:softmax-max@int8"),
+                    ("static-torch", "B2-left-padded", "pca", 1.0, "query@int8")]
+
 
 def test_pairwise_subset_covers_every_pair():
     factors = [("dynamic-triton", "static-triton"), KINDS, BASES, BUDGETS, GQA]
@@ -143,7 +158,7 @@ def test_pairwise_subset_covers_every_pair():
     assert len(TRITON_PAIRS) < len(TRITON_ALL) // 3
 
 
-@pytest.mark.parametrize("case", TORCH_CASES, ids=_case_id)
+@pytest.mark.parametrize("case", TORCH_CASES + TORCH_INT8_CASES, ids=_case_id)
 def test_torch_paths(case):
     check_case(*case, "cpu")
 
@@ -154,7 +169,7 @@ def _triton_cpu():
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("case", TRITON_PAIRS + AGG_CASES, ids=_case_id)
+@pytest.mark.parametrize("case", TRITON_PAIRS + AGG_CASES + INT8_CASES, ids=_case_id)
 def test_triton_paths(case):
     _triton_cpu()
     check_case(*case, "cpu")
@@ -175,11 +190,14 @@ def test_triton_paths_rest_of_matrix(case):
 GPU_AGG_CASES = [(path, kind, "pca", k, agg) for path in ("dynamic-triton", "static-triton")
                  for kind, k in (("B1-unpadded", 1.0), ("B2-left-padded", 0.5), ("B3-ragged", P - 1))
                  for agg in SOFTMAX_AGGS]
-GPU_CASES = TORCH_CASES + TRITON_ALL + GPU_AGG_CASES
+GPU_CASES = TORCH_CASES + TORCH_INT8_CASES + TRITON_ALL + GPU_AGG_CASES + INT8_CASES
 COMPILED_CASES = [("compiled-static", kind, basis, k, gqa) for kind, basis, k, gqa in
                   pairwise([KINDS, BASES, (1.0, 0.5, 1, 2 * P), GQA])] + [
                   ("compiled-static", kind, "score", k, agg) for kind, k in (("B2-left-padded", 0.5), ("B3-ragged", 1))
-                  for agg in SOFTMAX_AGGS]
+                  for agg in SOFTMAX_AGGS] + [
+                  ("compiled-static", "B3-ragged", "score", 0.5, "kv:softmax-max@int8"),
+                  ("compiled-static", "B2-left-padded", "pca", 1, "query@int8"),
+                  ("compiled-static", "B1-unpadded", "score", 1.0, "kv@int8")]
 
 
 @pytest.mark.gpu

@@ -719,6 +719,24 @@ def test_check_profile_measures_the_default_mode_and_the_rest_behind_an_option()
     assert check_settings["agreement_tokens"] == 512 and check_settings["windows"] == [[1024, 8]]
 
 
+def test_check_score_format_reaches_every_loki_row_and_the_recorded_settings():
+    """``loki check --score-format int8 --d 0.5``: every Loki row scores on the int8 copy (the oracles and the
+    other methods are unchanged) and the thresholds are tied to it; the native default records no score format."""
+    import argparse
+
+    from loki.evaluation import check, suite
+
+    parser = argparse.ArgumentParser()
+    check.add_arguments(parser)
+    opts = check._options(parser.parse_args(["--score-format", "int8", "--d", "0.5"]))
+    assert opts.score_format == "int8" and opts.d == 0.5
+    specs = suite.suite_methods(replace(opts, gqa_select="kv", all_methods=True), 64, 1024, 0.25)
+    assert {s.score_format for s in specs if s.method == "loki"} == {"int8"}
+    assert {s.score_format for s in specs if s.method != "loki"} == {"native"}
+    assert opts.profile_settings()["score_format"] == "int8"
+    assert "score_format" not in check._options(parser.parse_args([])).profile_settings()
+
+
 def test_check_profile_stays_inside_the_positions_its_bases_cover():
     """No warning about its own configuration: every prompt the check profile feeds Loki, with the question and
     the longest answer decoded, fits the positions its bases were calibrated on."""

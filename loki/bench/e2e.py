@@ -44,6 +44,7 @@ import torch
 
 from loki._checks import budget_counts, check_budget, resolve_d
 from loki._hf import cache_keyword
+from loki.reference.score_formats import score_elements
 from loki.settings import LokiSettings
 
 from .e2e_cache import PeakMemory, _Clock, _dims, _free, fill_cache, make_cache, rewind, sdpa_context
@@ -183,22 +184,25 @@ def weight_bytes(model, B: int) -> int:
     return total
 
 
-def byte_floor(config, B: int, lengths, *, weights: int, itemsize: int, k_f: float, d_f, gqa_select: str) -> dict:
+def byte_floor(config, B: int, lengths, *, weights: int, itemsize: int, k_f: float, d_f, gqa_select: str,
+               score_format: str = "native") -> dict:
     """Bytes a decode step must read, averaged over steps attending ``lengths`` tokens each (the new token
     included): ``dense`` = weights + K and V of every token; ``loki`` = weights + the first d key dims of every
     token + K and V rows of the tokens selected per selecting head (every query head for ``gqa_select="query"``,
     every KV head for ``"kv"``): ``k_f`` is the budget, a fraction or an int count, counted by the one budget rule
-    (``loki._checks.budget_counts``: ceil(k_f * length), or min(k, length))."""
+    (``loki._checks.budget_counts``: ceil(k_f * length), or min(k, length)).  ``score_format``: the score copy's
+    format; "int8" reads d one-byte codes and a 2-byte scale per token instead of d cache elements."""
     L, HQ, HKV, D = _dims(config)
     d = resolve_d(d_f, D)
+    score_bytes = d * itemsize if score_format == "native" else score_elements(score_format, d) * 2
     H = HQ if gqa_select == "query" else HKV
     lengths = list(lengths)
     counts = budget_counts(check_budget(k_f, name="k"), torch.tensor(lengths, dtype=torch.long)).tolist()
     dense = loki = 0
     for n, K in zip(lengths, counts):
         dense += L * B * HKV * n * D * itemsize * 2
-        loki += L * B * (HKV * n * d + 2 * H * K * D) * itemsize
-    return {"weights": weights, "d": d, "gqa_select": gqa_select,
+        loki += L * B * (HKV * n * score_bytes + 2 * H * K * D * itemsize)
+    return {"weights": weights, "d": d, "gqa_select": gqa_select, "score_format": score_format,
             "dense_kv": dense / len(lengths), "loki_kv": loki / len(lengths),
             "dense": weights + dense / len(lengths), "loki": weights + loki / len(lengths)}
 
@@ -216,7 +220,8 @@ def memory_needed(config, B: int, S: int, *, itemsize: int, d_f) -> int:
 def run_path(model, path: str, *, B: int, S: int, steps: int, device, dtype, basis=None, k_f: float = 0.25,
              d_f=0.25, gqa_select: str = "auto", sdpa_backend: str = "default", seed: int = 0,
              compile_mode: str | None = "reduce-overhead", aggregate: str = "auto", generate: bool = False,
-             generate_tokens: int | None = None, generate_reps: int = 3, generate_prompt: str = "cache") -> dict:
+             generate_tokens: int | None = None, generate_reps: int = 3, generate_prompt: str = "cache",
+             score_format: str = "native") -> dict:
     """Time ``steps`` decode steps of ``path`` reaching cache length S (after an untimed pass over the same
     steps); returns ms per step (median, mean, min), tokens/s (B / median), the first pass's wall time (compilation
     and warm-up), what ran (cache and layer classes, attention implementation, finite logits), the largest
@@ -225,7 +230,8 @@ def run_path(model, path: str, *, B: int, S: int, steps: int, device, dtype, bas
     on CUDA the peak memory of these steps (``peak_memory_gib``, weights included; ``base_memory_gib`` allocated
     before the path; None elsewhere).  ``k_f``: the budget, a
     fraction or an int count of tokens; ``gqa_select`` and ``aggregate``: ``enable_loki``'s ("auto": the default
-    configuration).  ``compile_mode=None`` runs a ``*_compiled`` path's static cache without compiling (tests on the
+    configuration); ``score_format``: ``enable_loki``'s (the score copy the caches write).
+    ``compile_mode=None`` runs a ``*_compiled`` path's static cache without compiling (tests on the
     CPU).
 
     ``generate=True``: then whole greedy ``model.generate`` calls on the same cache
@@ -244,9 +250,10 @@ def run_path(model, path: str, *, B: int, S: int, steps: int, device, dtype, bas
     cfg = model.config
     ran = {}
     if path.startswith("loki"):
-        enable_loki(model, basis, k=k_f, d=d_f, gqa_select=gqa_select, aggregate=aggregate)
+        enable_loki(model, basis, k=k_f, d=d_f, gqa_select=gqa_select, aggregate=aggregate, score_format=score_format)
         c = state_of(model).settings  # the settings enable_loki resolved: what runs
-        ran = {"gqa_select": c.gqa_select.value, "aggregate": c.aggregate.value}
+        ran = {"gqa_select": c.gqa_select.value, "aggregate": c.aggregate.value, "score_format": c.score_format.value,
+               "backend": c.backend.value}
     else:
         disable_loki(model)
     cache = fn = out = None
@@ -345,7 +352,7 @@ def run_grid(grid, *, device="cuda", dtype=torch.bfloat16, models=None, paths=PA
              copy_gbps: float | None = None, time_budget_s: float | None = None, seed: int = 0,
              compile_mode: str | None = "reduce-overhead", free_bytes: int | None = None, on_setting=None,
              log=print, aggregate: str = "auto", generate: bool = False, generate_tokens: int | None = None,
-             generate_reps: int = 3, generate_prompt: str = "cache") -> list[dict]:
+             generate_reps: int = 3, generate_prompt: str = "cache", score_format: str = "native") -> list[dict]:
     """Run ``paths`` on every :class:`Setting` of ``grid`` (one model built per model name, settings that do not
     fit the device memory or the time budget reported as skipped: a path is not started when the time spent plus
     its last duration would pass ``time_budget_s``).  ``models`` maps names to ``LlamaConfig``
@@ -354,7 +361,8 @@ def run_grid(grid, *, device="cuda", dtype=torch.bfloat16, models=None, paths=PA
     ``enable_loki`` resolves it, the configuration the accuracy suite gates; "sum": raw sums).  Each result records
     the ``gqa_select`` and ``aggregate`` it ran (``aggregate`` "sum" for per-query-head selection, which has none).
     ``k_f``: the budget of settings without their own (``Setting.k``), a fraction
-    or an int count of tokens.  ``generate`` and the ``generate_*`` options: whole ``generate`` calls per path
+    or an int count of tokens; ``score_format``: Loki's score copy ("native" or "int8").  ``generate`` and the
+    ``generate_*`` options: whole ``generate`` calls per path
     (:func:`run_path`).
     ``free_bytes`` overrides the device memory free beside the model (measured on CUDA, unchecked elsewhere).
     ``on_setting(result)`` is called after each setting (for incremental output).  Returns one dict per setting."""
@@ -382,14 +390,15 @@ def run_grid(grid, *, device="cuda", dtype=torch.bfloat16, models=None, paths=PA
         for s in (s for s in grid if s.model == name):
             k = s.budget(k_f)
             res = {"id": s.id, "model": name, "B": s.B, "S": s.S, "steps": steps, "n0": s.S - steps,
-                   "k_f": k, "d_f": d_f, "gqa_select": mode, "aggregate": agg, "model_build_s": build_s,
+                   "k_f": k, "d_f": d_f, "gqa_select": mode, "aggregate": agg, "score_format": score_format,
+                   "model_build_s": build_s,
                    "paths": {}}
             if generate:
                 res["generate"] = {"new_tokens": generate_tokens or steps, "reps": generate_reps,
                                    "prompt": generate_prompt}
             wb = weight_bytes(model, s.B)
             res["bytes"] = byte_floor(config, s.B, range(s.S - steps + 1, s.S + 1), weights=wb, itemsize=itemsize,
-                                      k_f=k, d_f=d_f, gqa_select=mode)
+                                      k_f=k, d_f=d_f, gqa_select=mode, score_format=score_format)
             if copy_gbps:
                 res["floor_ms"] = {p: res["bytes"][p] / (copy_gbps * 1e9) * 1e3 for p in ("dense", "loki")}
             need = memory_needed(config, s.B, s.S, itemsize=itemsize, d_f=d_f)
@@ -414,7 +423,8 @@ def run_grid(grid, *, device="cuda", dtype=torch.bfloat16, models=None, paths=PA
                                                basis=basis, k_f=k, d_f=d_f, gqa_select=mode,
                                                sdpa_backend=sdpa_backend, seed=seed, compile_mode=compile_mode,
                                                aggregate=agg, generate=generate, generate_tokens=generate_tokens,
-                                               generate_reps=generate_reps, generate_prompt=generate_prompt)
+                                               generate_reps=generate_reps, generate_prompt=generate_prompt,
+                                               score_format=score_format)
                 except torch.cuda.OutOfMemoryError as exc:
                     res["paths"][p] = {"skipped": f"out of memory: {str(exc).splitlines()[0][:200]}"}
                 except Exception as exc:  # noqa: BLE001 - one failing path is reported, the others still run

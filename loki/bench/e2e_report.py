@@ -74,6 +74,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="how a shared (kv) selection combines the group's scores (default: auto = softmax-max, "
                    "enable_loki's default and the configuration the accuracy suite gates; sum: raw sums, the timing "
                    "before softmax-max became the default)")
+    g.add_argument("--score-format", choices=("native", "int8"), default="native",
+                   help="Loki's score copy: native (the first d dims in the cache's dtype, the default) or int8 "
+                   "(int8 codes of the first d dims and a bf16 scale per token; --budgets 2048:0.5 reads the "
+                   "bytes of the native copy at d_f 0.25)")
     g.add_argument("--settings", nargs="+", default=None, metavar="ID",
                    help="setting ids to run, e.g. llama3-8b-B1-S131072-k2048 llama3-8b-B8-S32768 (instead of the "
                    "grid of --models/--batches/--seq-lens/--quick)")
@@ -155,6 +159,7 @@ def select(args) -> dict:
                              f"{', '.join(short)}")
     return {"grid": grid, "k_f": k_f, "d_f": d_f, "paths": tuple(args.paths or PATHS), "steps": args.steps,
             "gqa_select": args.gqa_select, "aggregate": aggregate, "sdpa_backend": args.sdpa_backend,
+            "score_format": args.score_format,
             "time_budget_s": args.time_budget,
             "generate": args.generate, "generate_tokens": n_gen if args.generate else None,
             "generate_reps": args.generate_reps, "generate_prompt": args.generate_prompt}
@@ -382,7 +387,7 @@ def run(args, copy_bandwidth=None) -> int:
            "transformers": transformers.__version__, "triton": triton_version, "dtype": args.dtype,
            "copy_gbps": copy_gbps, "sdpa_backend": sel["sdpa_backend"], "sdpa_backends": sdpa_backend_config(),
            "k_f": sel["k_f"], "d_f": sel["d_f"], "steps": sel["steps"], "paths": list(sel["paths"]),
-           "gqa_select": sel["gqa_select"], "aggregate": sel["aggregate"],
+           "gqa_select": sel["gqa_select"], "aggregate": sel["aggregate"], "score_format": sel["score_format"],
            "generate": {k: sel[k] for k in ("generate_tokens", "generate_reps", "generate_prompt")}
            if sel["generate"] else None,
            "grid": [s.id for s in sel["grid"]], "results": []}
@@ -401,7 +406,7 @@ def run(args, copy_bandwidth=None) -> int:
              copy_gbps=copy_gbps,
              time_budget_s=sel["time_budget_s"], on_setting=save, log=lambda m: print(m, flush=True),
              generate=sel["generate"], generate_tokens=sel["generate_tokens"], generate_reps=sel["generate_reps"],
-             generate_prompt=sel["generate_prompt"])
+             generate_prompt=sel["generate_prompt"], score_format=sel["score_format"])
     with open(stem + ".json", "w") as f:
         json.dump(doc, f, indent=1)
     write_markdown(doc, stem + ".md")

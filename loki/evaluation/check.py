@@ -158,6 +158,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="budget of the retrieval suite: a fraction or a count of tokens (default: 0.125)")
     parser.add_argument("--d", "--dims", type=_fraction, default=None,
                         help="principal-dims fraction d_f (default: 0.25)")
+    parser.add_argument("--score-format", default="native", choices=("native", "fp8", "int8", "int4"),
+                        help="how every Loki row's approximate scores read the keys' d leading dims: native (the "
+                        "cache's elements, the default), or a copy in fewer bits with a 16-bit scale per token, "
+                        "e.g. --score-format int8 --d 0.5 reads the bytes of the native default at 0.25 "
+                        "(fp8 and int4 run on the PyTorch reference only; int8 on the kernels too)")
     parser.add_argument("--windows", type=_windows, default=None,
                         help="evaluation windows TOKENSxCOUNT[,...], the first is the primary one (default: the "
                         "profile's)")
@@ -216,6 +221,8 @@ def _options(args) -> SuiteOptions:
         opts = replace(opts, k=args.k, k_values=tuple(k for k in opts.k_values if k != args.k))
     if args.d is not None:
         opts = replace(opts, d=args.d)
+    if args.score_format != "native":
+        opts = replace(opts, score_format=args.score_format)
     if args.k_counts is not None:
         opts = replace(opts, k_counts=args.k_counts)
     if args.retrieval_k is not None:

@@ -11,7 +11,12 @@ and measures, on the same windows with decode-time semantics (every query row a 
 - the bytes per step it actually read, relative to dense (measured from its selections,
   :mod:`loki.reference.accounting`);
 - its recall of the exact top-k set and the attention mass its selection captures, per layer and head
-  (:mod:`loki.evaluation.diagnostics`), which locate a loss.
+  (:mod:`loki.evaluation.diagnostics`), which locate a loss;
+- on request (``CompareOptions.retrieval``), its accuracy on the synthetic retrieval suite
+  (:mod:`loki.evaluation.retrieval`) at each method's matched budget of the window set nearest in length, decoded
+  greedily one sparse decode step per token on the engine, pooled over the tasks where full attention is above
+  chance, with Wilson intervals and paired differences against exact top-k of the default's GQA mode and against
+  the default.
 
 **Matched bytes.**  The byte model of every method lives in one place
 (:func:`loki.reference.accounting.step_bytes_fraction`): a score phase (Loki and Double Sparsity ``d/(2D)``, SparQ
@@ -246,6 +251,9 @@ class CompareOptions:
     text_file: str | None = None
     recipe: object = None  # a CalibrationRecipe (None: the evaluation's default recipe)
     batch_size: int = 2
+    # the retrieval suite at the matched budgets: None (off) or evaluate_retrieval's keyword arguments, e.g.
+    # {"context_lens": (8192,), "samples": 32, "batch_size": 16}
+    retrieval: dict | None = None
     use_cache: bool = True
     progress: bool = True
     log: Callable[[str], None] | None = None
@@ -353,8 +361,59 @@ def run_compare(model, tokenizer, opts: CompareOptions | None = None) -> dict:
                     inc = paired_increase(token_nll[row["name"]], token_nll[default.name])
                     row.update(vs_default=inc["increase"], vs_default_lo=inc["lo"], vs_default_hi=inc["hi"])
         results["runs"].append(run)
+    if opts.retrieval:
+        results["retrieval"] = compare_retrieval(model, tokenizer, results["runs"], methods, default, bases, opts,
+                                                 log)
     results["settings"]["seconds"] = time.perf_counter() - t_start
     return results
+
+
+def compare_retrieval(model, tokenizer, runs: list[dict], methods: list[CompareMethod], default: CompareMethod,
+                      bases: dict, opts: CompareOptions, log) -> list[dict]:
+    """The retrieval suite (:func:`loki.evaluation.retrieval.evaluate_retrieval`, ``opts.retrieval`` its keyword
+    arguments) with every method of ``runs`` at the budget it was matched to on the window set nearest in length to
+    each context length (H2O, which decodes token by token, up to ``opts.h2o_max_len`` tokens).  Returns one entry
+    per context length: the window set the budgets came from, and per method its pooled accuracy (the tasks where
+    full attention is above chance) with its Wilson interval and paired differences (Newcombe) against exact top-k
+    of the default's GQA mode (``vs_oracle``) and against the default (``vs_default``)."""
+    from loki.evaluation.intervals import paired_difference
+    from loki.evaluation.retrieval import evaluate_retrieval
+
+    kw = dict(opts.retrieval)
+    lens = tuple(kw.pop("context_lens", (8192,)))
+    by_name = {m.name: m for m in methods}
+    oracle = next((m.name for m in methods if m.method == "exact_topk" and m.gqa_select == default.gqa_select
+                   and m.aggregate == default.aggregate), None)
+    out = []
+    for L in lens:
+        run = min(runs, key=lambda r: (abs(r["seq_len"] - L), -r["seq_len"]))
+        specs, rows = [], {}
+        for row in run["rows"]:
+            m = by_name.get(row["name"])
+            if m is None or "skipped" in row or (m.method == "h2o" and L > opts.h2o_max_len):
+                continue
+            specs.append(_spec(m, row["k"], opts.d))
+            rows[m.name] = row
+        log(f"retrieval at {L} tokens: {len(specs)} methods at the budgets matched on {run['seq_len']} tokens")
+        res = evaluate_retrieval(model, tokenizer, specs, bases, context_lens=(L,), progress=opts.progress, **kw)
+        pooled = {c["name"]: c for c in res["cells"] if c["task"] == "all" and c["context_len"] == L}
+        if not pooled:  # one task: its own cells
+            pooled = {c["name"]: c for c in res["cells"] if c["context_len"] == L}
+        tasks = next(iter(pooled.values())).get("pooled_tasks", list(res["config"]["tasks"]))
+        correct = {n: [x for t in tasks for x in res["samples"][f"{t}/{L}/{n}"]["correct"]] for n in pooled}
+        entry = {"context_len": L, "budgets_from": run["seq_len"], "tasks": tasks, "oracle": oracle,
+                 "default": default.name, "samples": kw.get("samples"), "rows": []}
+        for n, c in pooled.items():
+            r = {"name": n, "label": rows[n]["label"] if n in rows else n, "k": rows.get(n, {}).get("k"),
+                 "bytes_fraction": rows.get(n, {}).get("bytes_fraction"), "default": n == default.name,
+                 "n": c["n"], "correct": c["correct"], "accuracy": c["accuracy"], "ci": c["ci"]}
+            for key, ref in (("vs_oracle", oracle), ("vs_default", default.name)):
+                if ref in correct and ref != n and n != "full":
+                    r[key] = paired_difference(correct[n], correct[ref])
+            entry["rows"].append(r)
+        entry["config"] = res["config"]
+        out.append(entry)
+    return out
 
 
 def _choose_budget(m: CompareMethod, probe: BytesProbe, target: float, opts: CompareOptions, D: int,

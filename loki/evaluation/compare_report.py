@@ -68,8 +68,40 @@ def compare_markdown(results: dict) -> str:
             lines.append(f"| {name} | {k} | {d} | {_fmt(r['bytes_fraction'])} | {r['ppl']:.3f} | {inc} | "
                          f"{_interval_cell(r, 'vs_default')} | {_fmt(r.get('recall'))} | {mass} | {r['note']} |")
         lines += ["", *_layer_table(run), "", *_worst_heads(run), ""]
+    for ret in results.get("retrieval") or []:
+        lines += _retrieval_table(ret)
     lines.append(f"Ran in {st.get('seconds', 0):.0f} s ({st['threads']} torch threads, torch {st['torch']}).")
     return "\n".join(lines) + "\n"
+
+
+def _diff_cell(d: dict | None) -> str:
+    if d is None:
+        return "-"
+    return f"{100 * d['diff']:+.1f} [{100 * d['lo']:+.1f}, {100 * d['hi']:+.1f}]"
+
+
+def _retrieval_table(ret: dict) -> list[str]:
+    """One context length of the retrieval suite: pooled accuracy per method with its interval and the paired
+    differences, in points, against exact top-k of the default's mode and against the default."""
+    L = ret["context_len"]
+    lines = [f"## Retrieval at {L} tokens", "",
+             f"The synthetic retrieval suite ({ret.get('samples')} samples per task; pooled over "
+             f"{', '.join(ret['tasks']) or 'no task: full attention is at chance on every one'}, where full "
+             "attention is above chance), decoded greedily, one sparse "
+             f"decode step per token, on the engine; every method at the budget matched on the "
+             f"{ret['budgets_from']}-token windows. Accuracy with "
+             "its Wilson 95% interval; paired differences in points with Newcombe's 95% interval against "
+             f"`{ret['oracle']}` and against the default.", "",
+             "| method | k_f | accuracy [95%] | vs exact top-k [95%] | vs the default [95%] |",
+             "|---|---:|---|---|---|"]
+    for r in ret["rows"]:
+        name = f"**{r['label']}**" if r["default"] else r["label"]
+        k = "-" if r["k"] is None else _fmt(r["k"], 4)
+        acc = "-" if r["accuracy"] is None else (f"{r['accuracy']:.3f} [{r['ci'][0]:.2f}, {r['ci'][1]:.2f}] "
+                                                 f"({r['correct']}/{r['n']})")
+        lines.append(f"| {name} | {k} | {acc} | {_diff_cell(r.get('vs_oracle'))} | "
+                     f"{_diff_cell(r.get('vs_default'))} |")
+    return lines + [""]
 
 
 def _layer_table(run: dict) -> list[str]:

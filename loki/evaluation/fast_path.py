@@ -44,7 +44,7 @@ FAST_PATH_DTYPES = ("float32", "bfloat16")
 def fast_path_perplexity(model, windows: torch.Tensor, basis, *, k: int | float = 0.25, d: int | float = 0.25,
                          gqa_select: str = "auto", aggregate: str = "auto", dtype: torch.dtype | str | None = None,
                          compile: bool = True, backend: str = "auto", attention_mask: str = "none",
-                         progress: bool = False) -> dict:
+                         progress: bool = False, score_format: str = "native") -> dict:
     """Perplexity of ``model`` on ``windows`` [N, T] (token ids) decoded token by token through the Loki static
     cache (module docstring): ``{"ppl", "nll", "tokens", "window_nll", "token_nll" ([N, T - 1] fp64, CPU),
     "seconds", "steps", "dtype", "compiled", "device", "gqa_select", "aggregate"}``.
@@ -54,8 +54,8 @@ def fast_path_perplexity(model, windows: torch.Tensor, basis, *, k: int | float 
 
     ``dtype``: decode a copy of the model converted to it (None: the model as it is); ``compile``: compile the
     decode steps with ``torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)`` (CUDA only: it
-    records CUDA graphs); ``backend``: ``enable_loki``'s; ``attention_mask``: ``"none"`` or ``"grow"``.
-    The model is left with Loki disabled."""
+    records CUDA graphs); ``backend``, ``score_format``: ``enable_loki``'s; ``attention_mask``: ``"none"`` or
+    ``"grow"``.  The model is left with Loki disabled."""
     from tqdm.auto import tqdm
 
     from loki.integrations.transformers import disable_loki, enable_loki, loki_cache
@@ -86,7 +86,8 @@ def fast_path_perplexity(model, windows: torch.Tensor, basis, *, k: int | float 
     ids = windows.to(dev)
     N, T = ids.shape
     t0 = time.perf_counter()
-    enable_loki(model, basis, k=k, d=d, gqa_select=gqa_select, aggregate=aggregate, backend=backend)
+    enable_loki(model, basis, k=k, d=d, gqa_select=gqa_select, aggregate=aggregate, backend=backend,
+                score_format=score_format)
     step = fn = cache = None
     try:
         cache = loki_cache(model, static=True, max_cache_len=T, batch_size=N)
@@ -135,12 +136,12 @@ def _resolve(model, gqa_select: str, aggregate: str) -> tuple[str, str]:
 
 def fast_path_section(model, windows: torch.Tensor, basis, *, basis_name: str, k: int | float, d: int | float,
                       gqa_select: str = "auto", aggregate: str = "auto", dtypes=FAST_PATH_DTYPES,
-                      progress: bool = False, log=None) -> dict:
+                      progress: bool = False, log=None, score_format: str = "native") -> dict:
     """``loki check``'s fast-path section: the engine's perplexity (``semantics="decode"``, the model's dtype)
     and the fast path's in each of ``dtypes`` on the same windows, with the relative difference and the paired
     95% interval of the increase over the engine, in the GQA mode ``gqa_select`` / ``aggregate`` ("auto": the
     model's default configuration, as ``enable_loki`` resolves it).  Off CUDA: ``{"skipped": reason}`` (compiled
-    CUDA graphs and the Triton kernels are what it checks)."""
+    CUDA graphs and the Triton kernels are what it checks).  ``score_format``: the Loki setting's score copy."""
     from loki.evaluation.intervals import paired_increase
 
     gqa_select, aggregate = _resolve(model, gqa_select, aggregate)
@@ -149,7 +150,8 @@ def fast_path_section(model, windows: torch.Tensor, basis, *, basis_name: str, k
         return {"skipped": f"the fast path (compiled static cache, Triton kernels) needs CUDA; the model is on {dev}"}
     N, T = windows.shape
     name = f"loki-{basis_name}[{gqa_select}]"
-    spec = MethodSpec(name, "loki", k=k, d=d, basis=basis_name, gqa_select=gqa_select, aggregate=aggregate)
+    spec = MethodSpec(name, "loki", k=k, d=d, basis=basis_name, gqa_select=gqa_select, aggregate=aggregate,
+                      score_format=score_format)
     if log:
         log(f"fast path: {setting_label(name, gqa_select, aggregate)} k={k} d={d}, {N} x {T} tokens, engine then "
             f"{', '.join(dtypes)} token by token")
@@ -157,13 +159,14 @@ def fast_path_section(model, windows: torch.Tensor, basis, *, basis_name: str, k
     rows = []
     for dt in dtypes:
         r = fast_path_perplexity(model, windows, basis, k=k, d=d, gqa_select=gqa_select, aggregate=aggregate,
-                                 dtype=dt, compile=True, progress=progress)
+                                 dtype=dt, compile=True, progress=progress, score_format=score_format)
         inc = paired_increase(r["token_nll"], engine.token_nll)
         rows.append({"dtype": r["dtype"], "ppl": r["ppl"], "rel_diff": r["ppl"] / engine.ppl - 1,
                      "increase": inc["increase"], "increase_lo": inc["lo"], "increase_hi": inc["hi"],
                      "seconds": r["seconds"], "steps": r["steps"], "compiled": r["compiled"]})
     return {"setting": {"name": name, "method": "loki", "basis": basis_name, "k": k, "d": d,
-                        "gqa_select": gqa_select, "aggregate": aggregate, "seq_len": T, "windows": N},
+                        "gqa_select": gqa_select, "aggregate": aggregate, "score_format": score_format,
+                        "seq_len": T, "windows": N},
             "engine": {"ppl": engine.ppl, "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
                        "seconds": engine.seconds, "bytes_fraction": engine.bytes_fraction},
             "rows": rows}

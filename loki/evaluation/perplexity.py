@@ -294,12 +294,14 @@ def perplexity(model, windows: torch.Tensor, spec: MethodSpec, bases: dict | Non
 
 def standard_methods(k_f: float = 0.25, d_f: float = 0.25, head_dim: int = 64, *, rotary=("pre", "post"),
                      gqa_modes=("query", "kv"), pcaattn: bool = True, exactness: bool = True,
-                     kv_aggregate: str = DEFAULT_KV_AGGREGATE) -> list[MethodSpec]:
+                     kv_aggregate: str = DEFAULT_KV_AGGREGATE, score_format: str = "native") -> list[MethodSpec]:
     """The suite at matched budgets: full attention, exact top-k (every GQA mode of ``gqa_modes``, in that order),
     Loki for every basis and GQA mode, H2O, PCAAttn and SparQ with ``r = d`` (SparQ reads r of D dims per key as
     Loki reads d, so their score-phase bytes match), plus the exactness settings (Loki with d = D and k = all;
     d = D at k_f, per query head).  The "kv" settings (exact top-k among them: the oracle of the same shared
-    selection) combine a group's scores by ``kv_aggregate`` (default "softmax-max", ``enable_loki``'s)."""
+    selection) combine a group's scores by ``kv_aggregate`` (default "softmax-max", ``enable_loki``'s).
+    ``score_format``: the score copy of the Loki rows at d_f (:mod:`loki.reference.score_formats`; the exactness
+    rows stay native)."""
     if kv_aggregate not in GQA_AGGREGATES:
         raise ValueError(f"kv_aggregate must be one of {GQA_AGGREGATES}, got {kv_aggregate!r}")
     r = max(1, math.ceil(d_f * head_dim - 1e-9))
@@ -310,7 +312,7 @@ def standard_methods(k_f: float = 0.25, d_f: float = 0.25, head_dim: int = 64, *
     for rot in rotary:
         for g in gqa_modes:
             specs.append(MethodSpec(f"loki-{rot}[{g}]", "loki", k=k_f, d=d_f, basis=rot, gqa_select=g,
-                                    aggregate=agg[g]))
+                                    aggregate=agg[g], score_format=score_format))
     specs.append(MethodSpec("h2o", "h2o", k=k_f))
     specs.append(MethodSpec(f"sparq(r={r})", "sparq", k=k_f, d=r))
     pca_rot = "post" if "post" in rotary else rotary[-1]  # PCAAttn and the exactness checks use the PCA basis

@@ -160,7 +160,7 @@ def run_batch(model, tokenizer, input_ids: torch.Tensor, specs: list[MethodSpec]
             basis = bases[spec.basis]
         if spec.method != "full":  # aggregates the Triton kernels lack run on the PyTorch reference
             enable_loki(model, basis, k=spec.k, d=spec.d, method=spec.method, gqa_select=spec.gqa_select,
-                        aggregate=spec.aggregate, semantics="generate",
+                        aggregate=spec.aggregate, semantics="generate", score_format=spec.score_format,
                         backend="auto" if spec.aggregate in KERNEL_AGGREGATES else "torch")
         try:
             if spec.method == "h2o":

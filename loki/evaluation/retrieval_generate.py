@@ -186,7 +186,7 @@ def generate_retrieval(model, tokenizer, specs: list[MethodSpec], bases: dict, *
     bar = tqdm(total=len(jobs), desc="retrieval (generate)", unit="batch", disable=not progress)
     for spec in specs:
         enable_loki(model, bases[spec.basis], k=spec.k, d=spec.d, gqa_select=spec.gqa_select,
-                    aggregate=spec.aggregate, backend=backend, semantics="generate")
+                    aggregate=spec.aggregate, backend=backend, semantics="generate", score_format=spec.score_format)
         caches: dict = {}
         step = None
         try:

@@ -80,6 +80,8 @@ class SuiteOptions:
     # query), "query" or "kv"; and how every shared (kv) row combines a group's scores
     gqa_select: str = "auto"
     kv_aggregate: str = DEFAULT_KV_AGGREGATE
+    # how every Loki row's approximate scores read the keys' d leading dims (loki.reference.score_formats)
+    score_format: str = "native"
     eval_corpus: str = "wikitext"
     windows: tuple[tuple[int, int], ...] = ((1024, 8),)  # (tokens, count); the first is the primary length
     methods: str = "check"  # method set of suite_methods: "tests", "check" or "long"
@@ -155,6 +157,8 @@ class SuiteOptions:
         out = {"k": self.k, "d": self.d, "k_values": list(self.all_k), "calibration": dict(vars(self.recipe)),
                "windows": [list(w) for w in self.windows], "bases": list(self.bases), "methods": self.methods,
                "kv_aggregate": self.kv_aggregate}
+        if self.score_format != "native":
+            out["score_format"] = self.score_format
         if self.agreement_tokens is not None:
             out["agreement_tokens"] = self.agreement_tokens
         return out
@@ -201,7 +205,7 @@ def suite_methods(opts: SuiteOptions, head_dim: int, T: int, k: float) -> list[M
     long = opts.methods == "long"
     specs = standard_methods(k, opts.d, head_dim, rotary=opts.bases, gqa_modes=opts.gqa_modes,
                              pcaattn=long and k == opts.k and "post" in opts.bases, exactness=False,
-                             kv_aggregate=opts.kv_aggregate)[1:]
+                             kv_aggregate=opts.kv_aggregate, score_format=opts.score_format)[1:]
     if opts.methods == "check" and not opts.all_methods:  # the CPU main job: the default and the paper's Loki
         return [s for s in specs if s.method in ("exact_topk", "loki")]  # against the oracle
     # H2O decodes token by token: windows up to h2o_max_len, and in the long profile its primary k only
@@ -318,7 +322,8 @@ def run_suite(model, tokenizer, opts: SuiteOptions | None = None, out_dir=None) 
             results["comparisons"] += _comparisons(measured, T, k, "decode", opts)
             if opts.paper_protocol and isinstance(k, float):  # for a count both protocols keep min(k, i + 1)
                 for spec in [MethodSpec("exact_topk[query]", "exact_topk", k=k)] + [
-                        MethodSpec(f"loki-{b}[query]", "loki", k=k, d=opts.d, basis=b) for b in opts.bases]:
+                        MethodSpec(f"loki-{b}[query]", "loki", k=k, d=opts.d, basis=b, score_format=opts.score_format)
+                        for b in opts.bases]:
                     r = perplexity(model, w, spec, bases, protocol="paper", batch_size=opts.batch_size)
                     results["paper_protocol"].append(_row(r, T, N, full, opts))
     bar.close()
@@ -330,7 +335,8 @@ def run_suite(model, tokenizer, opts: SuiteOptions | None = None, out_dir=None) 
         T0 = opts.windows[0][0]  # the primary windows, in the default configuration (the one the benchmarks time)
         results["fast_path"] = fast_path_section(
             model, windows_by_len[T0], bases[opts.default_basis], basis_name=opts.default_basis, k=opts.k, d=opts.d,
-            gqa_select=opts.gqa_select, aggregate=opts.default_aggregate, progress=opts.progress, log=log)
+            gqa_select=opts.gqa_select, aggregate=opts.default_aggregate, progress=opts.progress, log=log,
+            score_format=opts.score_format)
         if "skipped" in results["fast_path"]:
             log(f"fast path: skipped ({results['fast_path']['skipped']})")
 
@@ -363,7 +369,8 @@ def run_suite(model, tokenizer, opts: SuiteOptions | None = None, out_dir=None) 
         g, agg = opts.gqa_select, opts.default_aggregate  # the default configuration's mode
         ds_specs = [MethodSpec("full", "full"), MethodSpec(f"exact_topk[{g}]", "exact_topk", k=opts.k, gqa_select=g,
                                                            aggregate=agg)] + [
-            MethodSpec(f"loki-{b}[{g}]", "loki", k=opts.k, d=opts.d, basis=b, gqa_select=g, aggregate=agg)
+            MethodSpec(f"loki-{b}[{g}]", "loki", k=opts.k, d=opts.d, basis=b, gqa_select=g, aggregate=agg,
+                       score_format=opts.score_format)
             for b in dict.fromkeys(("post", opts.default_basis)) if b in bases]
         results["downstream"] = downstream_accuracy(model, tokenizer, ds_specs, bases, tasks=opts.downstream_tasks,
                                                     limit=opts.downstream_limit, progress=opts.progress)
@@ -426,7 +433,7 @@ def _generalization(model, tokenizer, bases, opts) -> dict:
                                     use_cache=opts.use_cache, progress=opts.progress, log=opts.log)[name]
     g = opts.gqa_select
     spec = MethodSpec(f"loki-{name}[{g}]", "loki", k=opts.k, d=opts.d, basis="b", gqa_select=g,
-                      aggregate=opts.default_aggregate)
+                      aggregate=opts.default_aggregate, score_format=opts.score_format)
     full, table, intervals = {}, {c: {} for c in cal}, {c: {} for c in cal}
     texts = ("wikitext", "wikipedia", "book")
     for t in texts:

@@ -43,6 +43,16 @@ def _fraction(text: str) -> float:
     return v
 
 
+def _lengths(text: str) -> tuple[int, ...]:
+    try:
+        lens = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected context lengths N[,N...] such as 8192, got {text!r}") from None
+    if not lens or min(lens) < 128:
+        raise argparse.ArgumentTypeError(f"expected context lengths of at least 128 tokens, got {text!r}")
+    return lens
+
+
 def _method_list(text: str) -> tuple[str, ...]:
     names = tuple(n.strip() for n in text.split(",") if n.strip())
     bad = [n for n in names if n not in _METHODS and n != "full"]
@@ -60,7 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "that it reads the bytes of the default at --k/--d (0.375 of dense at 0.25/0.25), measured on a probe "
         "window. Reports the perplexity increase over full attention with its paired 95%% interval, the bytes read, "
         "the recall of the exact top-k set and the attention mass captured (per layer and head in the JSON), and "
-        "plots accuracy against bytes. Writes OUT/compare.md, OUT/compare.json, OUT/compare.png."
+        "plots accuracy against bytes; with --retrieval also the retrieval suite's accuracy per method at its "
+        "matched budget. Writes OUT/compare.md, OUT/compare.json, OUT/compare.png."
     )
     parser.add_argument("--windows", type=_windows, nargs="+", default=None, metavar="TOKENSxCOUNT",
                         help="evaluation window sets, e.g. 256x2 or 8192x2 1024x8 (default: the long profile's "
@@ -97,6 +108,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--h2o-max-len", type=positive_int, default=1024,
                         help="H2O decodes token by token: it runs on windows up to this length (default: %(default)s)")
     parser.add_argument("--batch-size", type=positive_int, default=2, help="windows per forward (default: 2)")
+    parser.add_argument("--retrieval", type=_lengths, default=None, metavar="N[,N...]",
+                        help="also run the synthetic retrieval suite (passkey, needles, variable tracking) at these "
+                        "context lengths, every method at the budget matched on the window set nearest in length, "
+                        "with accuracy intervals and paired differences against exact top-k and the default (e.g. "
+                        "8192; default: off)")
+    parser.add_argument("--retrieval-samples", type=positive_int, default=32,
+                        help="retrieval samples per task and length (default: %(default)s)")
+    parser.add_argument("--retrieval-batch", type=positive_int, default=None,
+                        help="retrieval samples decoded together (default: all of a task's samples, at most 32)")
     parser.add_argument("--out", default="loki-compare",
                         help="output folder, created when missing; compare.md/.json/.png in it are replaced "
                         "(default: %(default)s)")
@@ -118,10 +138,10 @@ def run(args: argparse.Namespace) -> int:
     if err:
         return fail(err)
     windows = tuple(args.windows) if args.windows else _LONG_WINDOWS
-    longest = max(t for t, _ in windows)
+    longest = max(t for t, _ in windows + tuple((L, 1) for L in args.retrieval or ()))  # the bases cover them all
     if args.calib_positions is not None and args.calib_positions < longest:
-        return fail(f"--calib-positions {args.calib_positions} is below the longest window ({longest} tokens): the "
-                    "bases must cover every position evaluated")
+        return fail(f"--calib-positions {args.calib_positions} is below the longest window or retrieval context "
+                    f"({longest} tokens): the bases must cover every position evaluated")
     from dataclasses import replace
 
     from loki._io import atomic_write
@@ -133,11 +153,15 @@ def run(args: argparse.Namespace) -> int:
     if args.calib_tokens is not None:
         recipe = replace(recipe, num_tokens=args.calib_tokens)
     recipe = replace(recipe, max_positions=args.calib_positions or longest)
+    retrieval = None
+    if args.retrieval:
+        retrieval = {"context_lens": tuple(args.retrieval), "samples": args.retrieval_samples,
+                     "batch_size": args.retrieval_batch or min(args.retrieval_samples, 32)}
     model, tokenizer = load_model_from_args(args)
     opts = CompareOptions(windows=windows, methods=args.methods, k=args.k, d=args.d, target_bytes=args.target_bytes,
                           probe_windows=args.probe_windows, probe_rows=args.probe_rows, h2o_max_len=args.h2o_max_len,
                           corpus=args.corpus,
-                          text_file=args.text_file, recipe=recipe, batch_size=args.batch_size,
+                          text_file=args.text_file, recipe=recipe, batch_size=args.batch_size, retrieval=retrieval,
                           use_cache=not args.no_cache, progress=not args.no_progress, log=default_log)
     try:
         results = run_compare(model, tokenizer, opts)
