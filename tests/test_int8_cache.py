@@ -52,7 +52,10 @@ def test_the_decode_step_reads_the_int8_copy_like_the_reference(triton_device, m
     from loki.testing.inputs import make_decode_inputs
 
     k = 32
-    x = make_decode_inputs(2, 4, 2, 128, 32, device=triton_device, ragged=True, left_pad=True, seed=seed)
+    # drawn on the CPU and moved: the same inputs on every device (the seeds are chosen so that the rounding changes
+    # a selection, which a device-side draw would not keep)
+    x = make_decode_inputs(2, 4, 2, 128, 32, ragged=True, left_pad=True, seed=seed)
+    x = type(x)(**{f: getattr(x, f).to(triton_device) for f in ("q", "k_cache", "v_cache", "lengths", "starts")})
     B, _, S, _ = x.k_cache.shape
     codes, scale = encode_int8_score_keys(x.k_cache[..., :d])
     counts = budget(k, x.lengths, x.starts, B, S, x.q.device)

@@ -24,8 +24,9 @@ import time
 import torch
 
 
-def _prepare(model, path, B, S, n_fill, k, aggregate, device):
-    """Loki enabled for a Loki path, and the path's cache holding ``n_fill`` random tokens."""
+def _prepare(model, path, B, S, n_fill, k, aggregate, device, score_format="native"):
+    """Loki enabled for a Loki path (``score_format`` "int8": the int8 copy of 2d dims, d_f 0.5, the native copy's
+    bytes at d_f 0.25), and the path's cache holding ``n_fill`` random tokens."""
     from loki.basis import PCABasis
     from loki.bench import e2e
     from loki.integrations.transformers import enable_loki
@@ -33,7 +34,8 @@ def _prepare(model, path, B, S, n_fill, k, aggregate, device):
     cfg = model.config
     if path.startswith("loki"):
         L, _, HKV, D = e2e._dims(cfg)
-        enable_loki(model, PCABasis.random(L, HKV, D, seed=0), k=k, d=0.25, aggregate=aggregate,
+        enable_loki(model, PCABasis.random(L, HKV, D, seed=0), k=k, d=0.25 if score_format == "native" else 0.5,
+                    aggregate=aggregate, score_format=score_format,
                     backend="auto" if torch.device(device).type == "cuda" else "torch")  # gqa_select: the default
     cache = e2e.make_cache(model, path, B, S)
     e2e.fill_cache(cache, cfg, B, n_fill, device=device, dtype=next(model.parameters()).dtype)
@@ -52,7 +54,8 @@ def _release(model, path):
         torch.cuda.empty_cache()
 
 
-def profile_path(model, path, B, S, steps=8, prof_steps=4, k=0.25, aggregate="auto", sdpa_backend="default"):
+def profile_path(model, path, B, S, steps=8, prof_steps=4, k=0.25, aggregate="auto", sdpa_backend="default",
+                 score_format="native"):
     """The compiled forward of ``path``'s decode step: kernels per step, grouped by name."""
     from loki._hf import cache_keyword
     from loki.bench import e2e
@@ -60,7 +63,7 @@ def profile_path(model, path, B, S, steps=8, prof_steps=4, k=0.25, aggregate="au
     from .kernel_profile import kernel_rows
 
     n0 = S - steps - prof_steps
-    cache = _prepare(model, path, B, S, n0, k, aggregate, "cuda")
+    cache = _prepare(model, path, B, S, n0, k, aggregate, "cuda", score_format)
     fn = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
     key = cache_keyword(model)
     ids = torch.randint(0, 1000, (B, 1), device="cuda")
@@ -112,7 +115,7 @@ def _summary(prof, wall_ms: float) -> dict:
 
 
 def profile_generate(model, path, B, S, new_tokens=16, k=0.25, aggregate="auto", sdpa_backend="default",
-                     device="cuda", top=25) -> dict:
+                     device="cuda", top=25, score_format="native") -> dict:
     """Whole ``generate`` calls of ``path`` (see the module docstring): per generated token, the difference of a
     profiled call of N + 1 new tokens and one of 1."""
     from loki._hf import cache_keyword
@@ -120,7 +123,7 @@ def profile_generate(model, path, B, S, new_tokens=16, k=0.25, aggregate="auto",
 
     N = int(new_tokens)
     n0 = S - N - 1
-    cache = _prepare(model, path, B, S, n0 - 1, k, aggregate, device)
+    cache = _prepare(model, path, B, S, n0 - 1, k, aggregate, device, score_format)
     key = cache_keyword(model)
     g = torch.Generator(device="cpu").manual_seed(11)
     ids = torch.randint(0, int(model.config.vocab_size), (B, n0), generator=g).to(device)
@@ -183,7 +186,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--paths", default="sdpa_compiled,loki_compiled",
                     help="comma-separated paths; a Loki path may name its aggregate, e.g. loki_compiled:sum (default: "
-                    "enable_loki's, softmax-max for a shared selection)")
+                    "enable_loki's, softmax-max for a shared selection), and its score copy, e.g. loki_compiled@int8 "
+                    "(int8 codes of 2d dims, d_f 0.5)")
     ap.add_argument("--k", default="0.25", help="Loki budget: a fraction (0.25) or a token count (2048)")
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the model's)")
     ap.add_argument("--sdpa-backend", default="native-gqa", help="dense SDPA variant (loki.bench.e2e)")
@@ -199,14 +203,15 @@ def main(argv=None) -> int:
     k = float(a.k) if "." in a.k else int(a.k)
     res = {}
     for spec in a.paths.split(","):
-        path, _, agg = spec.partition(":")
+        path, _, fmt = spec.partition("@")
+        path, _, agg = path.partition(":")
         if a.generate:
             r = res[spec] = profile_generate(model, path, a.batch, a.seq_len, a.generate, k=k, aggregate=agg or "auto",
-                                             sdpa_backend=a.sdpa_backend)
+                                             sdpa_backend=a.sdpa_backend, score_format=fmt or "native")
             _print_generate(spec, r)
             continue
         r = res[spec] = profile_path(model, path, a.batch, a.seq_len, k=k, aggregate=agg or "auto",
-                                     sdpa_backend=a.sdpa_backend)
+                                     sdpa_backend=a.sdpa_backend, score_format=fmt or "native")
         print(f"\n## {spec} {a.model} L={dims['num_hidden_layers']} B={a.batch} S={a.seq_len} k={k}: "
               f"{r['total_us'] / 1e3:.3f} ms of kernels per step, {r['kernels']:.0f} kernels")
         for t in r["top"]:

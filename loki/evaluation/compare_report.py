@@ -96,7 +96,7 @@ def _retrieval_table(ret: dict) -> list[str]:
              "|---|---:|---|---|---|"]
     for r in ret["rows"]:
         name = f"**{r['label']}**" if r["default"] else r["label"]
-        k = "-" if r["k"] is None else _fmt(r["k"], 4)
+        k = "-" if r["k"] is None or r["name"] == "full" else _fmt(r["k"], 4)
         acc = "-" if r["accuracy"] is None else (f"{r['accuracy']:.3f} [{r['ci'][0]:.2f}, {r['ci'][1]:.2f}] "
                                                  f"({r['correct']}/{r['n']})")
         lines.append(f"| {name} | {k} | {acc} | {_diff_cell(r.get('vs_oracle'))} | "
