@@ -109,6 +109,38 @@ def test_static_cache_generate_equals_dynamic(backend, dev, gqa_select, padded, 
     assert len(calls) == model.config.num_hidden_layers * (NEW - 1)
 
 
+def test_generate_on_a_static_cache_passes_one_mask_shape_to_every_step(monkeypatch):
+    """The mask ``generate`` prepares for a static cache keeps its width (the cache's allocation) at every step, so a
+    compiled decode step sees inputs of one shape (a growing mask recompiles it with a dynamic length and records a
+    CUDA graph per length); the left padding it carries still reaches the step plan (logits equal the dynamic
+    cache's)."""
+    import loki.integrations.transformers.enable as en
+
+    model = tiny_model(num_heads=4, num_kv_heads=2)
+    enable_loki(model, _basis(model), k=0.5, d=0.5, backend="torch")
+    ids, mask = _prompt()
+    _, dynamic = _generate_logits(model, ids, mask)
+    widths, real = [], en.build_step_plan
+
+    def spy(**kw):
+        m = kw["attention_mask"]
+        widths.append(None if m is None else tuple(m.shape))
+        return real(**kw)
+
+    monkeypatch.setattr(en, "build_step_plan", spy)
+    n = PROMPT + NEW + 3
+    _, static = _generate_logits(model, ids, mask, **{_cache_kw(model): loki_cache(model, static=True,
+                                                                                     max_cache_len=n)})
+    assert len(widths) == NEW and set(widths) == {(ids.shape[0], n)}
+    torch.testing.assert_close(static, dynamic, rtol=1e-5, atol=1e-5)
+    # the builder pads only a 2-D mask shorter than the keys, with False, and passes the rest through
+    short = torch.tensor([[0, 1, 1], [1, 1, 1]], dtype=torch.bool)
+    assert en._padding_mask(attention_mask=short, kv_length=5, kv_offset=0).tolist() == [
+        [False, True, True, False, False], [True, True, True, False, False]]
+    assert en._padding_mask(attention_mask=short, kv_length=3, kv_offset=0) is short
+    assert en._padding_mask(attention_mask=None, kv_length=5) is None
+
+
 def test_static_cache_stores_rotated_keys_and_prefix():
     model = tiny_model(num_heads=4, num_kv_heads=2)
     basis = _basis(model)

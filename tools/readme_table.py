@@ -29,7 +29,8 @@ END = "<!-- end of the results table -->"
 LONG = "results/default-softmax-max-h100-2026-11-26/check-long-results.json"
 COUNTS = "results/default-softmax-max-h100-2026-11-27/counts/results.json"
 #: The end-to-end runs (forward and whole ``generate`` calls) of the default at the long settings.
-E2E = "results/default-softmax-max-h100-2026-11-27/e2e-h100-default-generate.json"
+E2E = "results/generate-mask-h100-2026-11-27/e2e-B1-S131072-k2048.json"
+E2E_8 = "results/generate-mask-h100-2026-11-27/e2e-B8-S32768-k2048.json"
 E2E_B = "results/default-softmax-max-h100-2026-11-27/e2e-h100-default-generate-b.json"
 
 #: What the README's caption says the rows were measured on; a source measured on anything else is an error.
@@ -37,7 +38,7 @@ ACCURACY_MODEL, SPEED_MODEL = "SmolLM2-135M-Instruct", "llama3-8b"
 #: (file, window tokens, k) of each accuracy row: k a fraction k_f or a count of tokens.
 ACCURACY_ROWS = [(LONG, 8192, 0.25), (LONG, 8192, 0.125), (COUNTS, 8192, 2048), (LONG, 1024, 0.25)]
 #: (file, setting id) of each speed row.
-SPEED_ROWS = [(E2E, "llama3-8b-B1-S131072-k2048"), (E2E, "llama3-8b-B8-S32768-k2048"), (E2E_B, "llama3-8b-B8-S32768")]
+SPEED_ROWS = [(E2E, "llama3-8b-B1-S131072-k2048"), (E2E_8, "llama3-8b-B8-S32768-k2048"), (E2E_B, "llama3-8b-B8-S32768")]
 SOURCES = sorted({f for f, *_ in ACCURACY_ROWS} | {f for f, _ in SPEED_ROWS})
 
 

@@ -48,12 +48,24 @@ def _check_architecture(model) -> None:
         )
 
 
-def _padding_mask(*, attention_mask=None, **kwargs):
+def _padding_mask(*, attention_mask=None, kv_length=None, kv_offset=0, **kwargs):
     """The mask builder registered for ``"loki"``: it builds nothing and hands on the caller's 2-D padding mask
     (``[B, M]``, or None), which the step plan reads; a 4-D mask would be built every forward and never read.
     (Registering none would make transformers drop the 2-D mask where ``generate`` prepares masks for a static
-    cache.)"""
-    return attention_mask
+    cache.)
+
+    A mask shorter than the keys the layers hold (``kv_offset + kv_length``: a static cache's allocation) is padded
+    with False on the right to that length: the tokens it leaves out are not written yet, and the step plan reads
+    the same ranges from either.  This keeps the shape of the mask ``generate`` prepares for a static cache, and so
+    of the compiled decode step's inputs, the same at every step: otherwise the mask grows by one token per step, the
+    step is recompiled with a dynamic length and CUDA-graph trees record one graph per length."""
+    if (attention_mask is None or attention_mask.dim() != 2 or not isinstance(kv_length, int)
+            or not isinstance(kv_offset, int)):
+        return attention_mask
+    total = kv_offset + kv_length
+    if attention_mask.shape[-1] >= total:
+        return attention_mask
+    return torch.nn.functional.pad(attention_mask, (0, total - attention_mask.shape[-1]), value=False)
 
 
 def _register() -> None:
