@@ -58,10 +58,12 @@ def attend(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 
 def _block(method, q, k, v, visible, n_visible, counts, *, dd, scale, gqa_select, aggregate, starts=None,
-           lengths=None, page_size=QUEST_PAGE_SIZE, k_score=None):
+           lengths=None, page_size=QUEST_PAGE_SIZE, k_score=None, score_mask=None):
     """One block of rows. q: [B, HQ, R, D]; k, v: [B, HKV, S, D] (fp32); visible: [B, 1, R, S] bool;
     n_visible, counts (tokens to select), starts, lengths (what each row sees; Quest's pages): [B, R]; k_score:
-    Loki's score copy of the keys' dd leading dims [B, HKV, S, dd] (None: the keys' own) -> [B, HQ, R, D] fp32."""
+    Loki's score copy of the keys' dd leading dims [B, HKV, S, dd] (None: the keys' own); score_mask: [HQ, m] fp32,
+    Loki's approximate scores on the first m dims with each head's dims beyond its own zeroed (None: dd dims each)
+    -> [B, HQ, R, D] fp32."""
     B, HQ, R, D = q.shape
     HKV = k.shape[1]
     if method == "dense":
@@ -95,7 +97,12 @@ def _block(method, q, k, v, visible, n_visible, counts, *, dd, scale, gqa_select
         if diagnosing():
             record_diagnostics(sel, exact, visible, budget, n_visible, scale)
         return attend(masked_softmax(exact * scale, per_query_head(sel, HQ)), v)
-    if method == "loki":  # approximate scores from the first d dims; the rest completes the exact scores
+    if method == "loki" and score_mask is not None:  # per-head dims (an allocation): the first m, masked per head
+        m = score_mask.shape[-1]
+        approx = grouped_scores(q[..., :m] * score_mask[None, :, None, :], k[..., :m])
+        lead = grouped_scores(q[..., :m], k[..., :m])  # the exact scores summed as the uniform rows sum them
+        exact = lead + grouped_scores(q[..., m:], k[..., m:]) if m < D else lead
+    elif method == "loki":  # approximate scores from the first d dims; the rest completes the exact scores
         lead = grouped_scores(q[..., :dd], k[..., :dd])
         approx = lead if k_score is None else grouped_scores(q[..., :dd], k_score)
         exact = lead + grouped_scores(q[..., dd:], k[..., dd:]) if dd < D else lead
@@ -133,6 +140,7 @@ def teacher_forced_rows(
     block_elements: int | None = None,
     page_size: int = QUEST_PAGE_SIZE,
     score_format: str = "native",
+    score_dims: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of every query row as a decode step of ``method`` over the tokens the row sees.
 
@@ -143,7 +151,9 @@ def teacher_forced_rows(
     references (``d`` is SparQ's ``r``; unused by Quest, whose pages hold ``page_size`` tokens), the budget
     resolved from each row's own visible count; ``gqa_select`` and ``aggregate`` (one of ``GQA_AGGREGATES``) as in
     the decode references; ``score_format``: Loki's score copy of the keys
-    (:func:`~loki.reference.score_formats.quantize_score_keys`).  Computed in
+    (:func:`~loki.reference.score_formats.quantize_score_keys`); ``score_dims``: [HKV] ints, the dims each KV
+    head's approximate scores use instead of ``d`` (an allocation, :mod:`loki.calibration.allocation`; "loki" with
+    the native copy only).  Computed in
     fp32 in blocks of rows of at most ``block_elements`` score entries (default 2^24 on the CPU, 2^27 on a
     GPU).  Returns [B, HQ, L, D] in q's dtype; a row that sees no token gives zeros.
     """
@@ -173,6 +183,17 @@ def teacher_forced_rows(
         rows = min(rows, max(16, -(-L // 8)))
     kf, vf = k.float(), v.float()
     check_score_format(score_format, method)
+    score_mask = None
+    if score_dims is not None:
+        if method != "loki" or score_format != "native":
+            raise ValueError(f"score_dims apply to method='loki' with the native score copy, got method={method!r}, "
+                             f"score_format={score_format!r}")
+        HKV = k.shape[1]
+        sd = torch.as_tensor(score_dims, device=q.device).long().reshape(-1)
+        if sd.numel() != HKV or int(sd.min()) < 1 or int(sd.max()) > D:
+            raise ValueError(f"score_dims must be {HKV} ints in [1, {D}], got {sd.tolist()}")
+        m = int(sd.max())
+        score_mask = (torch.arange(m, device=q.device)[None, :] < sd.repeat_interleave(HQ // HKV)[:, None]).float()
     # the score copy is quantized per token, so once for the window
     k_score = quantize_score_keys(kf[..., :dd], score_format) if method == "loki" and score_format != "native" \
         else None
@@ -184,6 +205,6 @@ def teacher_forced_rows(
         o = _block(method, q[:, :, r0:r1].float(), kf[:, :, :s_end], vf[:, :, :s_end], visible[:, None],
                    n_visible[:, r0:r1], counts[:, r0:r1], dd=dd, scale=scale, gqa_select=gqa_select,
                    aggregate=aggregate, starts=starts[:, r0:r1], lengths=lengths[:, r0:r1], page_size=page_size,
-                   k_score=None if k_score is None else k_score[:, :, :s_end])
+                   k_score=None if k_score is None else k_score[:, :, :s_end], score_mask=score_mask)
         out[:, :, r0:r1] = o.to(q.dtype)
     return out

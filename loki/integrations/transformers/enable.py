@@ -79,6 +79,32 @@ def _register() -> None:
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _padding_mask)
 
 
+def _check_score_dims(basis, resolved, *, split: bool):
+    """The basis' allocated score dims ([L, HKV], :mod:`loki.calibration.allocation`) or None; such a basis is
+    for the evaluation engine: refused for decode steps (which score every head on d dims), for a method other than
+    Loki's, with a score copy in fewer bits, and with the KV heads split across ranks."""
+    from loki.calibration.allocation import score_dims_of
+    from loki.settings import Method, ScoreFormat, Semantics
+
+    dims = score_dims_of(basis)
+    if dims is None:
+        return None
+    why = None
+    if resolved.semantics is not Semantics.DECODE:
+        why = f"semantics={resolved.semantics.value!r} (decode steps score every head on d dims)"
+    elif resolved.method is not Method.LOKI:
+        why = f"method={resolved.method.value!r}"
+    elif resolved.score_format is not ScoreFormat.NATIVE:
+        why = f"score_format={resolved.score_format.value!r}"
+    elif split:
+        why = "tensor parallelism"
+    if why:
+        raise ValueError(f"basis: its per-head score dims (extra['score_dims'], an allocation study) run on the "
+                         f"evaluation engine only, with semantics='decode', method='loki' and the native score "
+                         f"copy; got {why}")
+    return dims
+
+
 def resolve_settings(model, settings: LokiSettings) -> ResolvedSettings:
     """``settings`` with every "auto" decided for ``model`` on the device of its parameters (the one call
     :func:`enable_loki`, the evaluation and the benchmarks use to learn what a model will run)."""
@@ -135,7 +161,7 @@ def enable_loki(
         raise TypeError(f"settings must be a loki.LokiSettings, got {type(settings).__name__}")
     resolved = resolve_settings(model, settings)
 
-    components = query_components = None
+    components = query_components = score_dims = None
     covered = None
     if resolved.method.needs_basis:
         if basis is None:
@@ -150,12 +176,14 @@ def enable_loki(
         if basis.query_components is not None:
             query_components = basis.query_components.detach().to(torch.float32)
         # tensor parallelism: this rank's KV heads only
+        HKV_all = components.shape[1]
         components, query_components = local_bases(model, components, query_components)
         covered = basis.covered_positions
+        score_dims = _check_score_dims(basis, resolved, split=components.shape[1] != HKV_all)
 
     _register()
     previous = disable_loki(model, _keep_implementation=True) if is_loki_enabled(model) else None
-    state = LokiState(resolved, Transforms(components, query_components),
+    state = LokiState(resolved, Transforms(components, query_components, score_dims),
                       previous_implementation=previous if previous is not None else
                       getattr(model.config, "_attn_implementation", None),
                       covered_positions=covered)

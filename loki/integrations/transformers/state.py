@@ -49,19 +49,22 @@ class LayerTransforms(NamedTuple):
     """The transforms of one layer, [HKV, D, D] fp32 each (None for methods that read keys in their own
     coordinates): ``key`` P_k (``K_hat = K P_k``, stored in the cache), ``query`` P_q (``q_hat = q P_q``; P_k itself
     for an orthogonal PCA basis, the dual of P_k for a score-aware pair, ``P_q P_k^T = I``) and ``inverse``
-    (``K = K_hat inverse``: ``P_q^T``, which is ``P_k^T`` for an orthogonal basis)."""
+    (``K = K_hat inverse``: ``P_q^T``, which is ``P_k^T`` for an orthogonal basis); ``score_dims``: [HKV] int64,
+    the dims each KV head scores on where the basis allocates them (:mod:`loki.calibration.allocation`; the
+    evaluation engine only), else None."""
 
     key: torch.Tensor | None
     query: torch.Tensor | None
     inverse: torch.Tensor | None
+    score_dims: torch.Tensor | None = None
 
 
 class Transforms:
     """The basis of an enabled model, ``[L, HKV, D, D]`` (key transforms, and the query transforms of a score-aware
     pair), as :class:`LayerTransforms` per layer and device (fp32, contiguous, made once per device)."""
 
-    def __init__(self, key: torch.Tensor | None, query: torch.Tensor | None):
-        self.key, self.query = key, query
+    def __init__(self, key: torch.Tensor | None, query: torch.Tensor | None, score_dims: torch.Tensor | None = None):
+        self.key, self.query, self.score_dims = key, query, score_dims
         self._per_device: dict = {}
 
     def layer(self, idx: int, device=None) -> LayerTransforms:
@@ -72,9 +75,10 @@ class Transforms:
         if per is None:
             key = self.key.to(device=dev, dtype=torch.float32).contiguous()
             query = key if self.query is None else self.query.to(device=dev, dtype=torch.float32).contiguous()
-            per = (key, query, query.transpose(-1, -2).contiguous())
+            dims = None if self.score_dims is None else self.score_dims.to(dev)
+            per = (key, query, query.transpose(-1, -2).contiguous(), dims)
             self._per_device[dev] = per
-        return LayerTransforms(per[0][idx], per[1][idx], per[2][idx])
+        return LayerTransforms(per[0][idx], per[1][idx], per[2][idx], None if per[3] is None else per[3][idx])
 
 
 class CacheOwner:

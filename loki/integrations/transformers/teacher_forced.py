@@ -42,7 +42,8 @@ def teacher_forced_rows_of(s: ResolvedSettings, query, key, value, ranges: Layer
     starts, lengths, any_ = ranges.starts, ranges.lengths, ranges.any_  # [B, L]
     starts, lengths = torch.where(any_, starts, 0), torch.where(any_, lengths, 0)  # rows that see nothing: zeros
     return teacher_forced_rows(q_use, k_use, value, starts, lengths, method=s.method.value, k_budget=s.k, d=s.d,
-                               scale=scale, block_elements=chunk_elements, **s.kernel_args(), **s.reference_args())
+                               scale=scale, block_elements=chunk_elements, score_dims=transforms.score_dims,
+                               **s.kernel_args(), **s.reference_args())
 
 
 def teacher_forced_attention(
