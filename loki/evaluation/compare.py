@@ -116,8 +116,8 @@ COMPARE_METHODS: dict[str, CompareMethod] = {m.name: m for m in (
                   "softmax-max", uses_d=True, score_format="int4", d_scale=4.0),
 )}
 #: The methods run unless ``--methods`` says otherwise (full attention is always measured, as the reference).
-DEFAULT_METHODS = ("loki", "loki[query]", "loki-pca[query]", "exact_topk[query]", "exact_topk[kv]", "sparq", "quest",
-                   "double_sparsity", "h2o")
+DEFAULT_METHODS = ("loki", "loki[int8]", "loki[query]", "loki-pca[query]", "exact_topk[query]", "exact_topk[kv]",
+                   "sparq", "quest", "double_sparsity", "h2o")
 
 
 def resolve_methods(names, config=None) -> list[CompareMethod]:

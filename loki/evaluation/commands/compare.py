@@ -16,8 +16,8 @@ from . import add_model_arguments, check_input_file, check_output_folder, fail, 
 _METHODS = ("loki", "loki[query]", "loki-pca[query]", "loki-pca[kv]", "exact_topk[query]", "exact_topk[kv]", "sparq",
             "quest", "quest[kv]", "double_sparsity", "double_sparsity[kv]", "h2o", "pcaattn", "loki[fp8]",
             "loki[int8]", "loki[int4]")
-_DEFAULT_METHODS = ("loki", "loki[query]", "loki-pca[query]", "exact_topk[query]", "exact_topk[kv]", "sparq",
-                    "quest", "double_sparsity", "h2o")
+_DEFAULT_METHODS = ("loki", "loki[int8]", "loki[query]", "loki-pca[query]", "exact_topk[query]", "exact_topk[kv]",
+                    "sparq", "quest", "double_sparsity", "h2o")
 #: suite.PROFILES["long"].windows
 _LONG_WINDOWS = ((8192, 2), (4096, 4), (1024, 8))
 
@@ -65,8 +65,9 @@ def _method_list(text: str) -> tuple[str, ...]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "Compare the decode-time sparse-attention methods at matched bytes per decode step: Loki's default "
-        "(score-aware basis, shared softmax-max selection), Loki per query head and with the paper's PCA, exact top-k "
-        "per head and shared (oracles), SparQ, Quest, Double Sparsity and H2O. Each method's budget k_f is chosen so "
+        "(score-aware basis, shared softmax-max selection) and the same with an int8 score copy of twice the dims, "
+        "Loki per query head and with the paper's PCA, exact top-k per head and shared (oracles), SparQ, Quest, "
+        "Double Sparsity and H2O. Each method's budget k_f is chosen so "
         "that it reads the bytes of the default at --k/--d (0.375 of dense at 0.25/0.25), measured on a probe "
         "window. Reports the perplexity increase over full attention with its paired 95%% interval, the bytes read, "
         "the recall of the exact top-k set and the attention mass captured (per layer and head in the JSON), and "
@@ -79,8 +80,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--methods", type=_method_list, default=_DEFAULT_METHODS, metavar="A,B,...",
                         help="comma-separated methods (full attention is always measured); default: "
                         f"{','.join(_DEFAULT_METHODS)}; also: loki-pca[kv], quest[kv], double_sparsity[kv], pcaattn, "
-                        "and the default with its score copy in fewer bits, more dims for the same bytes: loki[fp8], "
-                        "loki[int8] (2d dims), loki[int4] (4d dims)")
+                        "and the default with its score copy in fewer bits, more dims for the same bytes: loki[fp8] "
+                        "(2d dims), loki[int4] (4d dims)")
     parser.add_argument("--k", type=_fraction, default=0.25,
                         help="the default configuration's budget fraction k_f, which sets the target bytes; also the "
                         "oracles' budget (default: %(default)s)")
