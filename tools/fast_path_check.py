@@ -131,13 +131,9 @@ def _print_retrieval(sec: dict, tol: float, ok: bool, out: Path) -> None:
 
 
 def _contexts(text: str) -> tuple[int, ...]:
-    try:
-        out = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected N[,N...] such as 1024,8192, got {text!r}") from None
-    if not out or min(out) < 512:
-        raise argparse.ArgumentTypeError(f"expected context lengths >= 512, got {text!r}")
-    return out
+    from loki.evaluation.commands import int_list
+
+    return int_list(text, minimum=512, what="context lengths", example="1024,8192")
 
 
 def _gqa_modes(text: str) -> tuple[str, ...]:

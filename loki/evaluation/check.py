@@ -111,16 +111,11 @@ def _budget(text: str) -> int | float:
 
 
 def _counts(text: str) -> tuple[int, ...]:
+    from loki.evaluation.commands import int_list
+
     if text.strip().lower() == "none":
         return ()
-    try:
-        out = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected counts of tokens N[,N...] such as 512,1024, or none; got "
-                                         f"{text!r}") from None
-    if not out or min(out) < 1:
-        raise argparse.ArgumentTypeError(f"expected counts of tokens >= 1 (N[,N...]) or none, got {text!r}")
-    return out
+    return int_list(text, minimum=1, what="counts of tokens (or none)", example="512,1024")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -88,6 +88,18 @@ def fraction_or_count(text: str) -> int | float:
     return v
 
 
+def int_list(text: str, *, minimum: int, what: str, example: str) -> tuple[int, ...]:
+    """argparse helper: ``N[,N...]``, each an integer >= ``minimum``; an ArgumentTypeError naming ``what`` (e.g.
+    "context lengths") with ``example`` otherwise."""
+    try:
+        out = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {what} N[,N...] such as {example}, got {text!r}") from None
+    if not out or min(out) < minimum:
+        raise argparse.ArgumentTypeError(f"expected {what} of at least {minimum} (N[,N...]), got {text!r}")
+    return out
+
+
 def add_device_arguments(parser: argparse.ArgumentParser) -> None:
     """``--device`` and ``--dtype``, shared by every command that runs a model."""
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),

@@ -10,7 +10,15 @@ import re
 import sys
 from pathlib import Path
 
-from . import add_model_arguments, check_input_file, check_output_folder, fail, load_model_from_args, positive_int
+from . import (
+    add_model_arguments,
+    check_input_file,
+    check_output_folder,
+    fail,
+    int_list,
+    load_model_from_args,
+    positive_int,
+)
 
 #: loki.evaluation.compare.COMPARE_METHODS / DEFAULT_METHODS, written out so that --help imports no torch
 _METHODS = ("loki", "loki[query]", "loki-pca[query]", "loki-pca[kv]", "exact_topk[query]", "exact_topk[kv]", "sparq",
@@ -44,13 +52,7 @@ def _fraction(text: str) -> float:
 
 
 def _lengths(text: str) -> tuple[int, ...]:
-    try:
-        lens = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected context lengths N[,N...] such as 8192, got {text!r}") from None
-    if not lens or min(lens) < 128:
-        raise argparse.ArgumentTypeError(f"expected context lengths of at least 128 tokens, got {text!r}")
-    return lens
+    return int_list(text, minimum=128, what="context lengths (tokens)", example="8192")
 
 
 def _method_list(text: str) -> tuple[str, ...]:
