@@ -72,6 +72,29 @@ def test_the_decode_step_reads_the_int8_copy_like_the_reference(triton_device, m
         launch_decode_step(k_prefix=None, prefix_scale=scale, **common)
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("d", [16, 12], ids=["d-fills-the-tile", "d-masked"])
+@torch.no_grad()
+def test_the_scores_kernel_reads_every_int8_code_exactly(triton_device, d):
+    """Each of the 256 codes, scored against a one-hot query with a unit scale, comes back as itself: the kernel's
+    integer-add conversions (``int8_to_f16`` on the tensor-core per-head path, ``int8_to_f32`` on the group's sum)
+    are exact, whether d fills the tile (vector loads) or not (a masked tile)."""
+    from loki.kernels import approx_scores
+
+    B, HQ, HKV, S, D = 1, 4, 2, 256, 32
+    code = torch.arange(-128, 128, dtype=torch.int8)  # token t holds the code t - 128 in every dim
+    codes = code[None, None, :, None].expand(B, HKV, S, d).contiguous().to(triton_device)
+    scale = torch.ones(B, HKV, S, dtype=torch.bfloat16, device=triton_device)
+    q = torch.zeros(B, HQ, D, device=triton_device)
+    q[0, torch.arange(HQ), torch.arange(HQ) % d] = 1.0  # each head reads one dim
+    k_hat = torch.zeros(B, HKV, S, D, device=triton_device)
+    want = code.float().to(triton_device)
+    heads = approx_scores(q, k_hat, d, gqa_select="query", aggregate="sum", k_prefix=codes, prefix_scale=scale)
+    torch.testing.assert_close(heads, want.expand(B, HQ, S), rtol=0, atol=0)
+    summed = approx_scores(q, k_hat, d, gqa_select="kv", aggregate="sum", k_prefix=codes, prefix_scale=scale)
+    torch.testing.assert_close(summed, (2 * want).expand(B, HKV, S), rtol=0, atol=0)
+
+
 def _model_and_basis():
     from loki.basis import PCABasis
     from loki.testing.models import tiny_model

@@ -8,7 +8,8 @@ scores of one decode step (`loki.kernels.approx_scores`'s launch): per query hea
 aggregate scores before its group pass) and the group's sum.  Each int8 result is first checked against the
 reference's ``score_format="int8"`` (`loki.reference.approx_scores`).  Times: one CUDA-graph replay with the L2
 flushed (median, us); bytes read: the keys' prefix (plus the scales) and the scores written.  Writes JSON to --out
-and prints a short table last.  ``--smoke``: tiny shapes, no timing (the CPU interpreter or a GPU).
+and prints a short table last.  ``--smoke``: tiny shapes, no timing (the CPU interpreter or a GPU); ``--variants``:
+the int8 copy at other blocks and warps; ``--pipeline``: both copies with 4-16 tiles per program and 2-3 stages.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ SHAPES = [  # name, B, HQ, HKV, S, D, d (native)
 SMOKE_SHAPES = [("smoke", 2, 4, 2, 300, 64, 16)]
 
 
-def run(smoke: bool, variants: bool = False) -> list[dict]:
+def run(smoke: bool, variants: bool = False, pipeline: bool = False) -> list[dict]:
     from loki.bench.harness import time_ms_graph
     from loki.kernels.approx_scores import launch_approx_scores
     from loki.reference import approx_scores
@@ -58,6 +59,18 @@ def run(smoke: bool, variants: bool = False) -> list[dict]:
                         cases[f"int8 copy, d={2 * d}, block {bs}, {nw} warps"] = (partial(
                             launch_approx_scores, x.q, codes, 2 * d, x.lengths, x.starts, ho, ao, "sum", block_s=bs,
                             num_warps=nw, prefix_scale=scale), codes.numel() + scale.numel() * 2)
+            if pipeline and not smoke:
+                for tiles, stages in ((4, 2), (4, 3), (8, 2), (8, 3), (16, 3)):
+                    for bs, nw in ((None, None), (256, 4), (128, 4)):
+                        tag = f"{tiles} tiles, {stages} stages" + ("" if bs is None else f", block {bs}, {nw} warps")
+                        cases[f"bf16 prefix, d={d}, {tag}"] = (partial(
+                            launch_approx_scores, x.q, prefix, d, x.lengths, x.starts, ho, ao, "sum", block_s=bs,
+                            num_warps=nw, tiles=tiles, num_stages=stages), prefix.numel() * 2)
+                        for dot in ((True, False) if ho is not None else (None,)):
+                            cases[f"int8 copy, d={2 * d}, {tag}" + (", CUDA cores" if dot is False else "")] = (
+                                partial(launch_approx_scores, x.q, codes, 2 * d, x.lengths, x.starts, ho, ao, "sum",
+                                        block_s=bs, num_warps=nw, prefix_scale=scale, dot=dot, tiles=tiles,
+                                        num_stages=stages), codes.numel() + scale.numel() * 2)
             base = None
             for label, (fn, read) in cases.items():
                 fn()
@@ -85,8 +98,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, no timing (checks the script)")
     ap.add_argument("--variants", action="store_true", help="also the int8 scores at other tiles and warps")
+    ap.add_argument("--pipeline", action="store_true",
+                    help="also both copies with several tiles per program, their loads pipelined (stages)")
     args = ap.parse_args(argv)
-    rows = run(args.smoke, args.variants)
+    rows = run(args.smoke, args.variants, args.pipeline)
     card = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     if args.out:
         with open(args.out, "w") as f:

@@ -32,6 +32,7 @@ from loki.reference.selection import approx_scores as approx_scores_reference
 from .common import check_triton_device, interpreter_tile, interpreting, key_block
 from .group_softmax import SOFTMAX_AGGREGATES, launch_group_softmax
 from .launch import launch, new_output, pdl
+from .tl_helpers import int8_to_f16, int8_to_f32
 
 __all__ = ["approx_scores", "approx_scores_reference", "make_key_prefix"]
 
@@ -47,13 +48,16 @@ def _approx_scores_kernel(
     stride_cb, stride_ch,
     G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
     WRITE_HEADS: tl.constexpr, WRITE_AGG: tl.constexpr, AGG_MAX: tl.constexpr, SCALED: tl.constexpr,
-    DOT: tl.constexpr, G_PAD: tl.constexpr, PDL: tl.constexpr,
+    DOT: tl.constexpr, G_PAD: tl.constexpr, EVEN_D: tl.constexpr, TILES: tl.constexpr, NUM_STAGES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    """s[g, t] = sum_{j<d} q_hat[h*G+g, j] K_hat[h, t, j] for one (b, h) and one block of tokens t.  ``SCALED``: the
-    keys are an int8 score copy, each token's row times its scale (``scale_ptr`` [B, HKV, S] bf16).  ``DOT``: the
-    group's per-head scores of an int8 copy as tensor-core products: the codes are exact in fp16 and each query,
-    over its largest magnitude, is split into two fp16 halves (``q = m (hi + lo)``, about 22 of fp32's 24 mantissa
-    bits), accumulated in fp32."""
+    """s[g, t] = sum_{j<d} q_hat[h*G+g, j] K_hat[h, t, j] for one (b, h) and TILES blocks of BLOCK_S tokens t (a
+    loop that ``NUM_STAGES`` pipelines: the next tile's keys load while this one is scored).  ``SCALED``: the keys
+    are an int8 score copy, each token's row times its scale (``scale_ptr`` [B, HKV, S] bf16), its codes converted
+    by integer adds (``int8_to_f16``/``int8_to_f32``, not the conversion unit).  ``DOT``: the group's per-head
+    scores of an int8 copy as tensor-core products: the codes are exact in fp16 and each query, over its largest
+    magnitude, is split into two fp16 halves (``q = m (hi + lo)``, about 22 of fp32's 24 mantissa bits),
+    accumulated in fp32.  ``EVEN_D``: d fills the tile (a row mask only, so the loads are vectors)."""
     pid_bh = tl.program_id(0).to(tl.int64)
     pid_s = tl.program_id(1).to(tl.int64)
     b = pid_bh // HKV
@@ -63,75 +67,86 @@ def _approx_scores_kernel(
         tl.extra.cuda.gdc_wait()
     start = tl.load(starts_ptr + b).to(tl.int64)
     length = tl.load(lengths_ptr + b).to(tl.int64)
-    offs_s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    in_range = offs_s < S
-    valid = (offs_s >= start) & (offs_s < length)
     dmask = offs_d < d
-    k_ptrs = k_ptr + b * stride_kb + h * stride_kh + offs_s[:, None] * stride_ks + offs_d[None, :]
-    if SCALED:  # one scale per token: s = scale * (q . codes)
-        row_scale = tl.load(scale_ptr + b * stride_cb + h * stride_ch + offs_s, mask=valid, other=0.0).to(tl.float32)
-    else:
-        row_scale = tl.full((BLOCK_S,), 1.0, tl.float32)
-    if DOT:
-        codes = tl.load(k_ptrs, mask=valid[:, None] & dmask[None, :], other=0).to(tl.float16)  # [BLOCK_S, BLOCK_D]
-        offs_g = tl.arange(0, G_PAD)
-        gmask = offs_g < G
+    k_base = k_ptr + b * stride_kb + h * stride_kh
+    offs_g = tl.arange(0, G_PAD)
+    gmask = offs_g < G
+    if DOT:  # the group's queries, each over its largest magnitude and split into two fp16 halves
         qg = tl.load(q_ptr + b * stride_qb + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :],
                      mask=gmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)  # [G_PAD, BLOCK_D]
         qmax = tl.max(tl.abs(qg), axis=1)
-        qmax = tl.where(qmax > 0, qmax, 1.0)  # each head's query over its largest magnitude: in fp16's range
+        qmax = tl.where(qmax > 0, qmax, 1.0)  # in fp16's range
         qn = qg / qmax[:, None]
         q_hi = qn.to(tl.float16)
         q_lo = (qn - q_hi.to(tl.float32)).to(tl.float16)
-        sg = tl.dot(codes, tl.trans(q_hi), out_dtype=tl.float32)
-        sg = tl.dot(codes, tl.trans(q_lo), acc=sg, out_dtype=tl.float32)  # [BLOCK_S, G_PAD]
-        sg = tl.where(valid[:, None], sg * qmax[None, :] * row_scale[:, None], float("-inf"))
-        if WRITE_HEADS:
-            tl.store(out_ptr + b * stride_ob + (h * G + offs_g)[None, :] * stride_oh + offs_s[:, None], sg,
-                     mask=in_range[:, None] & gmask[None, :])
-        if WRITE_AGG:
-            if AGG_MAX:
-                agg = tl.max(tl.where(gmask[None, :], sg, float("-inf")), axis=1)
-            else:
-                agg = tl.sum(tl.where(gmask[None, :], sg, 0.0), axis=1)
-            agg = tl.where(valid, agg, float("-inf"))
-            tl.store(agg_ptr + b * stride_ab + h * stride_ah + offs_s, agg, mask=in_range)
-    elif WRITE_AGG and not WRITE_HEADS and not AGG_MAX:
-        # the sum over the group's heads is one dot product with the summed query (fp32)
-        kt = tl.load(k_ptrs, mask=valid[:, None] & dmask[None, :], other=0.0).to(tl.float32)
-        qs = tl.zeros((BLOCK_D,), tl.float32)
+    # the sum over the group's heads is one dot product with the summed query (fp32)
+    qs = tl.zeros((BLOCK_D,), tl.float32)
+    if WRITE_AGG and not WRITE_HEADS and not AGG_MAX and not DOT:
         for g in tl.static_range(G):
             qs += tl.load(q_ptr + b * stride_qb + (h * G + g) * stride_qh + offs_d, mask=dmask, other=0.0).to(
                 tl.float32)
-        agg = tl.sum(kt * qs[None, :], axis=1)
-        if SCALED:
-            agg = agg * row_scale
-        agg = tl.where(valid, agg, float("-inf"))
-        tl.store(agg_ptr + b * stride_ab + h * stride_ah + offs_s, agg, mask=in_range)
-    else:
-        kt = tl.load(k_ptrs, mask=valid[:, None] & dmask[None, :], other=0.0).to(tl.float32)
-        if AGG_MAX:
-            agg = tl.full((BLOCK_S,), float("-inf"), tl.float32)
+    for i in tl.range(0, TILES, num_stages=NUM_STAGES):
+        offs_s = (pid_s * TILES + i) * BLOCK_S + tl.arange(0, BLOCK_S)
+        in_range = offs_s < S
+        valid = (offs_s >= start) & (offs_s < length)
+        if EVEN_D:
+            kmask = valid[:, None]
         else:
-            agg = tl.zeros((BLOCK_S,), tl.float32)
-        for g in tl.static_range(G):
-            hq = h * G + g
-            q = tl.load(q_ptr + b * stride_qb + hq * stride_qh + offs_d, mask=dmask, other=0.0).to(tl.float32)
-            s = tl.sum(kt * q[None, :], axis=1)
-            if SCALED:
-                s = s * row_scale
-            s = tl.where(valid, s, float("-inf"))
+            kmask = valid[:, None] & dmask[None, :]
+        k_ptrs = k_base + offs_s[:, None] * stride_ks + offs_d[None, :]
+        if SCALED:  # one scale per token: s = scale * (q . codes)
+            row_scale = tl.load(scale_ptr + b * stride_cb + h * stride_ch + offs_s, mask=valid, other=0.0).to(
+                tl.float32)
+        else:
+            row_scale = tl.full((BLOCK_S,), 1.0, tl.float32)
+        if DOT:
+            codes = int8_to_f16(tl.load(k_ptrs, mask=kmask, other=0))  # [BLOCK_S, BLOCK_D]
+            sg = tl.dot(codes, tl.trans(q_hi), out_dtype=tl.float32)
+            sg = tl.dot(codes, tl.trans(q_lo), acc=sg, out_dtype=tl.float32)  # [BLOCK_S, G_PAD]
+            sg = tl.where(valid[:, None], sg * qmax[None, :] * row_scale[:, None], float("-inf"))
             if WRITE_HEADS:
-                tl.store(out_ptr + b * stride_ob + hq * stride_oh + offs_s, s, mask=in_range)
+                tl.store(out_ptr + b * stride_ob + (h * G + offs_g)[None, :] * stride_oh + offs_s[:, None], sg,
+                         mask=in_range[:, None] & gmask[None, :])
             if WRITE_AGG:
                 if AGG_MAX:
-                    agg = tl.maximum(agg, s)
+                    agg = tl.max(tl.where(gmask[None, :], sg, float("-inf")), axis=1)
                 else:
-                    agg = agg + s
-        if WRITE_AGG:
-            agg = tl.where(valid, agg, float("-inf"))
-            tl.store(agg_ptr + b * stride_ab + h * stride_ah + offs_s, agg, mask=in_range)
+                    agg = tl.sum(tl.where(gmask[None, :], sg, 0.0), axis=1)
+                agg = tl.where(valid, agg, float("-inf"))
+                tl.store(agg_ptr + b * stride_ab + h * stride_ah + offs_s, agg, mask=in_range)
+        else:
+            if SCALED:
+                kt = int8_to_f32(tl.load(k_ptrs, mask=kmask, other=0))
+            else:
+                kt = tl.load(k_ptrs, mask=kmask, other=0.0).to(tl.float32)
+            if WRITE_AGG and not WRITE_HEADS and not AGG_MAX:
+                agg = tl.sum(kt * qs[None, :], axis=1)
+                if SCALED:
+                    agg = agg * row_scale
+            else:
+                if AGG_MAX:
+                    agg = tl.full((BLOCK_S,), float("-inf"), tl.float32)
+                else:
+                    agg = tl.zeros((BLOCK_S,), tl.float32)
+                for g in tl.static_range(G):
+                    hq = h * G + g
+                    q = tl.load(q_ptr + b * stride_qb + hq * stride_qh + offs_d, mask=dmask, other=0.0).to(
+                        tl.float32)
+                    s = tl.sum(kt * q[None, :], axis=1)
+                    if SCALED:
+                        s = s * row_scale
+                    s = tl.where(valid, s, float("-inf"))
+                    if WRITE_HEADS:
+                        tl.store(out_ptr + b * stride_ob + hq * stride_oh + offs_s, s, mask=in_range)
+                    if WRITE_AGG:
+                        if AGG_MAX:
+                            agg = tl.maximum(agg, s)
+                        else:
+                            agg = agg + s
+            if WRITE_AGG:
+                agg = tl.where(valid, agg, float("-inf"))
+                tl.store(agg_ptr + b * stride_ab + h * stride_ah + offs_s, agg, mask=in_range)
 
 
 def launch_softmax_group_scores(q_hat, k_src, dd, lengths, starts, heads_out, agg_out, HKV, aggregate, scale,
@@ -166,10 +181,11 @@ def check_key_prefix(k_prefix: torch.Tensor, k_hat: torch.Tensor, dd: int,
 
 
 def launch_approx_scores(q_hat, k_hat, dd, lengths, starts, heads_out, agg_out, aggregate, block_s=None,
-                          num_warps=None, prefix_scale=None, dot=None):
+                          num_warps=None, prefix_scale=None, dot=None, tiles=None, num_stages=None):
     """Launch the scores kernel; ``k_hat`` is the full [B, HKV, S, D] keys or a prefix buffer [.., dp] (int8 codes
     with ``prefix_scale`` [B, HKV, S] bf16 for an int8 score copy, whose per-head scores run on the tensor cores
-    unless ``dot=False``)."""
+    unless ``dot=False``).  ``tiles`` blocks of ``block_s`` keys per program (default 1; 4 for
+    an int8 copy's per-head scores), ``num_stages`` pipelining them."""
     if aggregate not in ("sum", "max"):  # the kernel sums unless told "max": never another aggregate silently
         raise ValueError(f"the approximate-scores kernel aggregates by 'sum' or 'max', got {aggregate!r}")
     B, HQ, _ = q_hat.shape
@@ -188,7 +204,15 @@ def launch_approx_scores(q_hat, k_hat, dd, lengths, starts, heads_out, agg_out, 
     dummy = heads_out if heads_out is not None else agg_out
     ho = heads_out if heads_out is not None else dummy
     ao = agg_out if agg_out is not None else dummy
-    grid = (B * HKV, triton.cdiv(S, block_s))
+    blocks = triton.cdiv(S, block_s)
+    if tiles is None:  # an int8 copy's per-head scores: 4 tiles per program, 2 stages, the fastest measured on an
+        # H100 (results/int8-convert-h100-2026-11-28); everything else one tile, as fast as any measured
+        tiles = 4 if scaled and heads_out is not None and not interpreting() else 1
+        tiles = max(1, min(tiles, blocks))
+    if num_stages is None:
+        num_stages = 2 if tiles > 1 and not interpreting() else 1
+    nc = triton.cdiv(blocks, tiles)
+    grid = (B * HKV, nc)
     use_pdl = pdl(q_hat.device)
     sc = prefix_scale if prefix_scale is not None else lengths  # a placeholder pointer when not SCALED
     # an int8 copy's per-head scores on the tensor cores (tl.dot takes tiles of at least 16 in every dimension)
@@ -205,7 +229,7 @@ def launch_approx_scores(q_hat, k_hat, dd, lengths, starts, heads_out, agg_out, 
         sc.stride(0) if prefix_scale is not None else 0, sc.stride(1) if prefix_scale is not None else 0,
         G, block_s, BLOCK_D,
         heads_out is not None, agg_out is not None, aggregate == "max", prefix_scale is not None, use_dot, G_PAD,
-        use_pdl,
+        BLOCK_D == dd, tiles, num_stages, use_pdl,
     ], dict(num_warps=num_warps, pdl=use_pdl))
 
 

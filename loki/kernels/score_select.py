@@ -47,7 +47,7 @@ def _score_select_kernel(
     stride_ib, stride_ih,
     G_SCORE: tl.constexpr, AGG_MAX: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK: tl.constexpr, CHUNK: tl.constexpr, RADIX_BITS: tl.constexpr, EARLY_EXIT: tl.constexpr,
-    NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
+    NUM_STAGES: tl.constexpr, EVEN_D: tl.constexpr, PDL: tl.constexpr,
 ):
     """scores[b, h, :] (query heads h*G_SCORE .. +G_SCORE-1 against KV head h // KV_DIV, combined by sum or
     max when G_SCORE > 1) then idx[b, h, :counts[b]] = the positions of its counts[b] largest entries."""
@@ -74,8 +74,8 @@ def _score_select_kernel(
     for s0 in tl.range(0, S, BLOCK_S, num_stages=NUM_STAGES):
         offs_s = s0 + ar
         valid = (offs_s >= start) & (offs_s < length)
-        kt = tl.load(k_base + offs_s[:, None] * stride_ks + offs_d[None, :], mask=valid[:, None] & dmask[None, :],
-                     other=0.0).to(tl.float32)
+        kmask = valid[:, None] & (dmask | EVEN_D)[None, :]  # EVEN_D (d fills the tile): a row mask, vector loads
+        kt = tl.load(k_base + offs_s[:, None] * stride_ks + offs_d[None, :], mask=kmask, other=0.0).to(tl.float32)
         if AGG_MAX and G_SCORE > 1:
             agg = tl.full((BLOCK_S,), float("-inf"), tl.float32)
             for g in tl.static_range(G_SCORE):
@@ -158,6 +158,6 @@ def score_select(q_hat, k_src, d: int, lengths, starts, counts, K: int, *, gqa_s
         idx.stride(0), idx.stride(1),
         g_score, aggregate == "max", block_s, BLOCK_D,
         BLOCK, chunk or compaction_chunk(S, rows, num_sms(dev)), bits, bool(early_exit),
-        num_stages, pdl(dev),
+        num_stages, BLOCK_D == d, pdl(dev),
     ], dict(num_warps=num_warps, pdl=pdl(dev)))
     return scores, idx

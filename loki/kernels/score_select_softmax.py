@@ -62,7 +62,7 @@ def _score_select_softmax_kernel(
     stride_ib, stride_ih,
     G: tl.constexpr, GP: tl.constexpr, SUM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr, RADIX_BITS: tl.constexpr,
-    EARLY_EXIT: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
+    EARLY_EXIT: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN_D: tl.constexpr, PDL: tl.constexpr,
 ):
     """scores[b, h, :] = the group's probability score (max or, with SUM, sum over the G query heads of KV head h
     of their softmax over the row's valid tokens), then idx[b, h, :counts[b]] = its counts[b] largest entries."""
@@ -87,8 +87,8 @@ def _score_select_softmax_kernel(
     for s0 in tl.range(start // BLOCK_S * BLOCK_S, length, BLOCK_S, num_stages=NUM_STAGES):
         offs_s = s0 + ar
         valid = (offs_s >= start) & (offs_s < length)
-        kt = tl.load(k_base + offs_s[:, None] * stride_ks + offs_d[None, :], mask=valid[:, None] & dmask[None, :],
-                     other=0.0).to(tl.float32)
+        kmask = valid[:, None] & (dmask | EVEN_D)[None, :]  # EVEN_D (d fills the tile): a row mask, vector loads
+        kt = tl.load(k_base + offs_s[:, None] * stride_ks + offs_d[None, :], mask=kmask, other=0.0).to(tl.float32)
         for g in tl.static_range(G):
             q = tl.load(q_base + g * stride_qh + offs_d, mask=dmask, other=0.0).to(tl.float32)
             tl.store(h_base + g * stride_hh + offs_s, tl.sum(kt * q[None, :], axis=1), mask=valid)
@@ -180,6 +180,6 @@ def score_select_softmax(q_hat, k_src, d: int, lengths, starts, counts, K: int, 
         idx.stride(0), idx.stride(1),
         G, GP, aggregate == "softmax-sum", block_s, BLOCK_D,
         block_t, BLOCK, chunk or compaction_chunk(S, rows, num_sms(dev)), bits, bool(early_exit),
-        num_stages, pdl(dev),
+        num_stages, BLOCK_D == d, pdl(dev),
     ], dict(num_warps=num_warps, pdl=pdl(dev)))
     return scores, idx

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from loki._triton import tl, triton
 
-__all__ = ["compact", "group_probability", "ordered_key", "running_lse", "select_row"]
+__all__ = ["compact", "group_probability", "int8_to_f16", "int8_to_f32", "ordered_key", "running_lse", "select_row"]
 
 
 @triton.jit
@@ -23,6 +23,21 @@ def ordered_key(x):
     bits = tl.where(x != x, tl.full(x.shape, 0x7FC00000, tl.uint32), bits)  # NaN -> +NaN
     flip = tl.where((bits & sign) != 0, tl.full(x.shape, 0xFFFFFFFF, tl.uint32), sign)
     return bits ^ flip
+
+
+@triton.jit
+def int8_to_f16(x):
+    """int8 codes -> fp16, exactly, without the conversion unit: the fp16 with bits 0x6400 + (x + 128) is
+    1024 + (x + 128) (fp16 holds every integer of [1024, 2048)), so one integer add, a bitcast and one fp16 subtract
+    give x.  Triton lowers ``x.to(tl.float16)`` to I2F, which an H100 issues at a quarter of the integer add's rate:
+    the int8 score copy's conversions otherwise cost more than its bytes (results/int8-convert-h100-2026-11-28)."""
+    return (x.to(tl.int16) + 0x6480).to(tl.float16, bitcast=True) - 1152.0
+
+
+@triton.jit
+def int8_to_f32(x):
+    """int8 codes -> fp32, exactly, as :func:`int8_to_f16`: bits 0x4B000000 + (x + 128) are 2**23 + (x + 128)."""
+    return (x.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
 
 
 @triton.jit
