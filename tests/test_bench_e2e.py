@@ -115,6 +115,14 @@ def test_kernel_mode_refuses_e2e_models(capsys, monkeypatch):
     assert "--e2e" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("budget", ["2048:0.25", "0.25", "a:b", "0:0.25", "0.25:1.5"])
+def test_kernel_mode_names_a_bad_budget(capsys, monkeypatch, budget):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert cli.main(["bench", "--budgets", "0.25:0.25", budget]) == 2
+    err = capsys.readouterr().err
+    assert "--budgets" in err and repr(budget) in err and "Traceback" not in err
+
+
 def test_weight_bytes_of_the_model_dims():
     """Parameter counts of the real checkpoints; a step reads all weights but the input embedding table."""
     for name, params, vocab in (("llama2-7b", 6_738_415_616, 32000), ("llama3-8b", 8_030_261_248, 128256)):

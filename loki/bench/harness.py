@@ -386,6 +386,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_e2e_arguments(parser)
 
 
+def _kernel_budget(text: str) -> tuple[float, float]:
+    """One ``--budgets`` pair of the kernel benchmark: fractions ``k_f:d_f`` in (0, 1]."""
+    from loki.evaluation.commands import UsageError
+
+    try:
+        k_f, d_f = (float(v) for v in text.split(":"))
+    except ValueError:
+        raise UsageError(f"--budgets: expected fractions k_f:d_f like 0.25:0.25, got {text!r}") from None
+    if not (0 < k_f <= 1 and 0 < d_f <= 1):
+        raise UsageError(f"--budgets: the kernel benchmark takes fractions k_f:d_f in (0, 1], got {text!r} (a count "
+                         "of tokens such as 2048:0.25 is --e2e's; here k_f = 2048 / S, e.g. 0.0625 at S = 32768)")
+    return k_f, d_f
+
+
 def run(args: argparse.Namespace) -> int:
     from loki._io import output_folder_problem
 
@@ -416,7 +430,7 @@ def run(args: argparse.Namespace) -> int:
     if args.seq_lens:
         sel["seq_lens"] = tuple(args.seq_lens)
     if args.budgets:
-        sel["budgets"] = tuple(tuple(float(v) for v in b.split(":")) for b in args.budgets)
+        sel["budgets"] = tuple(_kernel_budget(b) for b in args.budgets)
     cfgs = configs(dtype=args.dtype, **sel)
     name = torch.cuda.get_device_name()
     copy_gbps = measure_copy_bandwidth()
