@@ -95,6 +95,36 @@ def test_the_scores_kernel_reads_every_int8_code_exactly(triton_device, d):
     torch.testing.assert_close(summed, (2 * want).expand(B, HKV, S), rtol=0, atol=0)
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("keys", ["bf16-prefix", "int8-tensor-cores", "int8-cuda-cores"])
+@torch.no_grad()
+def test_programs_of_several_pipelined_tiles_score_as_one_tile_each(triton_device, keys):
+    """``tiles`` blocks of keys per program (the int8 copy's per-head scores take 4 on a GPU) give every score of
+    one block per program, per query head and summed, on ragged and left-padded rows whose length is no multiple of
+    the tiles' span."""
+    from loki.kernels.approx_scores import launch_approx_scores
+    from loki.testing.inputs import make_decode_inputs
+
+    x = make_decode_inputs(2, 8, 2, 300, 32, ragged=True, left_pad=True, seed=1)
+    x = type(x)(**{f: getattr(x, f).to(triton_device) for f in ("q", "k_cache", "v_cache", "lengths", "starts")})
+    d = 16
+    if keys == "bf16-prefix":
+        src, kw = x.k_cache[..., :d].contiguous(), {}
+    else:
+        codes, scale = encode_int8_score_keys(x.k_cache[..., :d])
+        src, kw = codes, dict(prefix_scale=scale, dot=keys == "int8-tensor-cores")
+    for heads in (True, False):
+        outs = []
+        for tiles in (1, 3):
+            out = torch.full((2, 8 if heads else 2, 300), 7.0, device=triton_device)
+            ho, ao = (out, None) if heads else (None, out)
+            launch_approx_scores(x.q, src, d, x.lengths, x.starts, ho, ao, "sum", block_s=16, tiles=tiles,
+                                 num_stages=2, **kw)
+            outs.append(out)
+        assert not (outs[1] == 7.0).any(), "every score written"
+        torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
+
+
 def _model_and_basis():
     from loki.basis import PCABasis
     from loki.testing.models import tiny_model
