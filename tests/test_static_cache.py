@@ -109,6 +109,53 @@ def test_static_cache_generate_equals_dynamic(backend, dev, gqa_select, padded, 
     assert len(calls) == model.config.num_hidden_layers * (NEW - 1)
 
 
+def _doc_decode_loop():
+    """The ``greedy_decode`` of docs/fast-decode.md's decode-loop block, executed as written."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "fast-decode.md").read_text()
+    m = re.search(r"<!-- doc-snippet: decode-loop -->\s*```python\n(.*?)```", text, re.S)
+    assert m, "docs/fast-decode.md has no decode-loop block"
+    ns: dict = {}
+    exec(compile(m.group(1), "docs/fast-decode.md:decode-loop", "exec"), ns)  # noqa: S102 - the doc's own code
+    return ns["greedy_decode"]
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "traced-whole"])
+def test_the_documented_decode_loop_gives_generates_logits(traced):
+    """docs/fast-decode.md's loop over the (compiled) forward on a static Loki cache: generate's greedy tokens and
+    the logits of every generated token, eager and with the step traced whole (aot_eager)."""
+    torch._dynamo.reset()
+    greedy_decode = _doc_decode_loop()
+    model = tiny_model(num_heads=4, num_kv_heads=2)
+    enable_loki(model, _basis(model), k=0.5, d=0.5, backend="torch")
+    ids = _prompt(B=2)[0]  # unpadded
+    want_tokens, want = _generate_logits(model, ids, None)
+    cache = loki_cache(model, static=True, max_cache_len=PROMPT + NEW)
+    step = torch.compile(model.forward, fullgraph=True, backend="aot_eager") if traced else None
+    got_ids, got = greedy_decode(model, ids, cache, NEW, step=step, return_logits=True)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got_ids[:, :PROMPT], ids) and torch.equal(got_ids[:, PROMPT:], want_tokens)
+
+
+@pytest.mark.gpu
+def test_gpu_the_documented_decode_loop_with_cuda_graphs_gives_generates_logits():
+    """The same loop with its default step on CUDA (inductor, CUDA graphs; the Triton kernels) against
+    ``generate`` on the same kind of cache (transformers compiles its own steps), fp32."""
+    torch._dynamo.reset()
+    greedy_decode = _doc_decode_loop()
+    model = tiny_model(num_heads=4, num_kv_heads=2).cuda()
+    enable_loki(model, _basis(model), k=0.5, d=0.5)
+    ids = _prompt(B=2)[0].cuda()
+    cache = loki_cache(model, static=True, max_cache_len=PROMPT + NEW)
+    want_tokens, want = _generate_logits(model, ids, None, **{_cache_kw(model): cache})
+    cache = loki_cache(model, static=True, max_cache_len=PROMPT + NEW)
+    got_ids, got = greedy_decode(model, ids, cache, NEW, return_logits=True)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert torch.equal(got_ids[:, PROMPT:], want_tokens)
+
+
 def test_generate_on_a_static_cache_passes_one_mask_shape_to_every_step(monkeypatch):
     """The mask ``generate`` prepares for a static cache keeps its width (the cache's allocation) at every step, so a
     compiled decode step sees inputs of one shape (a growing mask recompiles it with a dynamic length and records a
