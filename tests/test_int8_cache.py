@@ -44,9 +44,13 @@ def test_settings_run_int8_on_the_kernels_and_the_other_formats_on_the_reference
 @torch.no_grad()
 def test_the_decode_step_reads_the_int8_copy_like_the_reference(triton_device, mode, agg, d, seed, fuse):
     """``launch_decode_step(k_prefix=codes, prefix_scale=scale)`` equals the reference's ``score_format="int8"``
-    (never the fused kernels, which read a 16-bit prefix; never the rounded scores reused as exact ones), and
-    differs from the native step (inputs where the rounding changes a selection; 16 dims: the tensor-core scores)."""
+    (the fused score-select kernels exactly when asked for, ``fuse_select=True``; never the rounded scores reused as
+    exact ones), and differs from the native step (inputs where the rounding changes a selection; 16 dims: the
+    tensor-core scores of the unfused path)."""
     from loki.kernels.decode import DecodeTuning, launch_decode_step, selection_bound
+    from loki.kernels.launch import recording
+    from loki.kernels.score_select import _score_select_kernel
+    from loki.kernels.score_select_softmax import _score_select_softmax_kernel
     from loki.reference import loki_attention
     from loki.reference.selection import budget
     from loki.testing.inputs import make_decode_inputs
@@ -62,7 +66,10 @@ def test_the_decode_step_reads_the_int8_copy_like_the_reference(triton_device, m
     common = dict(q_hat=x.q, k_hat=x.k_cache, v_cache=x.v_cache, lengths=x.lengths, starts=x.starts, counts=counts,
                   d=d, width=selection_bound(k, S), gqa_select=mode, aggregate=agg, scale=None,
                   tuning=DecodeTuning(fuse_select=fuse))
-    _, got = launch_decode_step(k_prefix=codes, prefix_scale=scale, **common)
+    with recording() as rec:
+        _, got = launch_decode_step(k_prefix=codes, prefix_scale=scale, **common)
+    fused = sum(fn in (_score_select_kernel, _score_select_softmax_kernel) for fn, *_ in rec.launches)
+    assert fused == (1 if fuse else 0), f"fused launches: {fused} (fuse_select={fuse})"
     want = loki_attention(x.q, x.k_cache, x.v_cache, d=d, counts=counts, lengths=x.lengths, starts=x.starts,
                           gqa_select=mode, aggregate=agg, score_format="int8")
     torch.testing.assert_close(got.float(), want.float(), rtol=1e-4, atol=1e-4)

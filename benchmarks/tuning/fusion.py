@@ -4,9 +4,11 @@ default (fused score+select where it pays, 3 splits with many rows, register com
 dependent launch (``LOKI_PDL``) on/off, and the fused kernel forced on/off.  Every variant's output is
 checked against the PyTorch reference, and its selection against exact top-k of the reference scores,
 before it is timed.  ``--stages`` times the score/select stages alone (two kernels vs fused, launch
-configurations).
+configurations).  ``--int8``: the default configuration's step (softmax-max for a shared selection) on the bf16
+prefix of d dims against the int8 score copy of 2d dims, unfused and fused (``DecodeTuning(fuse_select=True)``).
 
     PYTHONPATH=. python3 -m benchmarks.tuning.fusion --out $OUT [--quick] [--only "mha-B16-S4096,..."] [--stages]
+        [--int8]
 
 Writes ``fusion.json`` (or ``stages.json``) under --out and prints a table last (ms; x = SDPA / variant
 in the same run).
@@ -82,6 +84,49 @@ def stage_sweep(x, kp, counts, K, d, mode, s_ref):
     return out
 
 
+def int8_variants(x, counts, K, d, mode) -> dict:
+    """The default configuration's step (``mode``; softmax-max for "kv") over the bf16 prefix of d dims, then over
+    the int8 score copy of 2d dims (the same bytes) unfused and fused: each checked against the reference's
+    ``score_format`` first (output within 2e-2, a selection of the reference scores' top K up to rounding), then
+    timed (ms, and in a CUDA graph)."""
+    import loki.reference as R
+    from loki.bench.harness import time_ms, time_ms_graph
+    from loki.kernels import make_key_prefix
+    from loki.kernels.decode import DecodeTuning
+    from loki.reference.score_formats import encode_int8_score_keys
+    from loki.testing.decode import kernel_run
+
+    agg = "softmax-max" if mode == "kv" else "sum"
+    codes, scale = encode_int8_score_keys(x.k_cache[..., : 2 * d])
+    cases = {"bf16 prefix, d, default": (d, make_key_prefix(x.k_cache, d), None, None, "native"),
+             "int8 copy, 2d, unfused": (2 * d, codes, scale, False, "int8"),
+             "int8 copy, 2d, fused": (2 * d, codes, scale, True, "int8")}
+    out = {}
+    for vname, (dd, kp, sc, fuse, fmt) in cases.items():
+        ref = R.loki_attention(x.q, x.k_cache, x.v_cache, d=dd, counts=counts, gqa_select=mode, aggregate=agg,
+                               score_format=fmt)
+        s_ref = R.approx_scores(x.q, x.k_cache, dd, gqa_select=mode, aggregate=agg, score_format=fmt)
+        run = kernel_run(x.q, x.k_cache, d=dd, gqa_select=mode, aggregate=agg, tuning=DecodeTuning(fuse_select=fuse))
+
+        def step(run=run, kp=kp, sc=sc):
+            return run.step(q_hat=x.q, k_hat=x.k_cache, v_cache=x.v_cache, k_prefix=kp, lengths=x.lengths,
+                            starts=x.starts, counts=counts, width=K, return_indices=True, prefix_scale=sc)
+        try:
+            idx, res = step()
+            idx2, res2 = step()  # the recorded plan's replay
+            torch.cuda.synchronize()
+            err = max((res.float() - ref.float()).abs().max().item(), (res2.float() - ref.float()).abs().max().item())
+            ok = bool(err < 2e-2 and _selection_ok(idx, s_ref, K) and _selection_ok(idx2, s_ref, K))
+            v = {"ok": ok, "err": err}
+            if ok:
+                v["ms"], v["graph_ms"] = time_ms(step), time_ms_graph(step)
+        except Exception as e:  # noqa: BLE001 - a variant that fails is recorded, not fatal
+            v = {"ok": False, "error": repr(e)[:300]}
+        out[vname] = v
+        print(vname, json.dumps(v), flush=True)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -89,6 +134,8 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default=None, help="comma-separated shape names to run")
     ap.add_argument("--stages", action="store_true", help="time the score/select stages instead")
     ap.add_argument("--attn", action="store_true", help="attention launch variants in the whole step")
+    ap.add_argument("--int8", action="store_true",
+                    help="the default step on the bf16 prefix against the int8 score copy, unfused and fused")
     args = ap.parse_args(argv)
 
     L = importlib.import_module("loki.kernels.launch")
@@ -121,6 +168,10 @@ def main(argv=None) -> int:
              "floor_ms": floor, "sdpa": time_ms(sdpa), "sdpa_graph": time_ms_graph(sdpa), "variants": {}}
         if args.stages:
             r["stages"] = stage_sweep(x, kp, counts, K, d, mode, s_ref)
+            rows.append(r)
+            continue
+        if args.int8:
+            r["variants"] = int8_variants(x, counts, K, d, mode)
             rows.append(r)
             continue
 

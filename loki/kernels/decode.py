@@ -207,7 +207,8 @@ def launch_decode_step(
     optional [B, HKV, S, dp >= d] contiguous copy of the first dims of k_hat (validated by the caller);
     gqa_select, aggregate: resolved modes (``ResolvedSettings.kernel_args()``).  ``prefix_scale``: optional
     [B, HKV, S] bf16, making ``k_prefix`` the "int8" score copy (int8 codes, ``encode_int8_score_keys``): the scores
-    then take the unfused launches (the fused kernels read a 16-bit prefix) and the attention re-reads the keys'
+    then take the unfused launches unless ``tuning.fuse_select`` is True (the fused kernels read the copy too, not
+    yet timed against the unfused ones on a GPU) and the attention re-reads the keys'
     first d dims (the approximate scores are rounded: never reused as exact ones).  Returns
     ``(idx [B, H, K], out [B, HQ, D])``, both freshly allocated on every call (or ``out`` itself when given).
     """
@@ -228,8 +229,10 @@ def launch_decode_step(
     fuse_select = t.fuse_select
     if fuse_select is None:
         fuse_select = method == "triton" and score_select_fusable(B * H, S, q_hat.device)
-    fusable = not int8 and method == "triton" and S <= TRITON_SELECT_MAX_S and (
+    fusable = method == "triton" and S <= TRITON_SELECT_MAX_S and (
         not softmax or HQ // HKV <= SOFTMAX_FUSED_DEFAULTS["max_group"])
+    if int8 and t.fuse_select is not True:  # an int8 copy takes the fused kernels only when asked (not yet timed)
+        fusable = False
     # the scores' rows start at multiples of 16 elements: a cache that grows by one token per step then keeps
     # the same Triton specialisation of the row stride (no recompilation every time S crosses a multiple of 16)
     S16 = -(-S // 16) * 16
@@ -237,10 +240,11 @@ def launch_decode_step(
     if fuse_select and fusable and softmax:  # per-query-head scratch rows padded as ``scores``
         heads = new_output((B, HQ, S16), torch.float32, q_hat.device)[:, :, :S]
         scores, idx = score_select_softmax(q_hat, k_src, d, lengths, starts, counts, width, aggregate=aggregate,
-                                           scale=resolve_scale(scale, D), scores=scores, heads=heads)
+                                           scale=resolve_scale(scale, D), scores=scores, heads=heads,
+                                           prefix_scale=prefix_scale)
     elif fuse_select and fusable:
         scores, idx = score_select(q_hat, k_src, d, lengths, starts, counts, width, gqa_select=gqa_select,
-                                   aggregate=aggregate, scores=scores)
+                                   aggregate=aggregate, scores=scores, prefix_scale=prefix_scale)
     else:
         if gqa_select == GQAMode.QUERY:
             launch_approx_scores(q_hat, k_src, d, lengths, starts, scores, None, aggregate, prefix_scale=prefix_scale)

@@ -28,7 +28,7 @@ from loki._triton import tl, triton
 from .common import interpreter_tile, interpreting, key_block, num_sms
 from .launch import launch, new_output, pdl
 from .select import TRITON_SELECT_MAX_S, compaction_chunk, select_launch_config
-from .tl_helpers import select_row
+from .tl_helpers import int8_to_f32, select_row
 
 __all__ = ["FUSED_DEFAULTS", "score_select", "score_select_fusable"]
 
@@ -39,18 +39,21 @@ FUSED_DEFAULTS = dict(min_rows_per_sm=0.75, max_s=8192, num_stages=3)
 
 @triton.jit
 def _score_select_kernel(
-    q_ptr, k_ptr, s_ptr, lengths_ptr, starts_ptr, counts_ptr, idx_ptr,
+    q_ptr, k_ptr, s_ptr, lengths_ptr, starts_ptr, counts_ptr, idx_ptr, c_ptr,
     S, d, H, K, KV_DIV,
     stride_qb, stride_qh,
     stride_kb, stride_kh, stride_ks,
     stride_sb, stride_sh,
     stride_ib, stride_ih,
+    stride_cb, stride_ch,
     G_SCORE: tl.constexpr, AGG_MAX: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK: tl.constexpr, CHUNK: tl.constexpr, RADIX_BITS: tl.constexpr, EARLY_EXIT: tl.constexpr,
-    NUM_STAGES: tl.constexpr, EVEN_D: tl.constexpr, PDL: tl.constexpr,
+    NUM_STAGES: tl.constexpr, EVEN_D: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr,
 ):
     """scores[b, h, :] (query heads h*G_SCORE .. +G_SCORE-1 against KV head h // KV_DIV, combined by sum or
-    max when G_SCORE > 1) then idx[b, h, :counts[b]] = the positions of its counts[b] largest entries."""
+    max when G_SCORE > 1) then idx[b, h, :counts[b]] = the positions of its counts[b] largest entries.
+    ``SCALED``: the keys are an int8 score copy, each token's dot products times its scale (``c_ptr`` [B, HKV, S]
+    bf16), as ``approx_scores``."""
     pid = tl.program_id(0).to(tl.int64)
     b = pid // H
     h = pid % H
@@ -75,14 +78,24 @@ def _score_select_kernel(
         offs_s = s0 + ar
         valid = (offs_s >= start) & (offs_s < length)
         kmask = valid[:, None] & (dmask | EVEN_D)[None, :]  # EVEN_D (d fills the tile): a row mask, vector loads
-        kt = tl.load(k_base + offs_s[:, None] * stride_ks + offs_d[None, :], mask=kmask, other=0.0).to(tl.float32)
+        if SCALED:
+            kt = int8_to_f32(tl.load(k_base + offs_s[:, None] * stride_ks + offs_d[None, :], mask=kmask, other=0))
+            rs = tl.load(c_ptr + b * stride_cb + kv * stride_ch + offs_s, mask=valid, other=0.0).to(tl.float32)
+        else:
+            kt = tl.load(k_base + offs_s[:, None] * stride_ks + offs_d[None, :], mask=kmask, other=0.0).to(
+                tl.float32)
         if AGG_MAX and G_SCORE > 1:
             agg = tl.full((BLOCK_S,), float("-inf"), tl.float32)
             for g in tl.static_range(G_SCORE):
                 q = tl.load(q_base + g * stride_qh + offs_d, mask=dmask, other=0.0).to(tl.float32)
-                agg = tl.maximum(agg, tl.sum(kt * q[None, :], axis=1))
+                sg = tl.sum(kt * q[None, :], axis=1)
+                if SCALED:
+                    sg = sg * rs
+                agg = tl.maximum(agg, sg)
         else:
             agg = tl.sum(kt * qs[None, :], axis=1)
+            if SCALED:
+                agg = agg * rs
         tl.store(row + offs_s, tl.where(valid, agg, float("-inf")), mask=offs_s < S)
     tl.debug_barrier()  # the row's scores, written by every thread, are read back by every thread
     kk = tl.minimum(tl.load(counts_ptr + b).to(tl.int32), K)  # never more than the K slots of the row
@@ -118,9 +131,10 @@ def check_fused_args(q_hat, k_src, d: int, K: int, name: str) -> tuple[int, int,
 def score_select(q_hat, k_src, d: int, lengths, starts, counts, K: int, *, gqa_select: str,
                  aggregate: str, scores: torch.Tensor | None = None, idx: torch.Tensor | None = None,
                  block_s: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                 early_exit: bool = True, chunk: int | None = None):
+                 early_exit: bool = True, chunk: int | None = None, prefix_scale: torch.Tensor | None = None):
     """Scores ([B, H, S] fp32, as ``approx_scores``) and the top-``counts[b]`` indices of every row
-    ([B, H, K] int32, as ``select_topk(method="triton")``) from one launch.
+    ([B, H, K] int32, as ``select_topk(method="triton")``) from one launch.  ``prefix_scale`` [B, HKV, S] bf16
+    (validated by the caller) makes ``k_src`` an int8 score copy's codes (``approx_scores``'s int8 scores).
 
     q_hat: [B, HQ, D]; k_src: [B, HKV, S, Dk] with Dk >= d (the rotated keys or a ``k_prefix`` buffer, last
     dim contiguous); lengths, starts, counts: [B] int on the device (validated by the caller: 1 <= counts[b]
@@ -149,15 +163,17 @@ def score_select(q_hat, k_src, d: int, lengths, starts, counts, K: int, *, gqa_s
     num_warps = warps if num_warps is None else num_warps
     num_stages = FUSED_DEFAULTS["num_stages"] if num_stages is None else num_stages
     rows = B * H
+    sc = prefix_scale if prefix_scale is not None else lengths  # a placeholder pointer when not SCALED
     launch(_score_select_kernel, (rows,), [
-        q_hat, k_src, scores, lengths, starts, counts, idx,
+        q_hat, k_src, scores, lengths, starts, counts, idx, sc,
         S, d, H, K, kv_div,
         q_hat.stride(0), q_hat.stride(1),
         k_src.stride(0), k_src.stride(1), k_src.stride(2),
         scores.stride(0), scores.stride(1),
         idx.stride(0), idx.stride(1),
+        sc.stride(0) if prefix_scale is not None else 0, sc.stride(1) if prefix_scale is not None else 0,
         g_score, aggregate == "max", block_s, BLOCK_D,
         BLOCK, chunk or compaction_chunk(S, rows, num_sms(dev)), bits, bool(early_exit),
-        num_stages, BLOCK_D == d, pdl(dev),
+        num_stages, BLOCK_D == d, prefix_scale is not None, pdl(dev),
     ], dict(num_warps=num_warps, pdl=pdl(dev)))
     return scores, idx

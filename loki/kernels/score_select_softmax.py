@@ -42,7 +42,7 @@ from .group_softmax import SOFTMAX_AGGREGATES
 from .launch import launch, new_output, pdl
 from .score_select import FUSED_DEFAULTS, check_fused_args
 from .select import compaction_chunk, select_launch_config
-from .tl_helpers import group_probability, running_lse, select_row
+from .tl_helpers import group_probability, int8_to_f32, running_lse, select_row
 
 __all__ = ["SOFTMAX_FUSED_DEFAULTS", "score_select_softmax"]
 
@@ -53,19 +53,23 @@ SOFTMAX_FUSED_DEFAULTS = dict(max_group=16, tile=4096)
 
 @triton.jit
 def _score_select_softmax_kernel(
-    q_ptr, k_ptr, h_ptr, s_ptr, lengths_ptr, starts_ptr, counts_ptr, idx_ptr,
+    q_ptr, k_ptr, h_ptr, s_ptr, lengths_ptr, starts_ptr, counts_ptr, idx_ptr, c_ptr,
     S, d, HKV, K, scale,
     stride_qb, stride_qh,
     stride_kb, stride_kh, stride_ks,
     stride_hb, stride_hh,
     stride_sb, stride_sh,
     stride_ib, stride_ih,
+    stride_cb, stride_ch,
     G: tl.constexpr, GP: tl.constexpr, SUM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr, RADIX_BITS: tl.constexpr,
-    EARLY_EXIT: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN_D: tl.constexpr, PDL: tl.constexpr,
+    EARLY_EXIT: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN_D: tl.constexpr, SCALED: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """scores[b, h, :] = the group's probability score (max or, with SUM, sum over the G query heads of KV head h
-    of their softmax over the row's valid tokens), then idx[b, h, :counts[b]] = its counts[b] largest entries."""
+    of their softmax over the row's valid tokens), then idx[b, h, :counts[b]] = its counts[b] largest entries.
+    ``SCALED``: the keys are an int8 score copy, each head's dot product times the token's scale (``c_ptr``
+    [B, HKV, S] bf16), as ``approx_scores``."""
     pid = tl.program_id(0).to(tl.int64)
     b = pid // HKV
     h = pid % HKV
@@ -88,10 +92,18 @@ def _score_select_softmax_kernel(
         offs_s = s0 + ar
         valid = (offs_s >= start) & (offs_s < length)
         kmask = valid[:, None] & (dmask | EVEN_D)[None, :]  # EVEN_D (d fills the tile): a row mask, vector loads
-        kt = tl.load(k_base + offs_s[:, None] * stride_ks + offs_d[None, :], mask=kmask, other=0.0).to(tl.float32)
+        if SCALED:
+            kt = int8_to_f32(tl.load(k_base + offs_s[:, None] * stride_ks + offs_d[None, :], mask=kmask, other=0))
+            rs = tl.load(c_ptr + b * stride_cb + h * stride_ch + offs_s, mask=valid, other=0.0).to(tl.float32)
+        else:
+            kt = tl.load(k_base + offs_s[:, None] * stride_ks + offs_d[None, :], mask=kmask, other=0.0).to(
+                tl.float32)
         for g in tl.static_range(G):
             q = tl.load(q_base + g * stride_qh + offs_d, mask=dmask, other=0.0).to(tl.float32)
-            tl.store(h_base + g * stride_hh + offs_s, tl.sum(kt * q[None, :], axis=1), mask=valid)
+            sg = tl.sum(kt * q[None, :], axis=1)
+            if SCALED:
+                sg = sg * rs
+            tl.store(h_base + g * stride_hh + offs_s, sg, mask=valid)
     tl.debug_barrier()  # the heads' scores, written by every thread, are read back by every thread
     # pass 2a: each head's (max, sum of exp) of scale * s over the valid tokens, from its scratch row (L2): a
     # running pair per lane and head (elementwise), one reduction per head after the loop
@@ -126,7 +138,8 @@ def score_select_softmax(q_hat, k_src, d: int, lengths, starts, counts, K: int, 
                          scale: float | None = None, scores: torch.Tensor | None = None,
                          heads: torch.Tensor | None = None, idx: torch.Tensor | None = None,
                          block_s: int | None = None, block_t: int | None = None, num_warps: int | None = None,
-                         num_stages: int | None = None, early_exit: bool = True, chunk: int | None = None):
+                         num_stages: int | None = None, early_exit: bool = True, chunk: int | None = None,
+                         prefix_scale: torch.Tensor | None = None):
     """The group probability scores ([B, HKV, S] fp32: ``exp`` of the reference's
     ``approx_scores(..., gqa_select="kv", aggregate=aggregate, scale=scale)``, -inf outside the valid tokens) and
     the top-``counts[b]`` indices of every row ([B, HKV, K] int32, as ``select_topk(method="triton")``) from one
@@ -138,7 +151,8 @@ def score_select_softmax(q_hat, k_src, d: int, lengths, starts, counts, K: int, 
     they bound the kernel's reads).  ``aggregate``: "softmax-max" or "softmax-sum"; ``scale``: the attention scale
     (default ``1/sqrt(D)``).  ``heads``: the [B, HQ, S] fp32 scratch of per-query-head scores (last dim contiguous;
     default from ``new_output``); ``scores``, ``idx``: optional outputs.  ``block_s``, ``block_t``, ``num_warps``,
-    ``num_stages``, ``early_exit``, ``chunk``: launch choices beside the defaults (tests, tuning).  Returns
+    ``num_stages``, ``early_exit``, ``chunk``: launch choices beside the defaults (tests, tuning).  ``prefix_scale``
+    [B, HKV, S] bf16 (validated by the caller) makes ``k_src`` an int8 score copy's codes.  Returns
     ``(scores, idx)``.
     """
     B, HQ, HKV, S = check_fused_args(q_hat, k_src, d, K, "score_select_softmax")
@@ -170,16 +184,18 @@ def score_select_softmax(q_hat, k_src, d: int, lengths, starts, counts, K: int, 
     warps, bits, _ = select_launch_config(S, rows, num_sms(dev))
     num_warps = warps if num_warps is None else num_warps
     num_stages = FUSED_DEFAULTS["num_stages"] if num_stages is None else num_stages
+    sc = prefix_scale if prefix_scale is not None else lengths  # a placeholder pointer when not SCALED
     launch(_score_select_softmax_kernel, (rows,), [
-        q_hat, k_src, heads, scores, lengths, starts, counts, idx,
+        q_hat, k_src, heads, scores, lengths, starts, counts, idx, sc,
         S, d, HKV, K, float(scale),
         q_hat.stride(0), q_hat.stride(1),
         k_src.stride(0), k_src.stride(1), k_src.stride(2),
         heads.stride(0), heads.stride(1),
         scores.stride(0), scores.stride(1),
         idx.stride(0), idx.stride(1),
+        sc.stride(0) if prefix_scale is not None else 0, sc.stride(1) if prefix_scale is not None else 0,
         G, GP, aggregate == "softmax-sum", block_s, BLOCK_D,
         block_t, BLOCK, chunk or compaction_chunk(S, rows, num_sms(dev)), bits, bool(early_exit),
-        num_stages, BLOCK_D == d, pdl(dev),
+        num_stages, BLOCK_D == d, prefix_scale is not None, pdl(dev),
     ], dict(num_warps=num_warps, pdl=pdl(dev)))
     return scores, idx
