@@ -32,7 +32,7 @@ from loki.reference.selection import approx_scores as approx_scores_reference
 from .common import check_triton_device, interpreter_tile, interpreting, key_block
 from .group_softmax import SOFTMAX_AGGREGATES, launch_group_softmax
 from .launch import launch, new_output, pdl
-from .tl_helpers import int8_to_f16, int8_to_f32
+from .tl_helpers import int8_to_f16, score_keys
 
 __all__ = ["approx_scores", "approx_scores_reference", "make_key_prefix"]
 
@@ -116,10 +116,7 @@ def _approx_scores_kernel(
                 agg = tl.where(valid, agg, float("-inf"))
                 tl.store(agg_ptr + b * stride_ab + h * stride_ah + offs_s, agg, mask=in_range)
         else:
-            if SCALED:
-                kt = int8_to_f32(tl.load(k_ptrs, mask=kmask, other=0))
-            else:
-                kt = tl.load(k_ptrs, mask=kmask, other=0.0).to(tl.float32)
+            kt = score_keys(k_ptrs, kmask, SCALED)
             if WRITE_AGG and not WRITE_HEADS and not AGG_MAX:
                 agg = tl.sum(kt * qs[None, :], axis=1)
                 if SCALED:

@@ -28,7 +28,7 @@ from loki._triton import tl, triton
 from .common import interpreter_tile, interpreting, key_block, num_sms
 from .launch import launch, new_output, pdl
 from .select import TRITON_SELECT_MAX_S, compaction_chunk, select_launch_config
-from .tl_helpers import int8_to_f32, select_row
+from .tl_helpers import score_keys, select_row
 
 __all__ = ["FUSED_DEFAULTS", "score_select", "score_select_fusable"]
 
@@ -78,12 +78,9 @@ def _score_select_kernel(
         offs_s = s0 + ar
         valid = (offs_s >= start) & (offs_s < length)
         kmask = valid[:, None] & (dmask | EVEN_D)[None, :]  # EVEN_D (d fills the tile): a row mask, vector loads
+        kt = score_keys(k_base + offs_s[:, None] * stride_ks + offs_d[None, :], kmask, SCALED)
         if SCALED:
-            kt = int8_to_f32(tl.load(k_base + offs_s[:, None] * stride_ks + offs_d[None, :], mask=kmask, other=0))
             rs = tl.load(c_ptr + b * stride_cb + kv * stride_ch + offs_s, mask=valid, other=0.0).to(tl.float32)
-        else:
-            kt = tl.load(k_base + offs_s[:, None] * stride_ks + offs_d[None, :], mask=kmask, other=0.0).to(
-                tl.float32)
         if AGG_MAX and G_SCORE > 1:
             agg = tl.full((BLOCK_S,), float("-inf"), tl.float32)
             for g in tl.static_range(G_SCORE):

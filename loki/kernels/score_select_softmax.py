@@ -42,7 +42,7 @@ from .group_softmax import SOFTMAX_AGGREGATES
 from .launch import launch, new_output, pdl
 from .score_select import FUSED_DEFAULTS, check_fused_args
 from .select import compaction_chunk, select_launch_config
-from .tl_helpers import group_probability, int8_to_f32, running_lse, select_row
+from .tl_helpers import group_probability, running_lse, score_keys, select_row
 
 __all__ = ["SOFTMAX_FUSED_DEFAULTS", "score_select_softmax"]
 
@@ -92,12 +92,9 @@ def _score_select_softmax_kernel(
         offs_s = s0 + ar
         valid = (offs_s >= start) & (offs_s < length)
         kmask = valid[:, None] & (dmask | EVEN_D)[None, :]  # EVEN_D (d fills the tile): a row mask, vector loads
+        kt = score_keys(k_base + offs_s[:, None] * stride_ks + offs_d[None, :], kmask, SCALED)
         if SCALED:
-            kt = int8_to_f32(tl.load(k_base + offs_s[:, None] * stride_ks + offs_d[None, :], mask=kmask, other=0))
             rs = tl.load(c_ptr + b * stride_cb + h * stride_ch + offs_s, mask=valid, other=0.0).to(tl.float32)
-        else:
-            kt = tl.load(k_base + offs_s[:, None] * stride_ks + offs_d[None, :], mask=kmask, other=0.0).to(
-                tl.float32)
         for g in tl.static_range(G):
             q = tl.load(q_base + g * stride_qh + offs_d, mask=dmask, other=0.0).to(tl.float32)
             sg = tl.sum(kt * q[None, :], axis=1)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from loki._triton import tl, triton
 
-__all__ = ["compact", "group_probability", "int8_to_f16", "int8_to_f32", "ordered_key", "running_lse", "select_row"]
+__all__ = ["compact", "group_probability", "int8_to_f16", "int8_to_f32", "ordered_key", "running_lse",
+           "score_keys", "select_row"]
 
 
 @triton.jit
@@ -38,6 +39,15 @@ def int8_to_f16(x):
 def int8_to_f32(x):
     """int8 codes -> fp32, exactly, as :func:`int8_to_f16`: bits 0x4B000000 + (x + 128) are 2**23 + (x + 128)."""
     return (x.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
+
+
+@triton.jit
+def score_keys(k_ptrs, kmask, SCALED: tl.constexpr):
+    """A tile of the keys the approximate scores read, as fp32: an int8 score copy's codes with ``SCALED``
+    (:func:`int8_to_f32`; the caller multiplies each token's products by its scale), else the 16-bit prefix."""
+    if SCALED:
+        return int8_to_f32(tl.load(k_ptrs, mask=kmask, other=0))
+    return tl.load(k_ptrs, mask=kmask, other=0.0).to(tl.float32)
 
 
 @triton.jit
