@@ -228,6 +228,7 @@ def main(argv=None) -> int:
         variant("two kernels", False, False)
         variant("fused", True, False)
         rows.append(r)
+    os.makedirs(args.out, exist_ok=True)
     out_name = "stages.json" if args.stages else "fusion.json"
     with open(os.path.join(args.out, out_name), "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "copy_gbps": copy, "torch": torch.__version__,
