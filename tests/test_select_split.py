@@ -99,19 +99,6 @@ def test_split_select_every_digit_layout(triton_device, bits, levels):
 
 
 @interp
-@pytest.mark.parametrize("final_bits", [3, 8])
-@pytest.mark.parametrize("kind", ["halves", "narrow", "nan"])
-def test_split_select_final_select_by_digits(triton_device, final_bits, kind):
-    """The final select resolving several key bits per step (``final_bits``): the same sets for digits that do
-    and do not divide the bits left after the level launches (20, 21, 0 with the whole key resolved), with the
-    candidates in a quarter tile and in a full one."""
-    for opts in (dict(chunk=256), dict(chunk=256, bits=7, levels=1, cand_block=4096),
-                 dict(chunk=256, bits=8, levels=4)):
-        for k in (1, 300, 1025):
-            _run(triton_device, 2, 2, 1025, k, kind=kind, final_bits=final_bits, **opts)
-
-
-@interp
 def test_split_select_matches_the_one_program_per_row_select(triton_device):
     """Where both apply (rows up to TRITON_SELECT_MAX_S): the same sets as method="triton"'s register select,
     and select_topk(method="split") is this select."""
@@ -272,7 +259,6 @@ def test_split_select_refuses_bad_options(triton_device):
     c = torch.tensor([4], device=triton_device)
     for opts, match in ((dict(bits=0), "bits"), (dict(bits=12), "bits"), (dict(bits=8, levels=5), "levels"),
                         (dict(chunk=48), "chunk"), (dict(cand_block=8), "cand_block"),
-                        (dict(final_bits=9), "final_bits"), (dict(final_bits=-1), "final_bits"),
                         (dict(k_max=65), "k_max"), (dict(k_max=0), "k_max")):
         with pytest.raises(ValueError, match=match):
             select_topk_split(s, c, **opts)
@@ -305,7 +291,7 @@ def test_gpu_split_select_at_production_sizes(B, H, S, k, kind):
     idx = select_topk(scores.to(dev), counts.to(dev), k_max=k, method="triton")  # the rule picks the split
     assert_same_sets(idx, R.select_topk(scores.to(dev), counts.to(dev)), counts)
     for opts in (dict(chunk=1024), dict(chunk=8192, bits=8), dict(bits=4, levels=3), dict(cand_block=256),
-                 dict(cand_block=4096), dict(final_bits=6), dict(final_bits=8)):
+                 dict(cand_block=4096)):
         assert_same_sets(select_topk_split(scores.to(dev), counts.to(dev), k_max=k, **opts),
                    R.select_topk(scores.to(dev), counts.to(dev)), counts)
 

@@ -19,8 +19,8 @@ scores too (the ``scores`` column; the split select takes fp32 only). Every othe
 triton.testing.do_bench median (L2 flushed; includes the host launch cost when that dominates), ``graph`` one
 CUDA-graph replay with the L2 flushed, ``graph_warm`` the same with the scores in L2 (as inside the decode step,
 where they were just written). Then the decode step (llama3-8b-like GQA 32/8, one selection per KV head: B=1
-S=131072, 8 rows; B=8 S=32768, 64 rows; k=2048) with the split (its default and the other final select:
-``final_bits`` 8 against 0), the register (S <= 32768) and the torch select, recorded plan, do_bench and graph.
+S=131072, 8 rows; B=8 S=32768, 64 rows; k=2048) with the split, the register (S <= 32768) and the torch select,
+recorded plan, do_bench and graph.
 
 Writes JSON to --out and prints the tables last (one per select shape, then the decode steps).  About 2-3 minutes
 on an H100 (most of it compiling the variants; FlashInfer's first call compiles its kernels too); ``--budget``
@@ -39,8 +39,7 @@ import torch
 
 SHAPES = [(1, 8, 131072, 2048), (1, 32, 131072, 2048), (8, 8, 32768, 2048), (8, 8, 32768, 8192)]
 SPLIT_VARIANTS = [dict(chunk=1024), dict(chunk=2048), dict(chunk=4096), dict(chunk=8192), dict(bits=8),
-                  dict(bits=5, levels=3), dict(bits=4, levels=3), dict(cand_block=2048), dict(final_bits=0),
-                  dict(final_bits=4), dict(final_bits=6), dict(final_bits=8), dict(final_bits=8, cand_block=2048)]
+                  dict(bits=5, levels=3), dict(bits=4, levels=3), dict(cand_block=1024), dict(cand_block=4096)]
 SMOKE_SHAPES = [(1, 2, 3000, 100), (2, 2, 1500, 600)]
 STEP_SHAPES = [  # name, B, HQ, HKV, S, D, k
     ("llama3-8b kv B=1 S=131072 (8 rows)", 1, 32, 8, 131072, 128, 2048),
@@ -232,17 +231,12 @@ def bench_steps(budget_end: float, shapes, dev, smoke=False) -> list[dict]:
         kp = make_key_prefix(x.k_cache, d)
         counts = torch.full((B,), k, dtype=torch.int32, device=dev)
         methods = [("split", "triton", 1), ("torch", "torch", 1)]
-        other_fb = 8 if split_mod.SPLIT_DEFAULTS["final_bits"] == 0 else 0
-        methods.insert(1, (f"split final_bits={other_fb}", "triton", 1))
         if S <= TRITON_SELECT_MAX_S:
             methods.insert(1, ("register", "triton", 1 << 40))  # the rule's min_s out of reach
         outs, done = {}, []
         for label, method, min_s in methods:
             saved = split_mod.SPLIT_RULE["min_s"]
-            saved_fb = split_mod.SPLIT_DEFAULTS["final_bits"]
             split_mod.SPLIT_RULE["min_s"] = min_s
-            if label.startswith("split final_bits="):  # the default split with the other final select
-                split_mod.SPLIT_DEFAULTS["final_bits"] = int(label.split("=")[1])
             try:
                 run = kernel_run(x.q, x.k_cache, d=d, gqa_select="kv", aggregate="sum")
                 step = _step_fn(x, counts, d, k, kp, method, run)
@@ -253,7 +247,6 @@ def bench_steps(budget_end: float, shapes, dev, smoke=False) -> list[dict]:
                 r.update(_times(step, smoke))
             finally:
                 split_mod.SPLIT_RULE["min_s"] = saved
-                split_mod.SPLIT_DEFAULTS["final_bits"] = saved_fb
             done.append(r)
             print(json.dumps(r), flush=True)
         base_idx, base_out = outs["torch"]

@@ -231,7 +231,7 @@ def launch_decode_step(
         fuse_select = method == "triton" and score_select_fusable(B * H, S, q_hat.device)
     fusable = method == "triton" and S <= TRITON_SELECT_MAX_S and (
         not softmax or HQ // HKV <= SOFTMAX_FUSED_DEFAULTS["max_group"])
-    if int8 and t.fuse_select is not True:  # an int8 copy takes the fused kernels only when asked (not yet timed)
+    if int8 and t.fuse_select is not True:  # an int8 copy takes the fused kernels only when asked (slower on an H100)
         fusable = False
     # the scores' rows start at multiples of 16 elements: a cache that grows by one token per step then keeps
     # the same Triton specialisation of the row stride (no recompilation every time S crosses a multiple of 16)

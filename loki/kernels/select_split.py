@@ -56,10 +56,9 @@ __all__ = ["SPLIT_DEFAULTS", "select_topk_split", "split_launch_config", "use_sp
 
 #: Launch defaults (to be tuned on the GPU; docs/kernels.md): key bits resolved per level launch, level
 #: launches, programs aimed at per multiprocessor (sets the chunk, within ``chunk_range``), candidates the
-#: final select holds in registers, and the key bits its steps resolve at a time (0: one bit per block
-#: reduction; 1-8: a ``tl.histogram`` of 2**final_bits bins per step).
-SPLIT_DEFAULTS = dict(bits=6, levels=2, programs_per_sm=4, chunk_range=(1024, 16384), cand_block=2048,
-                      final_bits=0)
+#: final select holds in registers (2048: the compaction of 8 rows of 131072 keys runs on 4 warps, 4.6 us faster
+#: than 4096 on 8 warps on an H100; results/select-final-h100-2026-11-28/).
+SPLIT_DEFAULTS = dict(bits=6, levels=2, programs_per_sm=4, chunk_range=(1024, 16384), cand_block=2048)
 #: When ``select_topk(method="triton")`` uses the split select (to be tuned on the GPU): rows longer than the
 #: register select takes, or rows of at least ``min_s`` keys when there are fewer than ``max_rows_per_sm``
 #: rows per multiprocessor.
@@ -172,60 +171,17 @@ def _final_in_registers(cand, row, n, need, out, TILE: tl.constexpr):
 
 
 @triton.jit
-def _final_radix(cand, row, n, need, out, TILE: tl.constexpr, REM: tl.constexpr, FB: tl.constexpr):
-    """The final select of n <= TILE candidates held in registers, digit by digit: every candidate shares the
-    key's top 32 - REM bits (the prefix the level launches resolved), so the rest is shifted to the top of the
-    word and resolved FB bits at a time, each a ``tl.histogram`` of 2**FB bins of the candidates that match
-    the digits so far (ceil(REM / FB) steps instead of up to REM one-bit block reductions); then the same
-    packed prefix sum as :func:`_final_in_registers` (ties to the lowest positions)."""
-    NBF: tl.constexpr = 1 << FB
-    key, pos, m = _cand_tile(cand, row, 0, n, TILE)
-    if REM == 0:  # the level launches resolved the whole key: every candidate ties
-        a = tl.zeros_like(key)
-    else:
-        a = key << (32 - REM)  # the unresolved bits at the top; all candidates agree above them
-    jj = tl.arange(0, NBF)
-    pre = tl.zeros((), tl.uint32)
-    left = need
-    for lvl in tl.static_range((REM + FB - 1) // FB):
-        if lvl == 0:
-            sel = m
-        else:
-            sel = m & ((a >> (32 - FB * lvl)) == pre)
-        digit = ((a >> (32 - FB * (lvl + 1))) & (NBF - 1)).to(tl.int32)
-        h = tl.histogram(digit, NBF, mask=sel)
-        ge = tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h  # candidates so far with digit >= j
-        d = tl.max(tl.where(ge >= left, jj, -1), axis=0)
-        left -= tl.sum(tl.where(jj > d, h, 0), axis=0)
-        pre = (pre << FB) | d.to(tl.uint32)
-    NL: tl.constexpr = (REM + FB - 1) // FB
-    if NL > 0:
-        thr = pre << (32 - FB * NL)
-    else:
-        thr = tl.zeros((), tl.uint32)
-    n_gt = tl.sum(((a > thr) & m).to(tl.int32), axis=0)
-    _emit(a, pos, m, thr, need, n_gt, 0, 0, out)
-
-
-@triton.jit
-def _final_select(cand, row, n, need, out, CAND_BLOCK: tl.constexpr, REM: tl.constexpr, FB: tl.constexpr):
+def _final_select(cand, row, n, need, out, CAND_BLOCK: tl.constexpr):
     """out[:need] = positions of the need largest of the n candidates cand[:n] (ascending positions), ties to
     the lowest position.  Threshold: the largest T with #(key >= T) >= need, or (early exit) the first T on the
     way with exactly need keys >= T.  Up to CAND_BLOCK / 4 candidates in a quarter-size tile (each one-bit step
-    is a block reduction whose cost grows with the tile), up to CAND_BLOCK in a full one, more in a loop.  With
-    FB > 0 the candidates held in registers are resolved FB bits at a time (:func:`_final_radix`) instead."""
+    is a block reduction whose cost grows with the tile), up to CAND_BLOCK in a full one, more in a loop."""
     one = tl.full((), 1, tl.uint32)
     top = tl.full((CAND_BLOCK,), 0xFFFFFFFF, tl.uint32)
     if n <= CAND_BLOCK // 4:
-        if FB > 0:
-            _final_radix(cand, row, n, need, out, CAND_BLOCK // 4, REM, FB)
-        else:
-            _final_in_registers(cand, row, n, need, out, CAND_BLOCK // 4)
+        _final_in_registers(cand, row, n, need, out, CAND_BLOCK // 4)
     elif n <= CAND_BLOCK:
-        if FB > 0:
-            _final_radix(cand, row, n, need, out, CAND_BLOCK, REM, FB)
-        else:
-            _final_in_registers(cand, row, n, need, out, CAND_BLOCK)
+        _final_in_registers(cand, row, n, need, out, CAND_BLOCK)
     else:  # many candidates (ties or a narrow range): every step loops over them
         kmin = tl.full((), 0xFFFFFFFF, tl.uint32)
         kmax = tl.zeros((), tl.uint32)
@@ -303,7 +259,7 @@ def _split_compact_kernel(
     S, H, K, C,
     stride_sb, stride_sh, stride_ib, stride_ih, stride_wr,
     LEVELS: tl.constexpr, BITS: tl.constexpr, NB: tl.constexpr, CH: tl.constexpr, C_BLOCK: tl.constexpr,
-    CAND_BLOCK: tl.constexpr, FINAL_BITS: tl.constexpr, PDL: tl.constexpr,
+    CAND_BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     """Compaction launch, program (row r, chunk c): sure positions to idx, candidates to the workspace (or to
     idx when all are needed); the row's last program to finish selects among the candidates."""
@@ -343,8 +299,7 @@ def _split_compact_kernel(
         tl.debug_barrier()  # every thread's candidates are stored before the ticket is taken
         ticket = tl.atomic_add(ws + off_state + 8, 1, sem="acq_rel")
         if ticket == C - 1:  # the row's last program: every candidate is in the workspace
-            _final_select(ws + off_cand, row, n_cand, need, out + n_sure, CAND_BLOCK, 32 - LEVELS * BITS,
-                          FINAL_BITS)
+            _final_select(ws + off_cand, row, n_cand, need, out + n_sure, CAND_BLOCK)
 
 
 def _p2(n: int) -> int:
@@ -364,9 +319,9 @@ def split_launch_config(S: int, rows: int, num_sms: int = NUM_SMS_DEFAULT, *, bi
     """Default launch options for ``rows`` rows of S keys: ``chunk`` (a power of two aiming at
     ``programs_per_sm`` programs per multiprocessor, within ``chunk_range``, large enough that the per-chunk
     histograms fit one tile; the whole row, up to 8192, under the interpreter), ``bits``, ``levels``,
-    ``cand_block``, ``final_bits``, ``num_warps`` (one per 512 chunk elements, 4 to 16) and ``compact_warps``
-    for the compaction launch (at least one per 512 candidates of ``cand_block``: ptxas gives 209 registers to
-    the compaction kernel with 4096 candidates on 4 warps, 128 on 8)."""
+    ``cand_block``, ``num_warps`` (one per 512 chunk elements, 4 to 16) and ``compact_warps`` for the compaction
+    launch (at least one per 512 candidates of ``cand_block``: ptxas gives 209 registers to the compaction kernel
+    with 4096 candidates on 4 warps, 128 on 8)."""
     d = SPLIT_DEFAULTS
     bits = d["bits"] if bits is None else bits
     lo, hi = d["chunk_range"]
@@ -378,17 +333,15 @@ def split_launch_config(S: int, rows: int, num_sms: int = NUM_SMS_DEFAULT, *, bi
     chunk = max(chunk, _p2(-(-S // max_chunks)))
     cand_block = max(16, min(d["cand_block"], _p2(S)))
     warps = _warps(chunk)
-    return dict(chunk=chunk, bits=bits, levels=d["levels"], cand_block=cand_block, final_bits=d["final_bits"],
-                num_warps=warps, compact_warps=max(warps, _warps(cand_block)))
+    return dict(chunk=chunk, bits=bits, levels=d["levels"], cand_block=cand_block, num_warps=warps,
+                compact_warps=max(warps, _warps(cand_block)))
 
 
 def _warps(block: int) -> int:
     return max(4, min(16, block // 512))
 
 
-def _check_options(S: int, chunk: int, bits: int, levels: int, cand_block: int, final_bits: int = 0) -> None:
-    if not 0 <= final_bits <= 8:
-        raise ValueError(f"final_bits must lie in [0, 8], got {final_bits}")
+def _check_options(S: int, chunk: int, bits: int, levels: int, cand_block: int) -> None:
     if not 1 <= bits <= 11:
         raise ValueError(f"bits must lie in [1, 11], got {bits}")
     if levels < 1 or levels * bits > 32:
@@ -401,7 +354,7 @@ def _check_options(S: int, chunk: int, bits: int, levels: int, cand_block: int, 
 
 
 def _launch_split(scores, counts, idx, K: int, chunk: int, bits: int, levels: int, cand_block: int,
-                  final_bits: int, num_warps: int, compact_warps: int) -> None:
+                  num_warps: int, compact_warps: int) -> None:
     B, H, S = scores.shape
     R, NB, C = B * H, 1 << bits, -(-S // chunk)
     C_BLOCK = max(16, _p2(C))
@@ -413,8 +366,7 @@ def _launch_split(scores, counts, idx, K: int, chunk: int, bits: int, levels: in
     for level in range(1, levels + 1):
         launch(_split_level_kernel, (R, C), common + [level, bits, NB, chunk, C_BLOCK, use_pdl],
                dict(num_warps=num_warps, pdl=use_pdl))
-    launch(_split_compact_kernel, (R, C),
-           common + [levels, bits, NB, chunk, C_BLOCK, cand_block, final_bits, use_pdl],
+    launch(_split_compact_kernel, (R, C), common + [levels, bits, NB, chunk, C_BLOCK, cand_block, use_pdl],
            dict(num_warps=compact_warps, pdl=use_pdl))
 
 
@@ -428,7 +380,6 @@ def select_topk_split(
     bits: int | None = None,
     levels: int | None = None,
     cand_block: int | None = None,
-    final_bits: int | None = None,
     num_warps: int | None = None,
 ) -> torch.Tensor:
     """Indices of the ``counts[b]`` largest scores of every row, each row split over ceil(S / chunk) programs.
@@ -441,9 +392,8 @@ def select_topk_split(
     position), in a deterministic order.  Options (defaults from :func:`split_launch_config`): ``chunk`` scores
     per program (a power of two, 16..32768), ``bits`` key bits per level launch (1..11), ``levels`` level
     launches (``levels * bits <= 32``), ``cand_block`` candidates the final select holds in registers (a power
-    of two), ``final_bits`` key bits each step of the final select resolves (0: one bit per block reduction;
-    1..8: a histogram of 2**final_bits bins per step), ``num_warps`` (every launch; default from the chunk, and
-    for the compaction launch at least one warp per 512 of ``cand_block``).  ``select_topk(method="split")`` calls this.
+    of two), ``num_warps`` (every launch; default from the chunk, and for the compaction launch at least one warp
+    per 512 of ``cand_block``).  ``select_topk(method="split")`` calls this.
     """
     if scores.dim() != 3:
         raise ValueError(f"scores must have shape [B, H, S], got {list(scores.shape)}")
@@ -464,12 +414,11 @@ def select_topk_split(
     chunk = cfg["chunk"] if chunk is None else chunk
     levels = cfg["levels"] if levels is None else levels
     cand_block = cfg["cand_block"] if cand_block is None else cand_block
-    final_bits = cfg["final_bits"] if final_bits is None else final_bits
-    _check_options(S, chunk, cfg["bits"], levels, cand_block, final_bits)
+    _check_options(S, chunk, cfg["bits"], levels, cand_block)
     idx = out if out is not None else new_output((B, H, K), torch.int32, scores.device)
     if idx.shape != (B, H, K) or idx.dtype != torch.int32 or idx.stride(-1) != 1:
         raise ValueError(f"out must be a contiguous int32 tensor of shape [B, H, K]=[{B}, {H}, {K}]")
     warps = _warps(chunk) if num_warps is None else num_warps
-    _launch_split(scores, counts, idx, K, chunk, cfg["bits"], levels, cand_block, final_bits, warps,
+    _launch_split(scores, counts, idx, K, chunk, cfg["bits"], levels, cand_block, warps,
                   max(warps, _warps(cand_block)) if num_warps is None else num_warps)
     return idx
