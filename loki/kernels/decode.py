@@ -207,10 +207,10 @@ def launch_decode_step(
     optional [B, HKV, S, dp >= d] contiguous copy of the first dims of k_hat (validated by the caller);
     gqa_select, aggregate: resolved modes (``ResolvedSettings.kernel_args()``).  ``prefix_scale``: optional
     [B, HKV, S] bf16, making ``k_prefix`` the "int8" score copy (int8 codes, ``encode_int8_score_keys``): the scores
-    then take the unfused launches unless ``tuning.fuse_select`` is True (the fused kernels read the copy too, not
-    yet timed against the unfused ones on a GPU) and the attention re-reads the keys'
-    first d dims (the approximate scores are rounded: never reused as exact ones).  Returns
-    ``(idx [B, H, K], out [B, HQ, D])``, both freshly allocated on every call (or ``out`` itself when given).
+    then take the unfused launches unless ``tuning.fuse_select`` is True (the fused kernels read the copy too,
+    slower than the unfused launches on an H100) and the attention re-reads the keys' first d dims (the
+    approximate scores are rounded: never reused as exact ones).  Returns ``(idx [B, H, K], out [B, HQ, D])``,
+    both freshly allocated on every call (or ``out`` itself when given).
     """
     t = tuning
     int8 = prefix_scale is not None
