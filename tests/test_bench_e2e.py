@@ -180,6 +180,7 @@ def test_measurement_loop_on_cpu(cpu_results):
     for p in ("sdpa_eager", "sdpa_compiled", "loki_eager"):
         r = res["paths"][p]
         assert r["finite"] and r["ms_median"] > 0 and r["tokens_per_s"] == pytest.approx(2 / (r["ms_median"] * 1e-3))
+        assert r["ms_median_again"] > 0  # the same steps timed a second time in the same process
         assert r["rewind_diff"] < 1e-4, p  # the rewound cache holds what the first pass saw
         assert not r["compiled"]
     assert res["paths"]["sdpa_eager"]["cache_layer"] == "DynamicLayer"

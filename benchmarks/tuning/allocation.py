@@ -45,7 +45,7 @@ def run(windows, *, corpus: str, k: float, d: float, device: str, calib_position
     model, tok = load_default_model(device=device)
     longest = max(t for t, _ in windows)
     recipe = replace(DEFAULT_RECIPE, max_positions=calib_positions or longest)
-    base = get_bases(model, tok, ("score",), recipe, progress=False, log=log)["score"]
+    base = get_bases(model, tok, ("score",), recipe, progress=True, log=log)["score"]
     bases = {"score": base}
     alloc = {}
     for how in ALLOCATIONS:
