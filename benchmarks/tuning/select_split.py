@@ -39,7 +39,7 @@ import torch
 
 SHAPES = [(1, 8, 131072, 2048), (1, 32, 131072, 2048), (8, 8, 32768, 2048), (8, 8, 32768, 8192)]
 SPLIT_VARIANTS = [dict(chunk=1024), dict(chunk=2048), dict(chunk=4096), dict(chunk=8192), dict(bits=8),
-                  dict(bits=5, levels=3), dict(bits=4, levels=3), dict(cand_block=1024), dict(cand_block=4096)]
+                  dict(bits=5, levels=3), dict(bits=4, levels=3), dict(cand_block=1024), dict(cand_block=2048)]
 SMOKE_SHAPES = [(1, 2, 3000, 100), (2, 2, 1500, 600)]
 STEP_SHAPES = [  # name, B, HQ, HKV, S, D, k
     ("llama3-8b kv B=1 S=131072 (8 rows)", 1, 32, 8, 131072, 128, 2048),

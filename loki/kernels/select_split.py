@@ -56,9 +56,9 @@ __all__ = ["SPLIT_DEFAULTS", "select_topk_split", "split_launch_config", "use_sp
 
 #: Launch defaults (to be tuned on the GPU; docs/kernels.md): key bits resolved per level launch, level
 #: launches, programs aimed at per multiprocessor (sets the chunk, within ``chunk_range``), candidates the
-#: final select holds in registers (2048: the compaction of 8 rows of 131072 keys runs on 4 warps, 4.6 us faster
-#: than 4096 on 8 warps on an H100; results/select-final-h100-2026-11-28/).
-SPLIT_DEFAULTS = dict(bits=6, levels=2, programs_per_sm=4, chunk_range=(1024, 16384), cand_block=2048)
+#: final select holds in registers (4096: 2048 was 4.6 us faster alone at 8 rows of 131072 on an H100, 0.3%
+#: of the whole forward, but crowded probabilities then overflow the tile; results/select-final-h100-2026-11-28/).
+SPLIT_DEFAULTS = dict(bits=6, levels=2, programs_per_sm=4, chunk_range=(1024, 16384), cand_block=4096)
 #: When ``select_topk(method="triton")`` uses the split select (to be tuned on the GPU): rows longer than the
 #: register select takes, or rows of at least ``min_s`` keys when there are fewer than ``max_rows_per_sm``
 #: rows per multiprocessor.
