@@ -55,6 +55,8 @@ def test_no_gpu_is_one_line_error(monkeypatch, capsys):
     (["--budgets", "x"], "k_f:d_f"),
     (["--quick", "--batches", "4"], "no setting"),
     (["--time-budget", "0"], "--time-budget"),
+    (["--generate", "--generate-tokens", "0"], "--generate-tokens"),  # 0 was read as "unset": the steps
+    (["--generate-tokens", "8"], "pass --generate"),
 ])
 def test_bad_arguments(argv, words, capsys):
     assert cli.main(["bench", "--e2e", *argv]) == 2
@@ -115,12 +117,21 @@ def test_kernel_mode_refuses_e2e_models(capsys, monkeypatch):
     assert "--e2e" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("cuda", [True, False], ids=["cuda", "no-cuda"])
 @pytest.mark.parametrize("budget", ["2048:0.25", "0.25", "a:b", "0:0.25", "0.25:1.5"])
-def test_kernel_mode_names_a_bad_budget(capsys, monkeypatch, budget):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+def test_kernel_mode_names_a_bad_budget(capsys, monkeypatch, budget, cuda):
+    """Named whether or not a GPU is visible: the user's error comes before the missing device."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     assert cli.main(["bench", "--budgets", "0.25:0.25", budget]) == 2
     err = capsys.readouterr().err
     assert "--budgets" in err and repr(budget) in err and "Traceback" not in err
+
+
+def test_kernel_mode_without_a_gpu_is_one_line_error(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main(["bench", "--quick"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and "CUDA" in err and len(err.splitlines()) == 1
 
 
 def test_weight_bytes_of_the_model_dims():

@@ -148,7 +148,9 @@ def select(args) -> dict:
     if short:
         raise UsageError(f"--steps {args.steps} must be below every S (the cache holds S - steps tokens before "
                          f"the timed steps): {', '.join(short)}")
-    n_gen = args.generate_tokens or args.steps
+    n_gen = args.steps if args.generate_tokens is None else args.generate_tokens
+    if args.generate_tokens is not None and not args.generate:
+        raise UsageError("--generate-tokens sets the new tokens of each generate call: pass --generate with it")
     if args.generate:
         if n_gen < 1 or args.generate_reps < 1:
             raise UsageError(f"--generate-tokens and --generate-reps must be >= 1, got {n_gen} and "

@@ -413,13 +413,15 @@ def run(args: argparse.Namespace) -> int:
         return run_e2e(args, copy_bandwidth=measure_copy_bandwidth)
     import triton
 
-    if not torch.cuda.is_available():
-        print("loki bench: needs a CUDA device")
-        return 2
     bad = [m for m in args.models or () if m not in MODELS]
     if bad:
         print(f"error: --models {' '.join(bad)}: the kernel benchmark takes {', '.join(sorted(MODELS))} "
               "(whole models need --e2e)", file=sys.stderr)
+        return 2
+    budgets = tuple(_kernel_budget(b) for b in args.budgets) if args.budgets else None  # user errors first
+    if not torch.cuda.is_available():
+        print("error: loki bench needs a CUDA device and none is visible (torch.cuda.is_available() is False)",
+              file=sys.stderr)
         return 2
     sel = dict(QUICK) if args.quick else dict(models=tuple(MODELS), batches=BATCHES, seq_lens=SEQ_LENS,
                                               budgets=BUDGETS)
@@ -429,8 +431,8 @@ def run(args: argparse.Namespace) -> int:
         sel["batches"] = tuple(args.batches)
     if args.seq_lens:
         sel["seq_lens"] = tuple(args.seq_lens)
-    if args.budgets:
-        sel["budgets"] = tuple(_kernel_budget(b) for b in args.budgets)
+    if budgets:
+        sel["budgets"] = budgets
     cfgs = configs(dtype=args.dtype, **sel)
     name = torch.cuda.get_device_name()
     copy_gbps = measure_copy_bandwidth()
