@@ -6,21 +6,20 @@ select, alone and inside the decode step, on a GPU.
 Select shapes (B, H, S, k; rows = B x H): 1 x 8 x 131072 top-2048 (target <= 15 us), 1 x 32 x 131072 top-2048, 8 x 8
 x 32768 top-2048 (64 rows, target <= 25 us) and top-8192. Providers: plain ``torch.topk`` (no tie rule; checked by
 the selection invariants), the project's exact torch method (int64 keys), the register select (rows up to 32768),
-the split select with its defaults and a few launch variants (chunk, bits per level, levels, the final select's key
-bits per step), and the default split replayed from a recorded ``DecodePlan`` (direct launches, the decode step's
-host path). Where ``flashinfer`` imports, in the same run on the same card: ``flashinfer.top_k`` with its defaults
-(no tie rule: checked by the selection invariants, as plain ``torch.topk``), ``flashinfer.top_k`` with
-``deterministic=True, tie_break=SMALL`` (k <= 2048; the reference's exact set),
-``flashinfer.topk.topk_clusters_exact`` (invariants) and ``select_topk(method="flashinfer")`` (that call behind the
-project's canonical copy of -0.0 and NaN); without it those rows are left out with a note, and a FlashInfer call
-that fails on the card is a row with its error. Scores are fp32; ``torch.topk`` and the FlashInfer calls run on bf16
-scores too (the ``scores`` column; the split select takes fp32 only). Every other result is checked against
-``loki.reference.selection.select_topk`` (the same set, on the same dtype) before it is timed. Times in ms: ``ms``
-triton.testing.do_bench median (L2 flushed; includes the host launch cost when that dominates), ``graph`` one
-CUDA-graph replay with the L2 flushed, ``graph_warm`` the same with the scores in L2 (as inside the decode step,
-where they were just written). Then the decode step (llama3-8b-like GQA 32/8, one selection per KV head: B=1
-S=131072, 8 rows; B=8 S=32768, 64 rows; k=2048) with the split, the register (S <= 32768) and the torch select,
-recorded plan, do_bench and graph.
+the split select with its defaults and a few launch variants (chunk, bits per level, levels, candidate tile), and
+the default split replayed from a recorded ``DecodePlan`` (direct launches, the decode step's host path). Where
+``flashinfer`` imports, in the same run on the same card: ``flashinfer.top_k`` with its defaults (no tie rule:
+checked by the selection invariants, as plain ``torch.topk``), ``flashinfer.top_k`` with ``deterministic=True,
+tie_break=SMALL`` (k <= 2048; the reference's exact set), ``flashinfer.topk.topk_clusters_exact`` (invariants) and
+``select_topk(method="flashinfer")`` (that call behind the project's canonical copy of -0.0 and NaN); without it
+those rows are left out with a note, and a FlashInfer call that fails on the card is a row with its error. Scores
+are fp32; ``torch.topk`` and the FlashInfer calls run on bf16 scores too (the ``scores`` column; the split select
+takes fp32 only). Every other result is checked against ``loki.reference.selection.select_topk`` (the same set, on
+the same dtype) before it is timed. Times in ms: ``ms`` triton.testing.do_bench median (L2 flushed; includes the
+host launch cost when that dominates), ``graph`` one CUDA-graph replay with the L2 flushed, ``graph_warm`` the same
+with the scores in L2 (as inside the decode step, where they were just written). Then the decode step
+(llama3-8b-like GQA 32/8, one selection per KV head: B=1 S=131072, 8 rows; B=8 S=32768, 64 rows; k=2048) with the
+split, the register (S <= 32768) and the torch select, recorded plan, do_bench and graph.
 
 Writes JSON to --out and prints the tables last (one per select shape, then the decode steps).  About 2-3 minutes
 on an H100 (most of it compiling the variants; FlashInfer's first call compiles its kernels too); ``--budget``
