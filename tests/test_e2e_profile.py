@@ -19,6 +19,17 @@ def test_busy_time_is_the_union_of_the_intervals():
     assert e2e_profile._busy_us([(3, 4), (0, 10)]) == 10
 
 
+def test_idle_gaps_are_charged_to_the_kernel_that_waited():
+    """Span, busy and idle per step, and each idle stretch charged to the kernel that starts after it (overlapping
+    kernels: the idle time starts when every earlier kernel has ended)."""
+    evs = [(0, 10, "a"), (12, 20, "b"), (15, 30, "c"), (31, 35, "b"), (40, 41, "d")]
+    r = e2e_profile.idle_gaps(evs, calls=2)
+    assert r["span_us"] == 41 / 2 and r["busy_us"] == (10 + 18 + 4 + 1) / 2 and r["idle_us"] == (41 - 33) / 2
+    assert {t["name"]: t["us"] for t in r["idle_before"]} == {"b": (2 + 1) / 2, "d": 5 / 2}
+    assert [t["name"] for t in r["idle_before"]] == ["d", "b"]
+    assert e2e_profile.idle_gaps([], calls=1) == {}
+
+
 def test_generate_profile_per_token_on_the_cpu():
     """Per generated token: the differences of the N + 1 and the 1 token calls, CPU operators included; Loki is
     disabled again afterwards."""

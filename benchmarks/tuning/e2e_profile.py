@@ -5,7 +5,7 @@
         --seq-len 32768 --k 2048 --generate 16
 
 Default: the compiled forward of the decode step (static caches, CUDA graphs) over a few steps, its kernels
-grouped by name.  ``--generate N``: whole greedy ``model.generate`` calls as the end-to-end benchmark times them
+grouped by name, and the device's idle time in a step charged to the kernels that waited (``idle_gaps``).  ``--generate N``: whole greedy ``model.generate`` calls as the end-to-end benchmark times them
 (:mod:`loki.bench.e2e_generate`: the cache holding the prompt, generate compiling its own decode step), one call of
 N + 1 new tokens and one of 1 profiled with CPU and CUDA activities; per generated token, the differences of the
 two: wall time, the device's busy time (the union of the kernels' intervals), the host-only time (wall - busy: the
@@ -82,10 +82,36 @@ def profile_path(model, path, B, S, steps=8, prof_steps=4, k=0.25, aggregate="au
                 step(i)
             torch.cuda.synchronize()
     rows = kernel_rows(prof, prof_steps)
+    gaps = _gaps(prof, prof_steps)
     cache = fn = None  # the closure above holds them: released here
     _release(model, path)
-    return {"total_us": sum(t for _, t, _ in rows), "kernels": sum(c for _, _, c in rows),
+    return {"total_us": sum(t for _, t, _ in rows), "kernels": sum(c for _, _, c in rows), **gaps,
             "top": [{"name": n[:90], "us": t, "count": c} for n, t, c in rows[:30]]}
+
+
+def _gaps(prof, calls: int) -> dict:
+    """:func:`idle_gaps` of a torch.profiler run's kernels over ``calls`` steps."""
+    return idle_gaps([(ev.time_range.start, ev.time_range.end, ev.name) for ev in prof.events()
+                      if ev.device_type == torch.autograd.DeviceType.CUDA], calls)
+
+
+def idle_gaps(events, calls: int, top: int = 15) -> dict:
+    """Of kernels ``events`` ((start, end, name), us) over ``calls`` steps, per step: the device span from the
+    first kernel's start to the last one's end, the busy time (the union of the kernels' intervals) and the idle
+    rest; and the idle time before each kernel name (since every kernel before it ended), summed, the largest
+    first: where a step's time outside kernels goes (results/cold-process-2026-11-28)."""
+    evs = sorted(events)
+    if not evs:
+        return {}
+    span = evs[-1][1] - evs[0][0]
+    busy = _busy_us([(s, e) for s, e, _ in evs])
+    before, end = collections.Counter(), evs[0][0]
+    for s, e, name in evs:
+        if s > end:
+            before[name] += (s - end) / calls
+        end = max(end, e)
+    return {"span_us": span / calls, "busy_us": busy / calls, "idle_us": (span - busy) / calls,
+            "idle_before": [{"name": n[:90], "us": t} for n, t in before.most_common(top)]}
 
 
 def _busy_us(intervals) -> float:
@@ -216,6 +242,11 @@ def main(argv=None) -> int:
               f"{r['total_us'] / 1e3:.3f} ms of kernels per step, {r['kernels']:.0f} kernels")
         for t in r["top"]:
             print(f"{t['us']:9.1f} us {t['count']:5.0f}x  {t['name']}")
+        if "span_us" in r:
+            print(f"device span {r['span_us'] / 1e3:.3f} ms per step, busy {r['busy_us'] / 1e3:.3f}, idle "
+                  f"{r['idle_us'] / 1e3:.3f}; idle before:")
+            for t in r["idle_before"]:
+                print(f"{t['us']:9.1f} us  {t['name']}")
     kind = "generate-profile" if a.generate else "profile"
     name = f"{kind}-{a.model}-B{a.batch}-S{a.seq_len}-k{a.k}.json"
     with open(os.path.join(os.environ.get("OUT", "."), name), "w") as f:
