@@ -153,7 +153,11 @@ class LokiSettings:
     given to the most recent tokens.  score_format: how Loki's approximate scores read the keys' ``d`` leading dims
     (:class:`ScoreFormat`; "native" by default); "int8" runs on the kernels too (the caches keep an int8 copy of
     the d dims with a bf16 scale per token); "fp8" and "int4" run on the PyTorch reference only (``backend="auto"``
-    resolves to "torch"; "triton" is refused), for evaluating them.
+    resolves to "torch"; "triton" is refused), for evaluating them.  key_prefix: whether the caches keep the
+    keys' first d rotated dims a second time, contiguous, for the kernels' approximate scores (True, the default:
+    d/D more than K in memory, the scores read at the copy bandwidth); False keeps K and V alone, the memory of a
+    dense cache, and the kernels read those dims in place (a strided read, slower; the same results).  The int8
+    score copy is such a prefix and needs it.
 
     Values are checked when the object is made (an error names the argument); the "auto" values are decided by
     :meth:`resolve` / :meth:`resolve_shapes`.
@@ -168,6 +172,7 @@ class LokiSettings:
     semantics: Semantics | str = Semantics.GENERATE
     h2o_recent_fraction: float = 0.5
     score_format: ScoreFormat | str = ScoreFormat.NATIVE
+    key_prefix: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "method", Method.parse(self.method, "method"))
@@ -182,6 +187,10 @@ class LokiSettings:
         if self.score_format.reference_only and self.backend is Backend.TRITON:
             raise ValueError(f"score_format={self.score_format.value!r} runs on the PyTorch reference only (the "
                              "Triton kernels read a native or int8 copy): use backend='torch' or 'auto'")
+        if not isinstance(self.key_prefix, bool):
+            raise TypeError(f"key_prefix must be True or False, got {self.key_prefix!r}")
+        if not self.key_prefix and self.score_format is ScoreFormat.INT8:
+            raise ValueError("score_format='int8' keeps its int8 copy as the key prefix: it needs key_prefix=True")
         object.__setattr__(self, "k", check_budget(self.k, name="k"))
         object.__setattr__(self, "d", check_dims(self.d, name="d"))
         f = self.h2o_recent_fraction
@@ -264,9 +273,11 @@ class ResolvedSettings:
 
     @property
     def prefix_dims(self) -> int | None:
-        """d of the contiguous key prefix the kernels read (None: the method never runs the kernels); with
-        :attr:`int8_prefix` the prefix holds these d dims as int8 codes (one bf16 scale per token beside it)."""
-        return self.d if self.method is Method.LOKI and self.backend is not Backend.TORCH else None
+        """d of the contiguous key prefix the kernels read (None: the method never runs the kernels, or
+        ``key_prefix=False`` asked for none); with :attr:`int8_prefix` the prefix holds these d dims as int8 codes
+        (one bf16 scale per token beside it)."""
+        kernels = self.method is Method.LOKI and self.backend is not Backend.TORCH
+        return self.d if kernels and self.requested.key_prefix else None
 
     @property
     def int8_prefix(self) -> bool:

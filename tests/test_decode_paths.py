@@ -57,10 +57,10 @@ def run_path(path: str, batch_kind: str, basis: str, k, gqa: str, device: str) -
     torch._dynamo.reset()
     model = tiny_model(**MODEL).to(device)
     backend = {"torch": "torch", "triton": "triton", "static": "auto"}[path.split("-")[-1]]
-    gqa, _, score_format = gqa.partition("@")  # "kv@int8": the int8 score copy
+    gqa, _, variant = gqa.partition("@")  # "kv@int8": the int8 score copy; "kv@noprefix": key_prefix=False
     gqa, _, aggregate = gqa.partition(":")  # "kv:softmax-max": a shared selection with that aggregate
     enable_loki(model, _basis(basis), k=k, d=D_DIMS, backend=backend, gqa_select=gqa, aggregate=aggregate or "sum",
-                score_format=score_format or "native")
+                score_format="int8" if variant == "int8" else "native", key_prefix=variant != "noprefix")
     batch = batch_inputs(batch_kind, prompt_len=P, steps=T).to(device)
     cache = loki_cache(model, static=True, max_cache_len=P + T + 2) if "static" in path else None
     step = None
@@ -148,6 +148,13 @@ INT8_CASES = [
 ]
 TORCH_INT8_CASES = [("static-torch", "B3-ragged", "score", 0.5, "kv:softmax-max@int8"),
                     ("static-torch", "B2-left-padded", "pca", 1.0, "query@int8")]
+#: Caches without the key prefix (``key_prefix=False``: the kernels read the keys' first d dims in place): a few
+#: cases on each Triton path, each GQA mode, both bases, fractional and int budgets (k = 1.0: dense too).
+NOPREFIX_CASES = [
+    ("dynamic-triton", "B2-left-padded", "score", 0.5, "kv:softmax-max@noprefix"),
+    ("static-triton", "B3-ragged", "pca", P - 1, "query@noprefix"),
+    ("static-triton", "B1-unpadded", "score", 1.0, "kv@noprefix"),
+]
 
 
 def test_pairwise_subset_covers_every_pair():
@@ -169,7 +176,7 @@ def _triton_cpu():
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("case", TRITON_PAIRS + AGG_CASES + INT8_CASES, ids=_case_id)
+@pytest.mark.parametrize("case", TRITON_PAIRS + AGG_CASES + INT8_CASES + NOPREFIX_CASES, ids=_case_id)
 def test_triton_paths(case):
     _triton_cpu()
     check_case(*case, "cpu")
@@ -190,14 +197,16 @@ def test_triton_paths_rest_of_matrix(case):
 GPU_AGG_CASES = [(path, kind, "pca", k, agg) for path in ("dynamic-triton", "static-triton")
                  for kind, k in (("B1-unpadded", 1.0), ("B2-left-padded", 0.5), ("B3-ragged", P - 1))
                  for agg in SOFTMAX_AGGS]
-GPU_CASES = TORCH_CASES + TORCH_INT8_CASES + TRITON_ALL + GPU_AGG_CASES + INT8_CASES
+GPU_CASES = TORCH_CASES + TORCH_INT8_CASES + TRITON_ALL + GPU_AGG_CASES + INT8_CASES + NOPREFIX_CASES
 COMPILED_CASES = [("compiled-static", kind, basis, k, gqa) for kind, basis, k, gqa in
                   pairwise([KINDS, BASES, (1.0, 0.5, 1, 2 * P), GQA])] + [
                   ("compiled-static", kind, "score", k, agg) for kind, k in (("B2-left-padded", 0.5), ("B3-ragged", 1))
                   for agg in SOFTMAX_AGGS] + [
                   ("compiled-static", "B3-ragged", "score", 0.5, "kv:softmax-max@int8"),
                   ("compiled-static", "B2-left-padded", "pca", 1, "query@int8"),
-                  ("compiled-static", "B1-unpadded", "score", 1.0, "kv@int8")]
+                  ("compiled-static", "B1-unpadded", "score", 1.0, "kv@int8"),
+                  ("compiled-static", "B2-left-padded", "score", 0.5, "kv:softmax-max@noprefix"),
+                  ("compiled-static", "B3-ragged", "pca", 1, "query@noprefix")]
 
 
 @pytest.mark.gpu

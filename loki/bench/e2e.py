@@ -207,12 +207,13 @@ def byte_floor(config, B: int, lengths, *, weights: int, itemsize: int, k_f: flo
             "dense": weights + dense / len(lengths), "loki": weights + loki / len(lengths)}
 
 
-def memory_needed(config, B: int, S: int, *, itemsize: int, d_f) -> int:
-    """Device bytes a setting needs beyond the weights: the largest cache of the four paths (K, V and a d/D key
-    prefix at S tokens), transients of a few layers' keys (a float32 rotation on write, a concatenation step, K and V
-    repeated to the query heads where SDPA does so for GQA) and 1.5 GiB of workspace."""
+def memory_needed(config, B: int, S: int, *, itemsize: int, d_f, key_prefix: bool = True) -> int:
+    """Device bytes a setting needs beyond the weights: the largest cache of the four paths (K, V and, unless
+    ``key_prefix`` is False, a d/D key prefix at S tokens), transients of a few layers' keys (a float32 rotation on
+    write, a concatenation step, K and V repeated to the query heads where SDPA does so for GQA) and 1.5 GiB of
+    workspace."""
     L, HQ, HKV, D = _dims(config)
-    d = resolve_d(d_f, D)
+    d = resolve_d(d_f, D) if key_prefix else 0
     layer_k = B * HKV * S * D * itemsize
     return L * (2 * layer_k + layer_k * d // D) + (5 + 2 * HQ // HKV) * layer_k + (3 << 29)
 
@@ -221,18 +222,16 @@ def run_path(model, path: str, *, B: int, S: int, steps: int, device, dtype, bas
              d_f=0.25, gqa_select: str = "auto", sdpa_backend: str = "default", seed: int = 0,
              compile_mode: str | None = "reduce-overhead", aggregate: str = "auto", generate: bool = False,
              generate_tokens: int | None = None, generate_reps: int = 3, generate_prompt: str = "cache",
-             score_format: str = "native") -> dict:
+             score_format: str = "native", key_prefix: bool = True) -> dict:
     """Time ``steps`` decode steps of ``path`` reaching cache length S (after an untimed pass over the same
     steps); returns ms per step (median, mean, min), tokens/s (B / median), the first pass's wall time (compilation
     and warm-up), what ran (cache and layer classes, attention implementation, finite logits), the largest
     difference between the last step's logits in the two passes (``rewind_diff``: 0 up to rounding when the
     rewound cache holds what the first pass saw), for a Loki path the ``gqa_select`` and ``aggregate`` it ran, and
     on CUDA the peak memory of these steps (``peak_memory_gib``, weights included; ``base_memory_gib`` allocated
-    before the path; None elsewhere).  ``k_f``: the budget, a
-    fraction or an int count of tokens; ``gqa_select`` and ``aggregate``: ``enable_loki``'s ("auto": the default
-    configuration); ``score_format``: ``enable_loki``'s (the score copy the caches write).
-    ``compile_mode=None`` runs a ``*_compiled`` path's static cache without compiling (tests on the
-    CPU).
+    before the path; None elsewhere).  ``k_f``: the budget, a fraction or an int count of tokens; ``gqa_select``,
+    ``aggregate``, ``score_format``, ``key_prefix``: ``enable_loki``'s ("auto": the default configuration).
+    ``compile_mode=None`` runs a ``*_compiled`` path's static cache without compiling (tests on the CPU).
 
     ``generate=True``: then whole greedy ``model.generate`` calls on the same cache
     (:func:`loki.bench.e2e_generate.time_generate`; ``generate_tokens`` = N, default ``steps``; the compiled
@@ -250,10 +249,11 @@ def run_path(model, path: str, *, B: int, S: int, steps: int, device, dtype, bas
     cfg = model.config
     ran = {}
     if path.startswith("loki"):
-        enable_loki(model, basis, k=k_f, d=d_f, gqa_select=gqa_select, aggregate=aggregate, score_format=score_format)
+        enable_loki(model, basis, k=k_f, d=d_f, gqa_select=gqa_select, aggregate=aggregate, score_format=score_format,
+                    key_prefix=key_prefix)
         c = state_of(model).settings  # the settings enable_loki resolved: what runs
         ran = {"gqa_select": c.gqa_select.value, "aggregate": c.aggregate.value, "score_format": c.score_format.value,
-               "backend": c.backend.value}
+               "backend": c.backend.value, "key_prefix": c.prefix_dims is not None}
     else:
         disable_loki(model)
     cache = fn = None
@@ -354,7 +354,8 @@ def run_grid(grid, *, device="cuda", dtype=torch.bfloat16, models=None, paths=PA
              copy_gbps: float | None = None, time_budget_s: float | None = None, seed: int = 0,
              compile_mode: str | None = "reduce-overhead", free_bytes: int | None = None, on_setting=None,
              log=print, aggregate: str = "auto", generate: bool = False, generate_tokens: int | None = None,
-             generate_reps: int = 3, generate_prompt: str = "cache", score_format: str = "native") -> list[dict]:
+             generate_reps: int = 3, generate_prompt: str = "cache", score_format: str = "native",
+             key_prefix: bool = True) -> list[dict]:
     """Run ``paths`` on every :class:`Setting` of ``grid`` (one model built per model name, settings that do not
     fit the device memory or the time budget reported as skipped: a path is not started when the time spent plus
     its last duration would pass ``time_budget_s``).  ``models`` maps names to ``LlamaConfig``
@@ -363,9 +364,9 @@ def run_grid(grid, *, device="cuda", dtype=torch.bfloat16, models=None, paths=PA
     ``enable_loki`` resolves it, the configuration the accuracy suite gates; "sum": raw sums).  Each result records
     the ``gqa_select`` and ``aggregate`` it ran (``aggregate`` "sum" for per-query-head selection, which has none).
     ``k_f``: the budget of settings without their own (``Setting.k``), a fraction
-    or an int count of tokens; ``score_format``: Loki's score copy ("native" or "int8").  ``generate`` and the
-    ``generate_*`` options: whole ``generate`` calls per path
-    (:func:`run_path`).
+    or an int count of tokens; ``score_format``: Loki's score copy ("native" or "int8"); ``key_prefix``: whether
+    Loki's caches keep the key prefix.  ``generate`` and the ``generate_*`` options: whole ``generate`` calls per
+    path (:func:`run_path`).
     ``free_bytes`` overrides the device memory free beside the model (measured on CUDA, unchecked elsewhere).
     ``on_setting(result)`` is called after each setting (for incremental output).  Returns one dict per setting."""
     from loki.basis import PCABasis
@@ -393,8 +394,7 @@ def run_grid(grid, *, device="cuda", dtype=torch.bfloat16, models=None, paths=PA
             k = s.budget(k_f)
             res = {"id": s.id, "model": name, "B": s.B, "S": s.S, "steps": steps, "n0": s.S - steps,
                    "k_f": k, "d_f": d_f, "gqa_select": mode, "aggregate": agg, "score_format": score_format,
-                   "model_build_s": build_s,
-                   "paths": {}}
+                   "key_prefix": key_prefix, "model_build_s": build_s, "paths": {}}
             if generate:
                 res["generate"] = {"new_tokens": generate_tokens or steps, "reps": generate_reps,
                                    "prompt": generate_prompt}
@@ -403,7 +403,7 @@ def run_grid(grid, *, device="cuda", dtype=torch.bfloat16, models=None, paths=PA
                                       k_f=k, d_f=d_f, gqa_select=mode, score_format=score_format)
             if copy_gbps:
                 res["floor_ms"] = {p: res["bytes"][p] / (copy_gbps * 1e9) * 1e3 for p in ("dense", "loki")}
-            need = memory_needed(config, s.B, s.S, itemsize=itemsize, d_f=d_f)
+            need = memory_needed(config, s.B, s.S, itemsize=itemsize, d_f=d_f, key_prefix=key_prefix)
             if free is not None and need > free:
                 res["skipped"] = (f"does not fit: the caches need about {need / 2**30:.1f} GiB beside the weights, "
                                   f"{free / 2**30:.1f} GiB are free")
@@ -426,7 +426,7 @@ def run_grid(grid, *, device="cuda", dtype=torch.bfloat16, models=None, paths=PA
                                                sdpa_backend=sdpa_backend, seed=seed, compile_mode=compile_mode,
                                                aggregate=agg, generate=generate, generate_tokens=generate_tokens,
                                                generate_reps=generate_reps, generate_prompt=generate_prompt,
-                                               score_format=score_format)
+                                               score_format=score_format, key_prefix=key_prefix)
                 except torch.cuda.OutOfMemoryError as exc:
                     res["paths"][p] = {"skipped": f"out of memory: {str(exc).splitlines()[0][:200]}"}
                 except Exception as exc:  # noqa: BLE001 - one failing path is reported, the others still run

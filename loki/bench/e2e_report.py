@@ -78,6 +78,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="Loki's score copy: native (the first d dims in the cache's dtype, the default) or int8 "
                    "(int8 codes of the first d dims and a bf16 scale per token; --budgets 2048:0.5 reads the "
                    "bytes of the native copy at d_f 0.25)")
+    g.add_argument("--no-key-prefix", dest="key_prefix", action="store_false",
+                   help="Loki's caches keep no second copy of the keys' first d dims (enable_loki(key_prefix=False): "
+                   "a dense cache's memory, the approximate scores read those dims in place, slower)")
     g.add_argument("--settings", nargs="+", default=None, metavar="ID",
                    help="setting ids to run, e.g. llama3-8b-B1-S131072-k2048 llama3-8b-B8-S32768 (instead of the "
                    "grid of --models/--batches/--seq-lens/--quick)")
@@ -161,7 +164,7 @@ def select(args) -> dict:
                              f"{', '.join(short)}")
     return {"grid": grid, "k_f": k_f, "d_f": d_f, "paths": tuple(args.paths or PATHS), "steps": args.steps,
             "gqa_select": args.gqa_select, "aggregate": aggregate, "sdpa_backend": args.sdpa_backend,
-            "score_format": args.score_format,
+            "score_format": args.score_format, "key_prefix": args.key_prefix,
             "time_budget_s": args.time_budget,
             "generate": args.generate, "generate_tokens": n_gen if args.generate else None,
             "generate_reps": args.generate_reps, "generate_prompt": args.generate_prompt}
@@ -390,6 +393,7 @@ def run(args, copy_bandwidth=None) -> int:
            "copy_gbps": copy_gbps, "sdpa_backend": sel["sdpa_backend"], "sdpa_backends": sdpa_backend_config(),
            "k_f": sel["k_f"], "d_f": sel["d_f"], "steps": sel["steps"], "paths": list(sel["paths"]),
            "gqa_select": sel["gqa_select"], "aggregate": sel["aggregate"], "score_format": sel["score_format"],
+           "key_prefix": sel["key_prefix"],
            "generate": {k: sel[k] for k in ("generate_tokens", "generate_reps", "generate_prompt")}
            if sel["generate"] else None,
            "grid": [s.id for s in sel["grid"]], "results": []}
@@ -408,7 +412,7 @@ def run(args, copy_bandwidth=None) -> int:
              copy_gbps=copy_gbps,
              time_budget_s=sel["time_budget_s"], on_setting=save, log=lambda m: print(m, flush=True),
              generate=sel["generate"], generate_tokens=sel["generate_tokens"], generate_reps=sel["generate_reps"],
-             generate_prompt=sel["generate_prompt"], score_format=sel["score_format"])
+             generate_prompt=sel["generate_prompt"], score_format=sel["score_format"], key_prefix=sel["key_prefix"])
     with open(stem + ".json", "w") as f:
         json.dump(doc, f, indent=1)
     write_markdown(doc, stem + ".md")

@@ -129,6 +129,7 @@ def enable_loki(
     semantics: str = "generate",
     h2o_recent_fraction: float = 0.5,
     score_format: str = "native",
+    key_prefix: bool = True,
     settings: LokiSettings | None = None,
     model_name: str | None = None,
 ):
@@ -138,16 +139,18 @@ def enable_loki(
         basis: a :class:`loki.basis.PCABasis` (or a path to one) calibrated on this model; required for
             ``method`` "loki" and "pcaattn", ignored otherwise.  It is validated against ``model.config``:
             a basis of another model raises :class:`loki.basis.BasisError`.
-        k, d, method, gqa_select, aggregate, backend, semantics, h2o_recent_fraction, score_format: the fields of a
-            :class:`loki.LokiSettings` (see it for each value); or pass ``settings=LokiSettings(...)`` instead of
-            them.  ``k``: tokens attended per decode step (an int count, or a fraction of each sequence's valid
-            length); ``d``: leading basis dims of the approximate scores (SparQ's ``r`` for ``method="sparq"``).
+        k, d, method, gqa_select, aggregate, backend, semantics, h2o_recent_fraction, score_format, key_prefix:
+            the fields of a :class:`loki.LokiSettings` (see it for each value); or pass ``settings=LokiSettings(...)``
+            instead of them.  ``k``: tokens attended per decode step (an int count, or a fraction of each sequence's
+            valid length); ``d``: leading basis dims of the approximate scores (SparQ's ``r`` for ``method="sparq"``).
             ``gqa_select``/``aggregate`` "auto": one selection per KV group with "softmax-max" for method "loki" on
             a GQA model, per query head otherwise.  ``backend`` "auto": the Triton kernels on CUDA when no gradient
             is wanted, the PyTorch reference otherwise.  ``semantics``: "generate" (dense prefill, sparse decode
             steps) or "decode" (every query row attends like a decode step; for perplexity and loglikelihoods).
             ``score_format``: how the approximate scores read the keys' ``d`` leading dims ("native", or "int8":
-            an int8 copy with a bf16 scale per token, which the caches write and the kernels read).
+            an int8 copy with a bf16 scale per token, which the caches write and the kernels read).  ``key_prefix``
+            False: the caches keep no second copy of the keys' d leading dims (a dense cache's memory; the kernels
+            read those dims in place, slower scores, the same results).
 
     The resolved settings are ``loki.integrations.transformers.state_of(model).settings``.  Returns ``model``
     (modified in place).  Calling it again replaces the previous settings.
@@ -156,7 +159,7 @@ def enable_loki(
     if settings is None:
         settings = LokiSettings(k=k, d=d, method=method, gqa_select=gqa_select, aggregate=aggregate,
                                 backend=backend, semantics=semantics, h2o_recent_fraction=h2o_recent_fraction,
-                                score_format=score_format)
+                                score_format=score_format, key_prefix=key_prefix)
     elif not isinstance(settings, LokiSettings):
         raise TypeError(f"settings must be a loki.LokiSettings, got {type(settings).__name__}")
     resolved = resolve_settings(model, settings)

@@ -1,0 +1,118 @@
+"""``key_prefix=False``: Loki's caches keep K and V alone (a dense cache's memory), no second copy of the keys' first
+d rotated dims, and the kernels' decode step reads those dims in place; the logits equal the default's (the same
+scores read from another place) and the reference's.
+
+CPU: tiny random models (fp32) and the Triton interpreter.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from loki import LokiSettings  # noqa: E402
+
+PROMPT, STEPS = 24, 6
+
+
+def test_settings_keep_no_prefix_when_asked_and_name_the_argument():
+    kw = dict(num_q_heads=4, num_kv_heads=2, head_dim=16)
+    assert LokiSettings(d=0.5, backend="triton").resolve_shapes(**kw).prefix_dims == 8
+    s = LokiSettings(d=0.5, backend="triton", key_prefix=False).resolve_shapes(**kw)
+    assert s.prefix_dims is None and not s.int8_prefix and s.use_kernels(cuda=True, needs_grad=False)
+    with pytest.raises(ValueError, match="needs key_prefix=True"):
+        LokiSettings(score_format="int8", key_prefix=False)
+    for bad in (0, "no", None):
+        with pytest.raises(TypeError, match="key_prefix must be True or False"):
+            LokiSettings(key_prefix=bad)
+
+
+def _decode(key_prefix: bool, backend: str, static: bool, spy=None):
+    """Logits of STEPS decode steps after a dense prefill of PROMPT tokens ([STEPS, V]) and, per layer, what the
+    cache held: (keys, values, prefix, prefix scale), read before ``disable_loki`` restores the layers."""
+    from loki._hf import cache_keyword
+    from loki.basis import PCABasis
+    from loki.integrations.transformers import disable_loki, enable_loki, loki_cache
+    from loki.testing.models import tiny_model
+
+    model = tiny_model("llama", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, seed=0)
+    c = model.config
+    basis = PCABasis.random(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, seed=1)
+    ids = torch.randint(0, c.vocab_size, (1, PROMPT + STEPS), generator=torch.Generator().manual_seed(2))
+    enable_loki(model, basis, k=0.25, d=0.5, backend=backend, key_prefix=key_prefix)
+    try:
+        with torch.no_grad():
+            cache = loki_cache(model, static=True, max_cache_len=PROMPT + STEPS + 2) if static else loki_cache(model)
+            kw = {cache_keyword(model): cache, "use_cache": True}
+            model(input_ids=ids[:, :PROMPT], **kw)  # dense prefill
+            rows = [model(input_ids=ids[:, t:t + 1], **kw).logits[0, -1] for t in range(PROMPT, PROMPT + STEPS)]
+            held = [(la.keys, la.values, la.loki.prefix, la.loki.prefix_scale) for la in cache.layers]
+            return torch.stack(rows), held
+    finally:
+        disable_loki(model)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_a_model_decodes_on_the_kernels_without_the_prefix_like_with_it(triton_device, static, monkeypatch):
+    """The kernels' step gets no prefix (``k_prefix=None``: the scores read k_hat's first d dims in place), the
+    caches hold no tensor beyond K and V, and the logits equal the default's and the reference's."""
+    if triton_device.type != "cpu":
+        pytest.skip("the interpreter's test (a GPU run needs no change but the device)")
+    from loki.kernels.plan import DecodeRun
+
+    seen = []
+    real = DecodeRun.step
+
+    def spy(self, **kwargs):
+        seen.append(kwargs["k_prefix"])
+        return real(self, **kwargs)
+
+    monkeypatch.setattr(DecodeRun, "step", spy)
+    got, held = _decode(False, "triton", static)
+    assert len(seen) == STEPS * 2 and all(p is None for p in seen)
+    assert all(prefix is None and scale is None for _, _, prefix, scale in held)
+    seen.clear()
+    with_prefix, held = _decode(True, "triton", static)
+    assert len(seen) == STEPS * 2 and all(p is not None and p.shape[-1] == 8 for p in seen)
+    assert all(prefix is not None for _, _, prefix, _ in held)
+    torch.testing.assert_close(got, with_prefix, rtol=1e-5, atol=1e-5)
+    want, _ = _decode(False, "torch", static)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.interpreter
+def test_a_static_cache_without_the_prefix_allocates_a_dense_caches_bytes(triton_device):
+    """What the static cache allocates on the device: K and V and nothing else without the prefix; with it, d/D of
+    K more."""
+    if triton_device.type != "cpu":
+        pytest.skip("the interpreter's test")
+
+    def cache_bytes(key_prefix):
+        _, held = _decode(key_prefix, "triton", True)
+        total = sum(t.numel() * t.element_size() for tensors in held for t in tensors if t is not None)
+        return total, sum(keys.numel() * keys.element_size() for keys, *_ in held)
+
+    plain, k_bytes = cache_bytes(False)
+    assert plain == 2 * k_bytes
+    with_prefix, _ = cache_bytes(True)
+    assert with_prefix == plain + k_bytes // 2  # d = 8 of D = 16
+
+
+def test_the_e2e_benchmark_passes_it_and_sizes_the_caches_without_it():
+    from loki.bench import e2e, e2e_report
+
+    cfg = e2e.llama_config(e2e.E2E_MODELS["llama3-8b"])
+    with_prefix = e2e.memory_needed(cfg, 8, 32768, itemsize=2, d_f=0.25)
+    without = e2e.memory_needed(cfg, 8, 32768, itemsize=2, d_f=0.25, key_prefix=False)
+    assert with_prefix - without == 32 * 8 * 8 * 32768 * 32 * 2  # L B HKV S d bf16: 4 GiB
+    import argparse
+
+    from loki.bench.harness import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert e2e_report.select(parser.parse_args(["--e2e", "--quick", "--no-key-prefix"]))["key_prefix"] is False
+    assert e2e_report.select(parser.parse_args(["--e2e", "--quick"]))["key_prefix"] is True
