@@ -116,3 +116,48 @@ def test_the_e2e_benchmark_passes_it_and_sizes_the_caches_without_it():
     add_arguments(parser)
     assert e2e_report.select(parser.parse_args(["--e2e", "--quick", "--no-key-prefix"]))["key_prefix"] is False
     assert e2e_report.select(parser.parse_args(["--e2e", "--quick"]))["key_prefix"] is True
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("fmt", ["native", "int8"])
+def test_a_static_cache_out_of_memory_on_the_prefix_says_how_to_fit(triton_device, fmt, monkeypatch):
+    """A static cache whose keys and values fit but whose key prefix does not: the out-of-memory error keeps
+    torch's message and names ``key_prefix=False`` (with the native score copy for an int8 setting)."""
+    if triton_device.type != "cpu":
+        pytest.skip("the interpreter's test")
+    from loki._hf import cache_keyword
+    from loki.basis import PCABasis
+    from loki.integrations.transformers import disable_loki, enable_loki, loki_cache
+    from loki.integrations.transformers.layers import LayerStore
+    from loki.testing.models import tiny_model
+
+    def no_memory(self, keys):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.00 GiB")
+
+    monkeypatch.setattr(LayerStore, "new_prefix", no_memory)
+    model = tiny_model("llama", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, seed=0)
+    c = model.config
+    enable_loki(model, PCABasis.random(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, seed=1), d=0.5,
+                backend="triton", score_format=fmt)
+    try:
+        cache = loki_cache(model, static=True, max_cache_len=32)
+        with pytest.raises(torch.OutOfMemoryError) as info:
+            model(input_ids=torch.zeros(1, 4, dtype=torch.long), **{cache_keyword(model): cache, "use_cache": True})
+    finally:
+        disable_loki(model)
+    msg = str(info.value)
+    assert msg.startswith("CUDA out of memory. Tried to allocate 4.00 GiB") and "key_prefix=False" in msg
+    assert ("score_format='native'" in msg) == (fmt == "int8")
+
+
+def test_the_prefix_hint_counts_one_layers_bytes():
+    """Llama-3-8B dims at B=8 S=32768, d = 32: 128 MiB of bf16 prefix per layer; an int8 copy of 64 dims: codes
+    and a 2-byte scale per row."""
+    from loki.integrations.transformers.layers import LayerStore, _prefix_oom_hint
+
+    keys = torch.empty(8, 8, 32768, 128, dtype=torch.bfloat16, device="meta")
+    store = LayerStore.__new__(LayerStore)
+    store.prefix_dims, store.int8 = 32, False
+    assert "(32 dims of every key a second time, 128.0 MiB for this layer)" in _prefix_oom_hint(store, keys)
+    store.prefix_dims, store.int8 = 64, True
+    assert "132.0 MiB for this layer" in _prefix_oom_hint(store, keys)

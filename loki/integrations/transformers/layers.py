@@ -107,6 +107,16 @@ class LayerStore:
         return keys[..., : self.prefix_dims].contiguous(), None
 
 
+def _prefix_oom_hint(store: LayerStore, keys: torch.Tensor) -> str:
+    """What to tell a user whose static cache ran out of memory on the key prefix (the keys and values fitted)."""
+    rows, dp = keys[..., 0].numel(), store.prefix_dims
+    need = rows * (dp + 2) if store.int8 else rows * dp * keys.element_size()  # an int8 copy: codes and a scale
+    how = ("enable_loki(..., score_format='native', key_prefix=False) keeps a dense cache's memory (native scores)"
+           if store.int8 else "enable_loki(..., key_prefix=False) keeps a dense cache's memory (the same results)")
+    return (f"Loki's key prefix ({store.prefix_dims} dims of every key a second time, {need / 2**20:.1f} MiB for "
+            f"this layer) did not fit beside the static cache's keys and values: {how}")
+
+
 def _write_int8_prefix(keys, prefix, prefix_scale, pos) -> None:
     """The int8 score copy of the keys just written at ``pos``: their stored (rotated, cache-dtype) first dp dims
     encoded by ``encode_int8_score_keys`` and written at the same positions (plain torch ops, no host sync)."""
@@ -288,7 +298,10 @@ class LokiStaticLayer(StaticLayer):
         self.loki.to(dev, static=True)
         if self.loki.keeps_prefix(dev) and self.loki.prefix is None:
             # zeros, or the keys written (their int8 copy and its scales for an int8 setting)
-            self.loki.prefix, self.loki.prefix_scale = self.loki.new_prefix(self.keys)
+            try:
+                self.loki.prefix, self.loki.prefix_scale = self.loki.new_prefix(self.keys)
+            except torch.OutOfMemoryError as exc:
+                raise torch.OutOfMemoryError(f"{exc}\n{_prefix_oom_hint(self.loki, self.keys)}") from None
             if not torch.compiler.is_compiling():
                 for t in (self.loki.prefix, self.loki.prefix_scale):
                     if t is not None:
