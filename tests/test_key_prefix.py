@@ -161,3 +161,15 @@ def test_the_prefix_hint_counts_one_layers_bytes():
     assert "(32 dims of every key a second time, 128.0 MiB for this layer)" in _prefix_oom_hint(store, keys)
     store.prefix_dims, store.int8 = 64, True
     assert "132.0 MiB for this layer" in _prefix_oom_hint(store, keys)
+
+
+def test_the_e2e_report_says_when_the_caches_kept_no_prefix(tmp_path):
+    from loki.bench import e2e_report
+
+    doc = {"device": "cpu", "date": "today", "torch": torch.__version__, "transformers": "5", "triton": None,
+           "dtype": "float32", "copy_gbps": None, "sdpa_backend": "default", "sdpa_backends": {}, "k_f": 0.25,
+           "d_f": 0.25, "steps": 3, "paths": ["loki_compiled"], "results": []}
+    assert "No key prefix" not in e2e_report.write_markdown(doc, str(tmp_path / "a.md"))
+    text = e2e_report.write_markdown({**doc, "key_prefix": False, "score_format": "native"}, str(tmp_path / "b.md"))
+    assert "No key prefix (key_prefix=False)" in text and "Score copy" not in text
+    assert "Score copy: int8." in e2e_report.write_markdown({**doc, "score_format": "int8"}, str(tmp_path / "c.md"))

@@ -273,7 +273,10 @@ def write_markdown(doc: dict, path: str) -> str:
         f"copy bandwidth {_f(doc.get('copy_gbps'), '.0f')} GB/s; SDPA backend {doc['sdpa_backend']} "
         f"(enabled: {', '.join(k for k, v in doc.get('sdpa_backends', {}).items() if v) or '-'}); Loki k_f = "
         f"{doc['k_f']} (a setting id ending in -k<k> carries its own budget), d_f = {doc['d_f']}, random orthogonal "
-        f"basis; {doc['steps']} timed steps per path ending at cache length S. Loki's selection: {_selection(doc)}.",
+        f"basis; {doc['steps']} timed steps per path ending at cache length S. Loki's selection: {_selection(doc)}."
+        + (f" Score copy: {doc['score_format']}." if doc.get("score_format", "native") != "native" else "")
+        + (" No key prefix (key_prefix=False): the scores read K in place." if doc.get("key_prefix") is False
+           else ""),
         "",
         "ms = median ms per decode step (CUDA events), tok/s = B / median step time. Floors: bytes one step must "
         "read (weights without the input embedding table + dense K and V, or Loki's d/D key prefix and k_f rows of "
