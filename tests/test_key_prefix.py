@@ -116,6 +116,8 @@ def test_the_e2e_benchmark_passes_it_and_sizes_the_caches_without_it():
     add_arguments(parser)
     assert e2e_report.select(parser.parse_args(["--e2e", "--quick", "--no-key-prefix"]))["key_prefix"] is False
     assert e2e_report.select(parser.parse_args(["--e2e", "--quick"]))["key_prefix"] is True
+    with pytest.raises(e2e_report.UsageError, match="--no-key-prefix: the int8 score copy is the key prefix"):
+        e2e_report.select(parser.parse_args(["--e2e", "--quick", "--no-key-prefix", "--score-format", "int8"]))
 
 
 @pytest.mark.interpreter
