@@ -1,0 +1,38 @@
+"""tools/studies/forced_tokens_study.py: the forced-token rule it wraps around the reference's row top-k selects the
+last ``recent`` and first ``sink`` visible tokens of each row first, the rest by score, and is gone afterwards."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+
+from loki.reference import teacher_forced
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _study():
+    spec = importlib.util.spec_from_file_location("forced_tokens_study",
+                                                  ROOT / "tools" / "studies" / "forced_tokens_study.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_forced_tokens_come_first_and_the_rule_is_removed_after():
+    study = _study()
+    real = teacher_forced.topk_mask
+    scores = torch.tensor([[[[0.9, 0.1, 0.8, 0.7, 0.2, 0.3, 0.05, float("-inf")]]]])  # row sees tokens 0-6
+    counts = torch.tensor([[[4]]])
+    assert real(scores, counts)[0, 0, 0].nonzero().flatten().tolist() == [0, 2, 3, 5]
+    with study.forced_tokens(recent=2, sink=1):
+        assert teacher_forced.topk_mask is not real
+        got = teacher_forced.topk_mask(scores, counts)[0, 0, 0].nonzero().flatten().tolist()
+        assert got == [0, 2, 5, 6]  # 5, 6 the last two visible, 0 the first, then 2 by score
+        few = teacher_forced.topk_mask(scores, torch.tensor([[[2]]]))[0, 0, 0].nonzero().flatten().tolist()
+        assert few == [0, 5]  # more forced tokens than the budget: the best of them by score
+    assert teacher_forced.topk_mask is real
+    with study.forced_tokens(recent=0, sink=0):
+        assert teacher_forced.topk_mask is real
