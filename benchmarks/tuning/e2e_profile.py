@@ -5,12 +5,13 @@
         --seq-len 32768 --k 2048 --generate 16
 
 Default: the compiled forward of the decode step (static caches, CUDA graphs) over a few steps, its kernels
-grouped by name, and the device's idle time in a step charged to the kernels that waited (``idle_gaps``).  ``--generate N``: whole greedy ``model.generate`` calls as the end-to-end benchmark times them
-(:mod:`loki.bench.e2e_generate`: the cache holding the prompt, generate compiling its own decode step), one call of
-N + 1 new tokens and one of 1 profiled with CPU and CUDA activities; per generated token, the differences of the
-two: wall time, the device's busy time (the union of the kernels' intervals), the host-only time (wall - busy: the
-GPU idle, waiting for the host), kernel launches, the kernels by name, and the CPU operators by self time.  Between
-a dense and a Loki path this says what the integration adds to a ``generate`` step beyond the forward.
+grouped by name, and the device's idle time in a step charged to the kernels that waited (``idle_gaps``).  ``--generate
+N``: whole greedy ``model.generate`` calls as the end-to-end benchmark times them (:mod:`loki.bench.e2e_generate`: the
+cache holding the prompt, generate compiling its own decode step), one call of N + 1 new tokens and one of 1 profiled
+with CPU and CUDA activities; per generated token, the differences of the two: wall time, the device's busy time (the
+union of the kernels' intervals), the host-only time (wall - busy: the GPU idle, waiting for the host), kernel launches,
+the kernels by name, and the CPU operators by self time.  Between a dense and a Loki path this says what the integration
+adds to a ``generate`` step beyond the forward.
 """
 
 from __future__ import annotations

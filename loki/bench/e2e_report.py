@@ -14,6 +14,7 @@ import os
 
 from loki.evaluation.commands import UsageError
 from loki.reference.selection import KERNEL_AGGREGATES
+from loki.settings import LokiSettings
 
 from .e2e import (
     BATCHES,
@@ -116,8 +117,12 @@ def select(args) -> dict:
                          "kv or auto (per query head there is nothing to combine)")
     if args.time_budget is not None and args.time_budget <= 0:
         raise UsageError(f"--time-budget must be > 0 seconds, got {args.time_budget}")
-    if not args.key_prefix and args.score_format == "int8":
-        raise UsageError("--no-key-prefix: the int8 score copy is the key prefix; use it with --score-format native")
+    if not args.key_prefix:  # the settings' own rule, checked before anything is built
+        try:
+            LokiSettings(score_format=args.score_format, key_prefix=False)
+        except ValueError as exc:
+            raise UsageError(f"--no-key-prefix: the int8 score copy is the key prefix ({exc}); use it with "
+                             "--score-format native") from None
     budgets = args.budgets or ["0.25:0.25"]
     if len(budgets) != 1:
         raise UsageError(f"--e2e takes one --budgets pair k_f:d_f, got {len(budgets)}")

@@ -19,6 +19,8 @@ import json
 import sys
 import time
 
+from benchmarks.tuning.allocation import _windows  # the window sets' argument type, shared
+
 VARIANTS = (("default", 0, 0), ("recent16", 16, 0), ("sink4", 0, 4), ("recent32+sink4", 32, 4))
 
 
@@ -94,17 +96,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--corpus", default="wikitext", choices=("wikitext", "wikipedia", "book"),
                     help="evaluation text, its held-out part (default: wikitext)")
-    ap.add_argument("--windows", default="1024x8", help="TOKENSxCOUNT (default: 1024x8)")
+    ap.add_argument("--windows", type=_windows, default=(1024, 8), metavar="TOKENSxCOUNT", help="default: 1024x8")
     ap.add_argument("--budgets", type=float, nargs="+", default=[0.25, 0.125], help="k_f values (default 0.25 0.125)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     a = ap.parse_args(argv)
-    try:
-        T, N = (int(x) for x in a.windows.lower().split("x"))
-    except ValueError:
-        ap.error(f"--windows: expected TOKENSxCOUNT such as 1024x8, got {a.windows!r}")
-    if T < 2 or N < 1 or not all(0 < k <= 1 for k in a.budgets):
-        ap.error("--windows needs TOKENS >= 2 and COUNT >= 1, --budgets values in (0, 1]")
+    T, N = a.windows
+    if not all(0 < k <= 1 for k in a.budgets):
+        ap.error(f"--budgets: k_f values must lie in (0, 1], got {a.budgets}")
     import torch
 
     if a.threads:
