@@ -103,7 +103,58 @@ def test_the_scores_kernel_reads_every_int8_code_exactly(triton_device, d):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("keys", ["bf16-prefix", "int8-tensor-cores", "int8-cuda-cores"])
+@pytest.mark.parametrize("d", [32, 40], ids=["d-fills-the-tile", "d-masked"])
+@torch.no_grad()
+def test_int8_products_read_every_code_exactly(triton_device, d):
+    """The int8 tensor-core products (``dot="int8"``): each of the 256 codes against one-hot queries of several
+    magnitudes comes back as the code times the query's entry, per query head, exactly (the entries have few
+    significant bits, so every partial sum of the pieces' products is exact in fp32)."""
+    from loki.kernels.approx_scores import launch_approx_scores
+
+    B, HQ, HKV, S = 1, 4, 2, 256
+    code = torch.arange(-128, 128, dtype=torch.int8)
+    codes = code[None, None, :, None].expand(B, HKV, S, d).contiguous().to(triton_device)
+    scale = torch.ones(B, HKV, S, dtype=torch.bfloat16, device=triton_device)
+    q = torch.zeros(B, HQ, d, device=triton_device)
+    mag = torch.tensor([1.0, 0.75, 5 * 2.0**-11, 96.0], device=triton_device)
+    q[0, torch.arange(HQ), torch.arange(HQ) % d] = mag  # each head reads one dim
+    lengths = torch.full((B,), S, dtype=torch.int32, device=triton_device)
+    starts = torch.zeros(B, dtype=torch.int32, device=triton_device)
+    heads = torch.full((B, HQ, S), 7.0, device=triton_device)
+    launch_approx_scores(q, codes, d, lengths, starts, heads, None, "sum", block_s=64, prefix_scale=scale, dot="int8")
+    want = code.float().to(triton_device)[None, None, :] * mag[None, :, None]
+    torch.testing.assert_close(heads, want, rtol=0, atol=0)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("spread", [1.0, 1e-3, 1e3], ids=["unit", "small", "large"])
+@torch.no_grad()
+def test_int8_products_equal_the_fp32_scores_of_the_copy(triton_device, spread):
+    """Per query head, ``dot="int8"`` (the query in four int8 pieces, exact int32 products) equals the reference's
+    ``score_format="int8"`` scores to fp32 rounding (2e-6 of the row's largest), at queries of any magnitude, on
+    ragged and left-padded rows; -inf outside them."""
+    from loki.kernels.approx_scores import launch_approx_scores
+    from loki.reference import approx_scores
+    from loki.testing.inputs import make_decode_inputs
+
+    x = make_decode_inputs(2, 8, 2, 200, 64, ragged=True, left_pad=True, seed=3)
+    q = (x.q * spread * torch.linspace(0.1, 3.0, 64)).to(triton_device)  # dims of unequal magnitude
+    k = x.k_cache.to(triton_device)
+    lengths, starts = x.lengths.to(triton_device), x.starts.to(triton_device)
+    d = 32
+    codes, scale = encode_int8_score_keys(k[..., :d])
+    heads = torch.full((2, 8, 200), 7.0, device=triton_device)
+    launch_approx_scores(q, codes, d, lengths, starts, heads, None, "sum", block_s=32, prefix_scale=scale, dot="int8",
+                         tiles=2, num_stages=2)
+    want = approx_scores(q, k, d, lengths, starts, score_format="int8", gqa_select="query", aggregate="sum")
+    assert torch.equal(torch.isneginf(heads), torch.isneginf(want))
+    fin = torch.isfinite(want)
+    err = (heads[fin] - want[fin]).abs().max() / want[fin].abs().max()
+    assert err <= 2e-6, f"relative error {err:.2e}"
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("keys", ["bf16-prefix", "int8-tensor-cores", "int8-products", "int8-cuda-cores"])
 @torch.no_grad()
 def test_programs_of_several_pipelined_tiles_score_as_one_tile_each(triton_device, keys):
     """``tiles`` blocks of keys per program (the int8 copy's per-head scores take 4 on a GPU) give every score of
@@ -114,12 +165,13 @@ def test_programs_of_several_pipelined_tiles_score_as_one_tile_each(triton_devic
 
     x = make_decode_inputs(2, 8, 2, 300, 32, ragged=True, left_pad=True, seed=1)
     x = type(x)(**{f: getattr(x, f).to(triton_device) for f in ("q", "k_cache", "v_cache", "lengths", "starts")})
-    d = 16
+    d = 32 if keys == "int8-products" else 16  # int8 products take d >= 32
     if keys == "bf16-prefix":
         src, kw = x.k_cache[..., :d].contiguous(), {}
     else:
         codes, scale = encode_int8_score_keys(x.k_cache[..., :d])
-        src, kw = codes, dict(prefix_scale=scale, dot=keys == "int8-tensor-cores")
+        dot = {"int8-tensor-cores": "f16", "int8-products": "int8", "int8-cuda-cores": False}[keys]
+        src, kw = codes, dict(prefix_scale=scale, dot=dot)
     for heads in (True, False):
         outs = []
         for tiles in (1, 3):
@@ -295,3 +347,4 @@ def test_the_int8_copy_follows_crop_reorder_and_reset(triton_device):
         assert not layer.loki.prefix.any() and not layer.loki.prefix_scale.any()
     finally:
         disable_loki(model)
+

@@ -9,12 +9,14 @@ aggregate scores before its group pass) and the group's sum.  Each int8 result i
 reference's ``score_format="int8"`` (`loki.reference.approx_scores`).  Times: one CUDA-graph replay with the L2
 flushed (median, us); bytes read: the keys' prefix (plus the scales) and the scores written.  Writes JSON to --out
 and prints a short table last.  ``--smoke``: tiny shapes, no timing (the CPU interpreter or a GPU); ``--variants``:
-the int8 copy at other blocks and warps; ``--pipeline``: both copies with 4-16 tiles per program and 2-3 stages.
+the int8 copy at other blocks and warps; ``--pipeline``: both copies with 4-16 tiles per program and 2-3 stages;
+``--mma8``: the per-head scores as int8 tensor-core products (``dot="int8"``) at other tiles, warps and stages.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 from functools import partial
 
@@ -28,7 +30,7 @@ SHAPES = [  # name, B, HQ, HKV, S, D, d (native)
 SMOKE_SHAPES = [("smoke", 2, 4, 2, 300, 64, 16)]
 
 
-def run(smoke: bool, variants: bool = False, pipeline: bool = False) -> list[dict]:
+def run(smoke: bool, variants: bool = False, pipeline: bool = False, mma8: bool = False) -> list[dict]:
     from loki.bench.harness import time_ms_graph
     from loki.kernels.approx_scores import launch_approx_scores
     from loki.reference import approx_scores
@@ -53,6 +55,18 @@ def run(smoke: bool, variants: bool = False, pipeline: bool = False) -> list[dic
                 f"int8 copy, d={2 * d}": (partial(launch_approx_scores, x.q, codes, 2 * d, x.lengths, x.starts, ho, ao,
                                                   "sum", prefix_scale=scale), codes.numel() + scale.numel() * 2),
             }
+            if ho is not None:
+                cases[f"int8 copy, d={2 * d}, int8 products"] = (partial(
+                    launch_approx_scores, x.q, codes, 2 * d, x.lengths, x.starts, ho, ao, "sum", prefix_scale=scale,
+                    dot="int8"), codes.numel() + scale.numel() * 2)
+            if mma8 and ho is not None and not smoke:
+                for (tiles, stages), bs, nw in itertools.product(((1, 1), (4, 2), (4, 3), (8, 3)), (64, 128, 256),
+                                                                 (2, 4)):
+                    cases[f"int8 copy, d={2 * d}, int8 products, block {bs}, {nw} warps, {tiles} tiles, {stages} "
+                          "stages"] = (partial(
+                              launch_approx_scores, x.q, codes, 2 * d, x.lengths, x.starts, ho, ao, "sum",
+                              block_s=bs, num_warps=nw, prefix_scale=scale, dot="int8", tiles=tiles,
+                              num_stages=stages), codes.numel() + scale.numel() * 2)
             if variants and not smoke:
                 for bs in (64, 128, 256, 512):
                     for nw in (2, 4, 8):
@@ -100,8 +114,10 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", action="store_true", help="also the int8 scores at other tiles and warps")
     ap.add_argument("--pipeline", action="store_true",
                     help="also both copies with several tiles per program, their loads pipelined (stages)")
+    ap.add_argument("--mma8", action="store_true",
+                    help="also the int8 copy's per-head scores as int8 products at other tiles, warps and stages")
     args = ap.parse_args(argv)
-    rows = run(args.smoke, args.variants, args.pipeline)
+    rows = run(args.smoke, args.variants, args.pipeline, args.mma8)
     card = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     if args.out:
         with open(args.out, "w") as f:

@@ -37,6 +37,23 @@ from .tl_helpers import int8_to_f16, score_keys
 __all__ = ["approx_scores", "approx_scores_reference", "make_key_prefix"]
 
 
+#: The tensor-core products of an int8 copy's per-head scores when ``launch_approx_scores`` is not told: "int8" (the
+#: codes as loaded, the query in four int8 pieces; as fast as the bf16 prefix's scores on an H200, 1.29x faster than
+#: "f16") or "f16" (the codes converted, the query in two fp16 halves); results/int8-products-h200-2026-11-28/.
+INT8_PRODUCTS = "int8"
+
+
+@triton.jit
+def _pow2_of_max(v, UP: tl.constexpr):
+    """Per row of v, from the exponent bits of its largest magnitude a (as a power of two, so that products by it are
+    exact): m = 2**(5 - floor(log2 a)) (32 <= a m < 64) when ``UP``, else 1 / m.  The exponent fields are clamped to
+    the normal range (rows of magnitude below 2**-121 or not finite)."""
+    e = ((tl.max(tl.abs(v), axis=1).to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32)
+    field = 259 - e if UP else e - 5
+    field = tl.minimum(tl.maximum(field, 1), 254)
+    return (field << 23).to(tl.float32, bitcast=True)
+
+
 @triton.jit
 def _approx_scores_kernel(
     q_ptr, k_ptr, out_ptr, agg_ptr, lengths_ptr, starts_ptr, scale_ptr,
@@ -48,16 +65,21 @@ def _approx_scores_kernel(
     stride_cb, stride_ch,
     G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
     WRITE_HEADS: tl.constexpr, WRITE_AGG: tl.constexpr, AGG_MAX: tl.constexpr, SCALED: tl.constexpr,
-    DOT: tl.constexpr, G_PAD: tl.constexpr, EVEN_D: tl.constexpr, TILES: tl.constexpr, NUM_STAGES: tl.constexpr,
-    PDL: tl.constexpr,
+    DOT: tl.constexpr, MMA8: tl.constexpr, G_PAD: tl.constexpr, EVEN_D: tl.constexpr, TILES: tl.constexpr,
+    NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
 ):
     """s[g, t] = sum_{j<d} q_hat[h*G+g, j] K_hat[h, t, j] for one (b, h) and TILES blocks of BLOCK_S tokens t (a
-    loop that ``NUM_STAGES`` pipelines: the next tile's keys load while this one is scored).  ``SCALED``: the keys
-    are an int8 score copy, each token's row times its scale (``scale_ptr`` [B, HKV, S] bf16), its codes converted
-    by integer adds (``int8_to_f16``/``int8_to_f32``, not the conversion unit).  ``DOT``: the group's per-head
-    scores of an int8 copy as tensor-core products: the codes are exact in fp16 and each query, over its largest
-    magnitude, is split into two fp16 halves (``q = m (hi + lo)``, about 22 of fp32's 24 mantissa bits),
-    accumulated in fp32.  ``EVEN_D``: d fills the tile (a row mask only, so the loads are vectors)."""
+    loop that ``NUM_STAGES`` pipelines: the next tile's keys load while this one is scored). ``SCALED``: the keys
+    are an int8 score copy, each token's row times its scale (``scale_ptr`` [B, HKV, S] bf16), its codes
+    converted by integer adds (``int8_to_f16``/``int8_to_f32``, not the conversion unit). ``DOT``: the group's
+    per-head scores of an int8 copy as tensor-core products: the codes are exact in fp16 and each query, over its
+    largest magnitude, is split into two fp16 halves (``q = m (hi + lo)``, about 22 of fp32's 24 mantissa bits),
+    accumulated in fp32. ``MMA8``: instead, the int8 codes go to the tensor cores as they are loaded: each query
+    scaled by a power of two m to 32 <= max |m q| < 64, is written as four int8 pieces (``m q = p0 + p1/128 +
+    p2/128**2 + p3/128**3`` up to 2**-22, i.e. 2**-27 of the largest), the [4 G_PAD, d] pieces times the [d,
+    BLOCK_S] codes is one exact int32 product (keys along its columns, as the scores are stored), and the pieces'
+    rows are weighted and summed in fp32. ``EVEN_D``: d fills the tile (a row mask only, so the loads are
+    vectors)."""
     pid_bh = tl.program_id(0).to(tl.int64)
     pid_s = tl.program_id(1).to(tl.int64)
     b = pid_bh // HKV
@@ -72,6 +94,25 @@ def _approx_scores_kernel(
     k_base = k_ptr + b * stride_kb + h * stride_kh
     offs_g = tl.arange(0, G_PAD)
     gmask = offs_g < G
+    if MMA8:  # the group's queries as four int8 pieces each (rows piece * G_PAD + g), to 2**-27 of the largest
+        qg = tl.load(q_ptr + b * stride_qb + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :],
+                     mask=gmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)  # [G_PAD, BLOCK_D]
+        inv_m = _pow2_of_max(qg, False)  # 1 / m per head
+        rows = tl.arange(0, 4 * G_PAD)
+        piece = rows // G_PAD
+        rg = rows % G_PAD
+        qr = tl.load(q_ptr + b * stride_qb + (h * G + rg)[:, None] * stride_qh + offs_d[None, :],
+                     mask=(rg < G)[:, None] & dmask[None, :], other=0.0).to(tl.float32)  # [4 G_PAD, BLOCK_D]
+        x = qr * _pow2_of_max(qr, True)[:, None]  # |x| < 64, exactly
+        pc = piece[:, None]
+        q8 = tl.zeros((4 * G_PAD, BLOCK_D), tl.float32)
+        for j in tl.static_range(4):  # the pieces of weight 128**-j: exact subtractions and power-of-two products
+            pj = tl.floor(x + 0.5)
+            q8 = tl.where(pc == j, pj, q8)
+            x = (x - pj) * 128.0
+        q8 = q8.to(tl.int8)
+        wrow = tl.where(piece == 0, 1.0, tl.where(piece == 1, 2.0**-7, 2.0**-14))
+        wrow = tl.where(piece == 3, 2.0**-21, wrow)  # 128**-piece, exactly
     if DOT:  # the group's queries, each over its largest magnitude and split into two fp16 halves
         qg = tl.load(q_ptr + b * stride_qb + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :],
                      mask=gmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)  # [G_PAD, BLOCK_D]
@@ -100,7 +141,23 @@ def _approx_scores_kernel(
                 tl.float32)
         else:
             row_scale = tl.full((BLOCK_S,), 1.0, tl.float32)
-        if DOT:
+        if MMA8:
+            codes = tl.load(k_ptrs, mask=kmask, other=0)  # [BLOCK_S, BLOCK_D] int8
+            acc = tl.dot(q8, tl.trans(codes), out_dtype=tl.int32)  # [4 G_PAD, BLOCK_S], exact
+            part = tl.reshape(acc.to(tl.float32) * wrow[:, None], (4, G_PAD, BLOCK_S))
+            sg = tl.sum(part, axis=0) * inv_m[:, None] * row_scale[None, :]  # [G_PAD, BLOCK_S]
+            sg = tl.where(valid[None, :], sg, float("-inf"))
+            if WRITE_HEADS:
+                tl.store(out_ptr + b * stride_ob + (h * G + offs_g)[:, None] * stride_oh + offs_s[None, :], sg,
+                         mask=gmask[:, None] & in_range[None, :])
+            if WRITE_AGG:
+                if AGG_MAX:
+                    agg = tl.max(tl.where(gmask[:, None], sg, float("-inf")), axis=0)
+                else:
+                    agg = tl.sum(tl.where(gmask[:, None], sg, 0.0), axis=0)
+                agg = tl.where(valid, agg, float("-inf"))
+                tl.store(agg_ptr + b * stride_ab + h * stride_ah + offs_s, agg, mask=in_range)
+        elif DOT:
             codes = int8_to_f16(tl.load(k_ptrs, mask=kmask, other=0))  # [BLOCK_S, BLOCK_D]
             sg = tl.dot(codes, tl.trans(q_hi), out_dtype=tl.float32)
             sg = tl.dot(codes, tl.trans(q_lo), acc=sg, out_dtype=tl.float32)  # [BLOCK_S, G_PAD]
@@ -179,10 +236,11 @@ def check_key_prefix(k_prefix: torch.Tensor, k_hat: torch.Tensor, dd: int,
 
 def launch_approx_scores(q_hat, k_hat, dd, lengths, starts, heads_out, agg_out, aggregate, block_s=None,
                           num_warps=None, prefix_scale=None, dot=None, tiles=None, num_stages=None):
-    """Launch the scores kernel; ``k_hat`` is the full [B, HKV, S, D] keys or a prefix buffer [.., dp] (int8 codes
-    with ``prefix_scale`` [B, HKV, S] bf16 for an int8 score copy, whose per-head scores run on the tensor cores
-    unless ``dot=False``).  ``tiles`` blocks of ``block_s`` keys per program (default 1; 4 for
-    an int8 copy's per-head scores), ``num_stages`` pipelining them."""
+    """Launch the scores kernel; ``k_hat`` is the full [B, HKV, S, D] keys or a prefix buffer [.., dp] (int8 codes with
+    ``prefix_scale`` [B, HKV, S] bf16 for an int8 score copy, whose per-head scores run on the tensor cores unless
+    ``dot=False``: ``dot="int8"`` as int8 products of the codes and the query's int8 pieces, ``dot=True`` as fp16
+    products of the converted codes and the query's fp16 halves). ``tiles`` blocks of ``block_s`` keys per program
+    (default 1; 4 for an int8 copy's per-head scores), ``num_stages`` pipelining them."""
     if aggregate not in ("sum", "max"):  # the kernel sums unless told "max": never another aggregate silently
         raise ValueError(f"the approximate-scores kernel aggregates by 'sum' or 'max', got {aggregate!r}")
     B, HQ, _ = q_hat.shape
@@ -202,9 +260,18 @@ def launch_approx_scores(q_hat, k_hat, dd, lengths, starts, heads_out, agg_out, 
     ho = heads_out if heads_out is not None else dummy
     ao = agg_out if agg_out is not None else dummy
     blocks = triton.cdiv(S, block_s)
-    if tiles is None:  # an int8 copy's per-head scores: 4 tiles per program, 2 stages, the fastest measured on an
-        # H100 (results/int8-convert-h100-2026-11-28); everything else one tile, as fast as any measured
-        tiles = 4 if scaled and heads_out is not None and not interpreting() else 1
+    # an int8 copy's per-head scores on the tensor cores (tl.dot takes tiles of at least 16 in every dimension)
+    if dot not in (None, True, False, "int8", "f16"):
+        raise ValueError(f"dot must be None, True, False, 'int8' or 'f16', got {dot!r}")
+    if dot is None or dot is True:
+        dot = INT8_PRODUCTS if dot is None else "f16"
+    tensor_cores = prefix_scale is not None and heads_out is not None and block_s >= 16 and dot is not False
+    use_mma8 = tensor_cores and BLOCK_D >= 32 and dot == "int8"
+    use_dot = tensor_cores and BLOCK_D >= 16 and not use_mma8
+    if tiles is None:  # an int8 copy's per-head scores as fp16 products: 4 tiles per program, 2 stages, the fastest
+        # measured on an H100 (results/int8-convert-h100-2026-11-28); everything else, int8 products included, one
+        # tile, as fast as any measured (results/int8-products-h200-2026-11-28)
+        tiles = 4 if use_dot and not interpreting() else 1
         tiles = max(1, min(tiles, blocks))
     if num_stages is None:
         num_stages = 2 if tiles > 1 and not interpreting() else 1
@@ -212,10 +279,8 @@ def launch_approx_scores(q_hat, k_hat, dd, lengths, starts, heads_out, agg_out, 
     grid = (B * HKV, nc)
     use_pdl = pdl(q_hat.device)
     sc = prefix_scale if prefix_scale is not None else lengths  # a placeholder pointer when not SCALED
-    # an int8 copy's per-head scores on the tensor cores (tl.dot takes tiles of at least 16 in every dimension)
-    G_PAD = max(16, triton.next_power_of_2(G))
-    use_dot = (prefix_scale is not None and heads_out is not None and BLOCK_D >= 16 and block_s >= 16
-               and dot is not False)
+    # the int8 pieces take 4 rows per head (the product's rows: at least 16); the fp16 halves' columns at least 16
+    G_PAD = max(4, triton.next_power_of_2(G)) if use_mma8 else max(16, triton.next_power_of_2(G))
     launch(_approx_scores_kernel, grid, [
         q_hat, k_hat, ho, ao, lengths, starts, sc,
         S, dd, HKV,
@@ -225,7 +290,8 @@ def launch_approx_scores(q_hat, k_hat, dd, lengths, starts, heads_out, agg_out, 
         ao.stride(0), ao.stride(1),
         sc.stride(0) if prefix_scale is not None else 0, sc.stride(1) if prefix_scale is not None else 0,
         G, block_s, BLOCK_D,
-        heads_out is not None, agg_out is not None, aggregate == "max", prefix_scale is not None, use_dot, G_PAD,
+        heads_out is not None, agg_out is not None, aggregate == "max", prefix_scale is not None, use_dot, use_mma8,
+        G_PAD,
         BLOCK_D == dd, tiles, num_stages, use_pdl,
     ], dict(num_warps=num_warps, pdl=use_pdl))
 
