@@ -3,9 +3,11 @@ last ``recent`` and first ``sink`` visible tokens of each row first, the rest by
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 from pathlib import Path
 
+import pytest
 import torch
 
 from loki.reference import teacher_forced
@@ -36,3 +38,13 @@ def test_forced_tokens_come_first_and_the_rule_is_removed_after():
     assert teacher_forced.topk_mask is real
     with study.forced_tokens(recent=0, sink=0):
         assert teacher_forced.topk_mask is real
+
+
+def test_variants_are_parsed_by_name_and_bad_ones_refused():
+    study = _study()
+    assert study.variant("recent64+sink4") == ("recent64+sink4", 64, 4)
+    assert study.variant("sink8") == ("sink8", 0, 8)
+    assert study.variant("recent128") == ("recent128", 128, 0)
+    for bad in ("recent", "recent0", "sink-4", "recent8+recent4", "window8", "recent8+"):
+        with pytest.raises(argparse.ArgumentTypeError, match="recentN, sinkM or recentN"):
+            study.variant(bad)

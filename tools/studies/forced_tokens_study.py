@@ -24,6 +24,19 @@ from benchmarks.tuning.allocation import _windows  # the window sets' argument t
 VARIANTS = (("default", 0, 0), ("recent16", 16, 0), ("sink4", 0, 4), ("recent32+sink4", 32, 4))
 
 
+def variant(text: str) -> tuple[str, int, int]:
+    """A variant's name as ``--variants`` takes it: "recentN", "sinkM" or "recentN+sinkM" (N, M > 0)."""
+    recent = sink = 0
+    for part in text.split("+"):
+        kind = "recent" if part.startswith("recent") else "sink" if part.startswith("sink") else None
+        n = part[len(kind):] if kind else ""
+        if not n.isdigit() or int(n) <= 0 or (kind == "recent" and recent) or (kind == "sink" and sink):
+            raise argparse.ArgumentTypeError(f"a variant is recentN, sinkM or recentN+sinkM with N, M > 0, got "
+                                             f"{text!r}")
+        recent, sink = (int(n), sink) if kind == "recent" else (recent, int(n))
+    return text, recent, sink
+
+
 @contextlib.contextmanager
 def forced_tokens(recent: int, sink: int):
     """The reference's row top-k with the last ``recent`` and the first ``sink`` visible tokens of each row
@@ -51,7 +64,7 @@ def forced_tokens(recent: int, sink: int):
         teacher_forced.topk_mask = real
 
 
-def run(corpus: str, T: int, N: int, budgets, log=print) -> dict:
+def run(corpus: str, T: int, N: int, budgets, log=print, variants=VARIANTS[1:]) -> dict:
     from dataclasses import replace
 
     from loki.evaluation.bases import DEFAULT_RECIPE, get_bases
@@ -69,7 +82,7 @@ def run(corpus: str, T: int, N: int, budgets, log=print) -> dict:
     t0 = time.perf_counter()
     for k in budgets:
         default = None
-        for name, recent, sink in VARIANTS:
+        for name, recent, sink in (VARIANTS[0], *variants):
             spec = MethodSpec(f"loki[{name}]", "loki", k=k, d=0.25, basis="score", gqa_select="kv",
                               aggregate="softmax-max")
             with forced_tokens(recent, sink):
@@ -98,6 +111,9 @@ def main(argv=None) -> int:
                     help="evaluation text, its held-out part (default: wikitext)")
     ap.add_argument("--windows", type=_windows, default=(1024, 8), metavar="TOKENSxCOUNT", help="default: 1024x8")
     ap.add_argument("--budgets", type=float, nargs="+", default=[0.25, 0.125], help="k_f values (default 0.25 0.125)")
+    ap.add_argument("--variants", type=variant, nargs="+", default=list(VARIANTS[1:]), metavar="VARIANT",
+                    help="forced tokens, each run against the default: recentN, sinkM or recentN+sinkM (default: "
+                    "recent16 sink4 recent32+sink4)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     a = ap.parse_args(argv)
@@ -108,7 +124,7 @@ def main(argv=None) -> int:
 
     if a.threads:
         torch.set_num_threads(a.threads)
-    res = run(a.corpus, T, N, a.budgets, log=lambda m: print(m, file=sys.stderr, flush=True))
+    res = run(a.corpus, T, N, a.budgets, log=lambda m: print(m, file=sys.stderr, flush=True), variants=a.variants)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)
