@@ -38,8 +38,9 @@ __all__ = ["approx_scores", "approx_scores_reference", "make_key_prefix"]
 
 
 #: The tensor-core products of an int8 copy's per-head scores when ``launch_approx_scores`` is not told: "int8" (the
-#: codes as loaded, the query in four int8 pieces; as fast as the bf16 prefix's scores on an H200, 1.29x faster than
-#: "f16") or "f16" (the codes converted, the query in two fp16 halves); results/int8-products-h200-2026-11-28/.
+#: codes as loaded, the query in four int8 pieces; needs d >= 32) or "f16" (the codes converted, the query in two fp16
+#: halves). On an H200 "int8" takes 0.93-0.97x the bf16 prefix's time, "f16" 1.21-1.29x
+#: (results/int8-products-h200-2026-11-28/).
 INT8_PRODUCTS = "int8"
 
 
@@ -238,9 +239,10 @@ def launch_approx_scores(q_hat, k_hat, dd, lengths, starts, heads_out, agg_out, 
                           num_warps=None, prefix_scale=None, dot=None, tiles=None, num_stages=None):
     """Launch the scores kernel; ``k_hat`` is the full [B, HKV, S, D] keys or a prefix buffer [.., dp] (int8 codes with
     ``prefix_scale`` [B, HKV, S] bf16 for an int8 score copy, whose per-head scores run on the tensor cores unless
-    ``dot=False``: ``dot="int8"`` as int8 products of the codes and the query's int8 pieces, ``dot=True`` as fp16
-    products of the converted codes and the query's fp16 halves). ``tiles`` blocks of ``block_s`` keys per program
-    (default 1; 4 for an int8 copy's per-head scores), ``num_stages`` pipelining them."""
+    ``dot=False``: ``dot="int8"`` as int8 products of the codes and the query's int8 pieces when d >= 32, else and
+    with ``dot=True`` or ``"f16"`` as fp16 products of the converted codes and the query's fp16 halves; default
+    :data:`INT8_PRODUCTS`). ``tiles`` blocks of ``block_s`` keys per program (default 1; 4 for fp16 products),
+    ``num_stages`` pipelining them."""
     if aggregate not in ("sum", "max"):  # the kernel sums unless told "max": never another aggregate silently
         raise ValueError(f"the approximate-scores kernel aggregates by 'sum' or 'max', got {aggregate!r}")
     B, HQ, _ = q_hat.shape
