@@ -21,34 +21,54 @@ import time
 
 from benchmarks.tuning.allocation import _windows  # the window sets' argument type, shared
 
-VARIANTS = (("default", 0, 0), ("recent16", 16, 0), ("sink4", 0, 4), ("recent32+sink4", 32, 4))
+VARIANTS = (("default", 0, 0, 0), ("recent16", 16, 0, 0), ("sink4", 0, 4, 0), ("recent32+sink4", 32, 4, 0))
 
 
-def variant(text: str) -> tuple[str, int, int]:
-    """A variant's name as ``--variants`` takes it: "recentN", "sinkM" or "recentN+sinkM" (N, M > 0)."""
+def variant(text: str) -> tuple[str, int, int, int]:
+    """A variant's name as ``--variants`` takes it: "recentN", "sinkM" or "recentN+sinkM" (N, M > 0), forced in every
+    layer, or with "@Lj" in layers j and later only -> (name, recent, sink, first layer)."""
     recent = sink = 0
-    for part in text.split("+"):
+    body, at, layer = text.partition("@L")
+    if at and not layer.isdigit():
+        raise argparse.ArgumentTypeError(f"a variant's layers are @Lj (j >= 0: layers j and later), got {text!r}")
+    for part in body.split("+"):
         kind = "recent" if part.startswith("recent") else "sink" if part.startswith("sink") else None
         n = part[len(kind):] if kind else ""
         if not n.isdigit() or int(n) <= 0 or (kind == "recent" and recent) or (kind == "sink" and sink):
             raise argparse.ArgumentTypeError(f"a variant is recentN, sinkM or recentN+sinkM with N, M > 0, got "
                                              f"{text!r}")
         recent, sink = (int(n), sink) if kind == "recent" else (recent, int(n))
-    return text, recent, sink
+    return text, recent, sink, int(layer or 0)
 
 
 @contextlib.contextmanager
-def forced_tokens(recent: int, sink: int):
+def forced_tokens(recent: int, sink: int, first_layer: int = 0, model=None):
     """The reference's row top-k with the last ``recent`` and the first ``sink`` visible tokens of each row
     selected first (a bonus above every approximate score: the aggregated scores of the default are
-    probabilities)."""
+    probabilities); with ``first_layer`` > 0 only in ``model``'s layers from that one on (forward pre-hooks on its
+    attention modules say which layer runs)."""
     import torch
 
+    from loki._hf import attention_modules
     from loki.reference import teacher_forced
 
     real = teacher_forced.topk_mask
+    current = {"layer": 0}
+    hooks = []
+    if first_layer:
+        if model is None:
+            raise ValueError("forcing from a layer on needs the model, whose layers name themselves")
+        for i, module in enumerate(attention_modules(model)):
+            idx = int(getattr(module, "layer_idx", i))
+
+            def name_layer(mod, args, layer=idx):
+                current["layer"] = layer
+
+            hooks.append(module.register_forward_pre_hook(name_layer))
 
     def topk(scores, counts):
+        if current["layer"] < first_layer:
+            return real(scores, counts)
         vis = scores > float("-inf")
         bonus = torch.zeros_like(vis)
         if recent:
@@ -62,6 +82,8 @@ def forced_tokens(recent: int, sink: int):
         yield
     finally:
         teacher_forced.topk_mask = real
+        for h in hooks:
+            h.remove()
 
 
 def run(corpus: str, T: int, N: int, budgets, log=print, variants=VARIANTS[1:]) -> dict:
@@ -82,15 +104,16 @@ def run(corpus: str, T: int, N: int, budgets, log=print, variants=VARIANTS[1:]) 
     t0 = time.perf_counter()
     for k in budgets:
         default = None
-        for name, recent, sink in (VARIANTS[0], *variants):
+        for name, recent, sink, first_layer in (VARIANTS[0], *variants):
             spec = MethodSpec(f"loki[{name}]", "loki", k=k, d=0.25, basis="score", gqa_select="kv",
                               aggregate="softmax-max")
-            with forced_tokens(recent, sink):
+            with forced_tokens(recent, sink, first_layer, model):
                 r = perplexity(model, w, spec, bases, diagnostics=True)
             inc = paired_increase(r.token_nll, full.token_nll)
-            row = {"k_f": k, "variant": name, "recent": recent, "sink": sink, "ppl": r.ppl,
-                   "increase": inc["increase"], "lo": inc["lo"], "hi": inc["hi"], "bytes_fraction": r.bytes_fraction,
-                   "recall": r.diagnostics["recall_mean"], "mass": r.diagnostics["mass_mean"]}
+            row = {"k_f": k, "variant": name, "recent": recent, "sink": sink, "first_layer": first_layer,
+                   "ppl": r.ppl, "increase": inc["increase"], "lo": inc["lo"], "hi": inc["hi"],
+                   "bytes_fraction": r.bytes_fraction, "recall": r.diagnostics["recall_mean"],
+                   "mass": r.diagnostics["mass_mean"]}
             if default is None:
                 default = r
             else:
@@ -112,8 +135,8 @@ def main(argv=None) -> int:
     ap.add_argument("--windows", type=_windows, default=(1024, 8), metavar="TOKENSxCOUNT", help="default: 1024x8")
     ap.add_argument("--budgets", type=float, nargs="+", default=[0.25, 0.125], help="k_f values (default 0.25 0.125)")
     ap.add_argument("--variants", type=variant, nargs="+", default=list(VARIANTS[1:]), metavar="VARIANT",
-                    help="forced tokens, each run against the default: recentN, sinkM or recentN+sinkM (default: "
-                    "recent16 sink4 recent32+sink4)")
+                    help="forced tokens, each run against the default: recentN, sinkM or recentN+sinkM, in every layer "
+                    "or with @Lj in layers j and later (default: recent16 sink4 recent32+sink4)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     a = ap.parse_args(argv)
