@@ -157,7 +157,7 @@ def test_int8_products_equal_the_fp32_scores_of_the_copy(triton_device, spread):
 @pytest.mark.parametrize("keys", ["bf16-prefix", "int8-tensor-cores", "int8-products", "int8-cuda-cores"])
 @torch.no_grad()
 def test_programs_of_several_pipelined_tiles_score_as_one_tile_each(triton_device, keys):
-    """``tiles`` blocks of keys per program (the int8 copy's per-head scores take 4 on a GPU) give every score of
+    """``tiles`` blocks of keys per program (the int8 copy's per-head fp16 products take 4 on a GPU) give every score of
     one block per program, per query head and summed, on ragged and left-padded rows whose length is no multiple of
     the tiles' span."""
     from loki.kernels.approx_scores import launch_approx_scores
@@ -347,4 +347,3 @@ def test_the_int8_copy_follows_crop_reorder_and_reset(triton_device):
         assert not layer.loki.prefix.any() and not layer.loki.prefix_scale.any()
     finally:
         disable_loki(model)
-

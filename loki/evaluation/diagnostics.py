@@ -31,7 +31,7 @@ import torch
 from loki._hf import attention_modules
 from loki.reference.accounting import DIAGNOSTIC_FIELDS, tally_diagnostics
 
-__all__ = ["DIAGNOSTICS", "layer_diagnostics", "merge_sums", "summarize_diagnostics"]
+__all__ = ["DIAGNOSTICS", "layer_diagnostics", "merge_sums", "naming_layers", "summarize_diagnostics"]
 
 #: The diagnostics reported per layer and head (:data:`loki.reference.accounting.DIAGNOSTIC_FIELDS` without the
 #: row count).
@@ -39,24 +39,31 @@ DIAGNOSTICS = DIAGNOSTIC_FIELDS[1:]
 
 
 @contextmanager
+def naming_layers(model, name_layer):
+    """Inside the block, ``name_layer(layer)`` runs as each of ``model``'s attention modules starts (a forward
+    pre-hook; the layer is the module's ``layer_idx``, else its position); the hooks are removed afterwards."""
+    handles = []
+    for i, module in enumerate(attention_modules(model)):
+        layer = int(getattr(module, "layer_idx", i))
+
+        def hook(mod, args, layer=layer):
+            name_layer(layer)
+
+        handles.append(module.register_forward_pre_hook(hook))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@contextmanager
 def layer_diagnostics(model):
-    """Tally the diagnostics of every selection made inside the block, by layer: forward pre-hooks on ``model``'s
-    attention modules name the layer each record belongs to.  ``with layer_diagnostics(model) as t: model(...)``;
+    """Tally the diagnostics of every selection made inside the block, by layer: :func:`naming_layers` tells the
+    tally which layer each record belongs to.  ``with layer_diagnostics(model) as t: model(...)``;
     then ``t.cpu_sums()`` (:class:`~loki.reference.accounting.DiagnosticsTally`) and :func:`summarize_diagnostics`."""
-    with tally_diagnostics() as tally:
-        handles = []
-        for i, module in enumerate(attention_modules(model)):
-            layer = int(getattr(module, "layer_idx", i))
-
-            def name_layer(mod, args, layer=layer):
-                tally.layer = layer
-
-            handles.append(module.register_forward_pre_hook(name_layer))
-        try:
-            yield tally
-        finally:
-            for h in handles:
-                h.remove()
+    with tally_diagnostics() as tally, naming_layers(model, lambda layer: setattr(tally, "layer", layer)):
+        yield tally
 
 
 def merge_sums(parts) -> dict[int, torch.Tensor]:

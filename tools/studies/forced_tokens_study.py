@@ -45,26 +45,17 @@ def variant(text: str) -> tuple[str, int, int, int]:
 def forced_tokens(recent: int, sink: int, first_layer: int = 0, model=None):
     """The reference's row top-k with the last ``recent`` and the first ``sink`` visible tokens of each row
     selected first (a bonus above every approximate score: the aggregated scores of the default are
-    probabilities); with ``first_layer`` > 0 only in ``model``'s layers from that one on (forward pre-hooks on its
-    attention modules say which layer runs)."""
+    probabilities); with ``first_layer`` > 0 only in ``model``'s layers from that one on
+    (``loki.evaluation.diagnostics.naming_layers`` says which layer runs)."""
     import torch
 
-    from loki._hf import attention_modules
+    from loki.evaluation.diagnostics import naming_layers
     from loki.reference import teacher_forced
 
     real = teacher_forced.topk_mask
     current = {"layer": 0}
-    hooks = []
-    if first_layer:
-        if model is None:
-            raise ValueError("forcing from a layer on needs the model, whose layers name themselves")
-        for i, module in enumerate(attention_modules(model)):
-            idx = int(getattr(module, "layer_idx", i))
-
-            def name_layer(mod, args, layer=idx):
-                current["layer"] = layer
-
-            hooks.append(module.register_forward_pre_hook(name_layer))
+    if first_layer and model is None:
+        raise ValueError("forcing from a layer on needs the model, whose layers name themselves")
 
     def topk(scores, counts):
         if current["layer"] < first_layer:
@@ -77,13 +68,13 @@ def forced_tokens(recent: int, sink: int, first_layer: int = 0, model=None):
             bonus |= vis & (vis.cumsum(-1) <= sink)
         return real(scores + bonus.to(scores.dtype) * 1e3, counts)
 
+    names = naming_layers(model, lambda layer: current.update(layer=layer)) if first_layer else contextlib.nullcontext()
     teacher_forced.topk_mask = topk if recent or sink else real
     try:
-        yield
+        with names:
+            yield
     finally:
         teacher_forced.topk_mask = real
-        for h in hooks:
-            h.remove()
 
 
 def run(corpus: str, T: int, N: int, budgets, log=print, variants=VARIANTS[1:]) -> dict:
