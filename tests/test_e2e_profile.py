@@ -30,6 +30,21 @@ def test_idle_gaps_are_charged_to_the_kernel_that_waited():
     assert e2e_profile.idle_gaps([], calls=1) == {}
 
 
+def test_launch_gaps_measure_each_start_from_the_latest_end_before_it():
+    """A start before the latest earlier end is an early start (negative gap); waits above max_gap_us (the host,
+    step boundaries) are left out; pairs are named by the kernel before and the one after."""
+    evs = [(0, 10, "a"), (10.5, 20, "b"), (19.5, 30, "c"), (30.5, 31, "a"), (200, 201, "b"), (201.3, 202, "c")]
+    r = e2e_profile.launch_gaps(evs, max_gap_us=50)
+    assert r["n"] == 4 and r["early_starts"] == 1  # the wait of 169 us before the second "b" is left out
+    assert abs(r["sum_us"] - 1.3) < 1e-9 and r["median_us"] == 0.5 and r["p10_us"] == -0.5
+    pairs = {(p["from"], p["to"]): (p["count"], round(p["median_us"], 6)) for p in r["pairs"]}
+    assert pairs == {("a", "b"): (1, 0.5), ("b", "c"): (2, 0.3), ("c", "a"): (1, 0.5)}  # b->c: -0.5 and 0.3
+    assert e2e_profile.launch_gaps([]) == {"n": 0}
+    # A kernel that overlaps a long one: the gap of the next counts from the long one's end, not the short one's.
+    r = e2e_profile.launch_gaps([(0, 100, "long"), (1, 2, "short"), (101, 102, "next")])
+    assert r["n"] == 2 and r["early_starts"] == 1 and r["median_us"] == 1.0
+
+
 def test_generate_profile_per_token_on_the_cpu():
     """Per generated token: the differences of the N + 1 and the 1 token calls, CPU operators included; Loki is
     disabled again afterwards."""

@@ -1,0 +1,134 @@
+"""Is a compiled decode step host-bound, and in which launch-gap state is it?  One path, one process.
+
+    PYTHONPATH=. python3 -m benchmarks.tuning.e2e_steps --path loki_compiled --layers 32
+    PYTHONPATH=. python3 -m benchmarks.tuning.e2e_steps --path loki_compiled@int8 --timeline
+
+The compiled forward of ``loki bench --e2e``'s decode step (static cache, CUDA graphs, Llama-3-8B dimensions with
+random weights, bf16) after a few warm-up steps, measured three ways: per step with a sync after it (the host's
+enqueue time, and the device's time from an event before the enqueue to one after it), back to back (``--steps``
+steps, one sync at the end: what a decode loop gets), and optionally a profile of a few back-to-back steps whose
+kernel timeline gives :func:`benchmarks.tuning.e2e_profile.launch_gaps` (``--timeline``; the timeline is written to
+``$OUT``).  The process compiles the step itself unless the Inductor cache (``TORCHINDUCTOR_CACHE_DIR``) already holds
+it, and that matters: a step compiled in its own process was 4-5% slower than the same step loaded from the cache, in
+every kernel gap rather than in any kernel (results/launch-gaps-h200-2026-11-28/NOTES.md).  Run a path twice with the
+same cache directory to see both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import time
+
+import torch
+
+
+def time_steps(step, first: int, n: int, sync=None, clock=time.perf_counter, events=None) -> dict:
+    """Time ``step(i)`` for i = first..first+n-1 once with a sync after each call and once back to back.
+
+    ``sync`` waits for the device (default ``torch.cuda.synchronize``); ``events`` makes a (start, end) pair of
+    device events with ``record()`` and ``elapsed_time(other)`` in ms (default CUDA events; None on the CPU: the
+    device time is then the host's).  Returns the medians of the host enqueue (ms) and the synced device time (ms) per
+    step, and the back-to-back time per step (ms), the steps i = first + n .. first + 2n - 1."""
+    sync = sync or torch.cuda.synchronize
+    host, dev = [], []
+    for i in range(first, first + n):
+        pair = events() if events else None
+        t0 = clock()
+        if pair:
+            pair[0].record()
+        step(i)
+        if pair:
+            pair[1].record()
+        t1 = clock()
+        sync()
+        host.append((t1 - t0) * 1e3)
+        dev.append(pair[0].elapsed_time(pair[1]) if pair else (clock() - t0) * 1e3)
+    sync()
+    t0 = clock()
+    for i in range(first + n, first + 2 * n):
+        step(i)
+    sync()
+    back = (clock() - t0) * 1e3 / n
+    return {"host_enqueue_ms": sorted(host)[n // 2], "device_synced_ms": sorted(dev)[n // 2],
+            "back_to_back_ms": back}
+
+
+def _cuda_events():
+    return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+
+def main(argv=None) -> int:
+    from loki._hf import cache_keyword
+    from loki.bench import e2e
+
+    from .e2e_profile import _kernel_events, _prepare, launch_gaps
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--path", default="loki_compiled",
+                    help="a compiled path of loki bench --e2e; a Loki path may name its score copy: loki_compiled@int8")
+    ap.add_argument("--model", default="llama3-8b", help="model dimensions (loki.bench.e2e.E2E_MODELS)")
+    ap.add_argument("--layers", type=int, default=32, help="decoder layers")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=32768, help="cache length; the steps fill its last slots")
+    ap.add_argument("--k", type=int, default=2048, help="Loki's token budget")
+    ap.add_argument("--steps", type=int, default=40, help="steps in each of the synced and back-to-back loops")
+    ap.add_argument("--timeline", action="store_true",
+                    help="profile 6 more back-to-back steps: launch gaps printed, the kernel timeline written to $OUT")
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("e2e_steps needs a CUDA device")
+    if a.model not in e2e.E2E_MODELS:
+        raise SystemExit(f"--model must be one of {sorted(e2e.E2E_MODELS)}, got {a.model!r}")
+    path, _, fmt = a.path.partition("@")
+    extra = 6 if a.timeline else 0
+    warm = 8
+    n0 = a.seq_len - 2 * a.steps - warm - extra
+    if a.steps < 1 or n0 < 1:
+        raise SystemExit(f"--steps must be >= 1 with 2 * steps + {warm + extra} < --seq-len, got {a.steps}")
+    dims = dict(e2e.E2E_MODELS[a.model], num_hidden_layers=a.layers)
+    model = e2e.build_model(e2e.llama_config(dims), "cuda")
+    cache = _prepare(model, path, a.batch, a.seq_len, n0, a.k, "auto", "cuda", fmt or "native")
+    fn = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    key = cache_keyword(model)
+    ids = torch.randint(0, 1000, (a.batch, 1), device="cuda")
+    n_all = 2 * a.steps + warm + extra
+    pos = [(torch.full((a.batch, 1), n0 + i, device="cuda"), torch.tensor([n0 + i], device="cuda"))
+           for i in range(n_all)]
+
+    def step(i):
+        torch.compiler.cudagraph_mark_step_begin()
+        fn(input_ids=ids, position_ids=pos[i][0], cache_position=pos[i][1], use_cache=True, **{key: cache})
+
+    t0 = time.perf_counter()
+    with torch.no_grad(), e2e.sdpa_context("native-gqa"):
+        for i in range(warm):
+            step(i)
+        torch.cuda.synchronize()
+        first_s = time.perf_counter() - t0
+        r = time_steps(step, warm, a.steps, events=_cuda_events)
+        if a.timeline:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for i in range(n_all - extra, n_all):
+                    step(i)
+                torch.cuda.synchronize()
+            evs = sorted(_kernel_events(prof))
+            r["launch_gaps"] = launch_gaps(evs)
+            name = f"timeline-{a.path.replace('@', '-')}-L{a.layers}.json.gz"
+            with gzip.open(os.path.join(os.environ.get("OUT", "."), name), "wt") as f:
+                json.dump(evs, f)
+    r.update(path=a.path, layers=a.layers, batch=a.batch, seq_len=a.seq_len, k=a.k, first_steps_s=first_s,
+             device=torch.cuda.get_device_name())
+    print(json.dumps({k: v for k, v in r.items() if k != "launch_gaps"}))
+    lg = r.get("launch_gaps", {})
+    if lg.get("n"):
+        print(f"launch gaps: median {lg['median_us']:.2f} us, {lg['early_starts']} early starts of {lg['n']}")
+    print(f"RESULT {a.path} L={a.layers}: host enqueue {r['host_enqueue_ms']:.2f} ms/step, device "
+          f"{r['device_synced_ms']:.2f} ms/step (synced), back-to-back {r['back_to_back_ms']:.2f} ms/step")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
