@@ -1,17 +1,17 @@
 """Is a compiled decode step host-bound, and in which launch-gap state is it?  One path, one process.
 
     PYTHONPATH=. python3 -m benchmarks.tuning.e2e_steps --path loki_compiled --layers 32
-    PYTHONPATH=. python3 -m benchmarks.tuning.e2e_steps --path loki_compiled@int8 --timeline
+    PYTHONPATH=. python3 -m benchmarks.tuning.e2e_steps --path loki_compiled@int8 --timeline --graph-dump
 
 The compiled forward of ``loki bench --e2e``'s decode step (static cache, CUDA graphs, Llama-3-8B dimensions with
 random weights, bf16) after a few warm-up steps, measured three ways: per step with a sync after it (the host's
 enqueue time, and the device's time from an event before the enqueue to one after it), back to back (``--steps``
 steps, one sync at the end: what a decode loop gets), and optionally a profile of a few back-to-back steps whose
 kernel timeline gives :func:`benchmarks.tuning.e2e_profile.launch_gaps` (``--timeline``; the timeline is written to
-``$OUT``).  The process compiles the step itself unless the Inductor cache (``TORCHINDUCTOR_CACHE_DIR``) already holds
-it, and that matters: a step compiled in its own process was 4-5% slower than the same step loaded from the cache, in
-every kernel gap rather than in any kernel (results/launch-gaps-h200-2026-11-28/NOTES.md).  Run a path twice with the
-same cache directory to see both.
+``$OUT``).  ``--graph-dump`` writes the captured CUDA graphs as Graphviz text.  The process compiles the step itself
+unless the Inductor cache (``TORCHINDUCTOR_CACHE_DIR``) already holds it, and that matters: a step compiled in its own
+process was 4-5% slower than the same step loaded from the cache, in every kernel gap rather than in any kernel
+(results/launch-gaps-h200-2026-11-28/NOTES.md).  Run a path twice with the same cache directory to see both.
 """
 
 from __future__ import annotations
@@ -56,6 +56,22 @@ def time_steps(step, first: int, n: int, sync=None, clock=time.perf_counter, eve
             "back_to_back_ms": back}
 
 
+def dump_graphs_when_captured() -> list:
+    """Make every CUDA graph created from now on (Inductor's CUDA-graph trees create theirs with
+    ``torch.cuda.CUDAGraph()``) keep its cudaGraph_t for ``debug_dump``; returns the list they are added to."""
+    graphs = []
+
+    class _KeptGraph(torch.cuda.CUDAGraph):
+        def __new__(cls, keep_graph: bool = False):
+            g = super().__new__(cls, keep_graph)
+            g.enable_debug_mode()
+            graphs.append(g)
+            return g
+
+    torch.cuda.CUDAGraph = _KeptGraph
+    return graphs
+
+
 def _cuda_events():
     return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
@@ -75,6 +91,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seq-len", type=int, default=32768, help="cache length; the steps fill its last slots")
     ap.add_argument("--k", type=int, default=2048, help="Loki's token budget")
     ap.add_argument("--steps", type=int, default=40, help="steps in each of the synced and back-to-back loops")
+    ap.add_argument("--graph-dump", action="store_true",
+                    help="write every captured CUDA graph to $OUT as Graphviz text (cudaGraphDebugDotPrint, gzipped), "
+                    "to compare two processes' graphs node by node")
     ap.add_argument("--timeline", action="store_true",
                     help="profile 6 more back-to-back steps: launch gaps printed, the kernel timeline written to $OUT")
     a = ap.parse_args(argv)
@@ -89,6 +108,7 @@ def main(argv=None) -> int:
     if a.steps < 1 or n0 < 1:
         raise SystemExit(f"--steps must be >= 1 with 2 * steps + {warm + extra} < --seq-len, got {a.steps}")
     dims = dict(e2e.E2E_MODELS[a.model], num_hidden_layers=a.layers)
+    graphs = dump_graphs_when_captured() if a.graph_dump else None
     model = e2e.build_model(e2e.llama_config(dims), "cuda")
     cache = _prepare(model, path, a.batch, a.seq_len, n0, a.k, "auto", "cuda", fmt or "native")
     fn = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
@@ -108,6 +128,13 @@ def main(argv=None) -> int:
             step(i)
         torch.cuda.synchronize()
         first_s = time.perf_counter() - t0
+        out = os.environ.get("OUT", ".")
+        for j, g in enumerate(graphs or []):
+            dot = os.path.join(out, f"graph-{a.path.replace('@', '-')}-L{a.layers}-{j}.dot")
+            g.debug_dump(dot)
+            with open(dot, "rb") as src, gzip.open(dot + ".gz", "wb") as dst:
+                dst.write(src.read())
+            os.remove(dot)
         r = time_steps(step, warm, a.steps, events=_cuda_events)
         if a.timeline:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -117,10 +144,10 @@ def main(argv=None) -> int:
             evs = sorted(_kernel_events(prof))
             r["launch_gaps"] = launch_gaps(evs)
             name = f"timeline-{a.path.replace('@', '-')}-L{a.layers}.json.gz"
-            with gzip.open(os.path.join(os.environ.get("OUT", "."), name), "wt") as f:
+            with gzip.open(os.path.join(out, name), "wt") as f:
                 json.dump(evs, f)
     r.update(path=a.path, layers=a.layers, batch=a.batch, seq_len=a.seq_len, k=a.k, first_steps_s=first_s,
-             device=torch.cuda.get_device_name())
+             graphs_dumped=len(graphs or []), device=torch.cuda.get_device_name())
     print(json.dumps({k: v for k, v in r.items() if k != "launch_gaps"}))
     lg = r.get("launch_gaps", {})
     if lg.get("n"):
