@@ -17,7 +17,7 @@ class _Clock:
         return self.t
 
 
-def test_time_steps_separates_host_enqueue_device_time_and_back_to_back():
+def test_measure_steps_separates_host_enqueue_device_time_and_back_to_back():
     """Each step costs 1 ms of host time; a sync waits 4 ms for the device after a step.  Synced: host 1 ms per step,
     device (events around the enqueue) 5 ms; back to back: n steps of 1 ms then one sync of 4 ms."""
     clock, calls, syncs = _Clock(), [], []
@@ -40,14 +40,14 @@ def test_time_steps_separates_host_enqueue_device_time_and_back_to_back():
         def elapsed_time(self, other):  # ms, as torch.cuda.Event: the device finishes 4 ms after the enqueue ends
             return (other.at + 4e-3 - self.at) * 1e3
 
-    r = e2e_steps.time_steps(step, first=3, n=5, sync=sync, clock=clock, events=lambda: (Ev(), Ev()))
+    r = e2e_steps.measure_steps(step, first=3, n=5, sync=sync, clock=clock, events=lambda: (Ev(), Ev()))
     assert calls == list(range(3, 13))  # the synced steps, then the back-to-back ones
     assert r["host_enqueue_ms"] == pytest.approx(1.0) and r["device_synced_ms"] == pytest.approx(5.0)
     assert r["back_to_back_ms"] == pytest.approx((5 * 1 + 4) / 5)
     assert len(syncs) == 5 + 2  # one per synced step, one before and one after the back-to-back loop
 
 
-def test_time_steps_without_events_counts_the_host_wait_as_device_time():
+def test_measure_steps_without_events_counts_the_host_wait_as_device_time():
     clock = _Clock()
 
     def step(i):
@@ -56,7 +56,7 @@ def test_time_steps_without_events_counts_the_host_wait_as_device_time():
     def sync():
         clock.t += 1e-3
 
-    r = e2e_steps.time_steps(step, first=0, n=3, sync=sync, clock=clock)
+    r = e2e_steps.measure_steps(step, first=0, n=3, sync=sync, clock=clock)
     assert r["host_enqueue_ms"] == pytest.approx(2.0) and r["device_synced_ms"] == pytest.approx(3.0)
 
 

@@ -25,7 +25,7 @@ import time
 import torch
 
 
-def time_steps(step, first: int, n: int, sync=None, clock=time.perf_counter, events=None) -> dict:
+def measure_steps(step, first: int, n: int, sync=None, clock=time.perf_counter, events=None) -> dict:
     """Time ``step(i)`` for i = first..first+n-1 once with a sync after each call and once back to back.
 
     ``sync`` waits for the device (default ``torch.cuda.synchronize``); ``events`` makes a (start, end) pair of
@@ -135,7 +135,7 @@ def main(argv=None) -> int:
             with open(dot, "rb") as src, gzip.open(dot + ".gz", "wb") as dst:
                 dst.write(src.read())
             os.remove(dot)
-        r = time_steps(step, warm, a.steps, events=_cuda_events)
+        r = measure_steps(step, warm, a.steps, events=_cuda_events)
         if a.timeline:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 for i in range(n_all - extra, n_all):
