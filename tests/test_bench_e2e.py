@@ -176,6 +176,25 @@ def test_memory_needed_skips_what_cannot_fit_an_h100():
     assert e2e.memory_needed(cfg, 1, 16384, itemsize=2, d_f=0.25) < free
 
 
+def test_inductor_compiles_counts_the_graphs_compiled_in_this_process(monkeypatch):
+    """A graph loaded from Inductor's cache is not counted; a miss or a bypass (compiled here) is; the path line
+    says so."""
+    from torch._dynamo.utils import counters
+
+    from loki.bench.e2e_cache import inductor_compiles
+
+    c = counters["inductor"]
+    n = inductor_compiles()
+    monkeypatch.setitem(c, "fxgraph_cache_hit", c["fxgraph_cache_hit"] + 1)
+    assert inductor_compiles() == n
+    monkeypatch.setitem(c, "fxgraph_cache_miss", c["fxgraph_cache_miss"] + 1)
+    monkeypatch.setitem(c, "fxgraph_cache_bypass", c["fxgraph_cache_bypass"] + 2)
+    assert inductor_compiles() == n + 3
+    r = {"ms_median": 2.0, "tokens_per_s": 4.0, "first_pass_s": 1.0}
+    assert "compiled in this process" in e2e._path_line(dict(r, compiled_here=True))
+    assert "compiled in this process" not in e2e._path_line(dict(r, compiled_here=False))
+
+
 @pytest.fixture(scope="module")
 def cpu_results():
     logs = []
@@ -193,7 +212,7 @@ def test_measurement_loop_on_cpu(cpu_results):
         assert r["finite"] and r["ms_median"] > 0 and r["tokens_per_s"] == pytest.approx(2 / (r["ms_median"] * 1e-3))
         assert r["ms_median_again"] > 0  # the same steps timed a second time in the same process
         assert r["rewind_diff"] < 1e-4, p  # the rewound cache holds what the first pass saw
-        assert not r["compiled"]
+        assert not r["compiled"] and r["compiled_here"] is False  # compile_mode=None: no Inductor graph
     assert res["paths"]["sdpa_eager"]["cache_layer"] == "DynamicLayer"
     assert res["paths"]["sdpa_compiled"]["cache"] == "StaticCache"
     loki = res["paths"]["loki_eager"]

@@ -2,8 +2,7 @@
 over a long KV cache, four ways:
 
 * ``sdpa_eager``: torch SDPA (``attn_implementation="sdpa"``) with a ``DynamicCache``, eager;
-* ``sdpa_compiled``: SDPA with a transformers ``StaticCache``, the forward compiled with
-  ``torch.compile(mode="reduce-overhead", fullgraph=True)`` (CUDA graphs);
+* ``sdpa_compiled``: SDPA with a transformers ``StaticCache``, compiled (``mode="reduce-overhead"``: CUDA graphs);
 * ``loki_eager``: Loki (``enable_loki``) on a ``DynamicCache`` whose layers rotate keys on write;
 * ``loki_compiled``: Loki on a static ``loki_cache`` (preallocated, key prefix kept), compiled the same way.
 
@@ -16,11 +15,12 @@ records the ``gqa_select`` and ``aggregate`` it ran.
 Method: the model is built once per model-dims, directly on the device, in the benchmark dtype.  The cache of every
 path is filled with the same random keys and values (drawn per layer from one seed, std 1) for the first
 ``n0 = S - steps`` positions through ``cache.update`` (no prefill forward); then ``steps`` decode steps run once
-untimed (compilation, CUDA-graph recording, per-length SDPA plans and Triton specialisations), the cache is rewound
-to ``n0`` and the same steps are timed (CUDA events around each step; ``time.perf_counter`` on the CPU).  The
-cache length reached by the last timed step is S.  With ``generate=True`` each path then times whole greedy
-``model.generate`` calls on the same cache (:mod:`loki.bench.e2e_generate`: per token, (t(N + 1 new tokens) -
-t(1)) / N).  On CUDA each phase records its peak of ``torch.cuda.max_memory_allocated`` (weights included).
+untimed (compilation, CUDA-graph recording, SDPA plans, Triton specialisations), the cache is rewound to ``n0`` and
+the same steps are timed (CUDA events around each step; ``time.perf_counter`` on the CPU); the last reaches S.
+``compiled_here``: this process compiled the step (slower than one loaded from Inductor's cache: docs/benchmarks.md).
+With ``generate=True`` each path then times whole greedy ``model.generate`` calls on the same cache
+(:mod:`loki.bench.e2e_generate`: per token, (t(N + 1 new tokens) - t(1)) / N).  On CUDA each phase records its peak
+of ``torch.cuda.max_memory_allocated`` (weights included).
 
 Byte floor of a step: the weights a decode step reads (every parameter except the input embedding table, of which
 only B rows are read) plus the KV bytes attention must read (dense: K and V of every cached token; Loki: the d/D
@@ -47,34 +47,14 @@ from loki._hf import cache_keyword
 from loki.reference.score_formats import score_elements
 from loki.settings import LokiSettings
 
-from .e2e_cache import PeakMemory, _Clock, _dims, _free, fill_cache, make_cache, rewind, sdpa_context
+from .e2e_cache import PeakMemory, _Clock, _dims, _free, fill_cache, inductor_compiles, make_cache, rewind, sdpa_context
 from .e2e_cache import _native_gqa as _native_gqa  # re-exported: scripts import it from here
 from .e2e_cache import sdpa_backend_config as sdpa_backend_config  # re-exported: the report imports it from here
 from .e2e_generate import PROMPTS, time_generate
 
-__all__ = [
-    "BATCHES",
-    "CEILING_TARGET",
-    "E2E_MODELS",
-    "FLOOR_TARGET",
-    "PATHS",
-    "PROMPTS",
-    "QUICK_SETTINGS",
-    "SEQ_LENS",
-    "TARGETS",
-    "Setting",
-    "build_model",
-    "byte_floor",
-    "fill_cache",
-    "llama_config",
-    "memory_needed",
-    "rewind",
-    "run_grid",
-    "run_path",
-    "settings",
-    "summarize",
-    "weight_bytes",
-]
+__all__ = ["BATCHES", "CEILING_TARGET", "E2E_MODELS", "FLOOR_TARGET", "PATHS", "PROMPTS", "QUICK_SETTINGS", "SEQ_LENS",
+           "TARGETS", "Setting", "build_model", "byte_floor", "fill_cache", "llama_config", "memory_needed", "rewind",
+           "run_grid", "run_path", "settings", "summarize", "weight_bytes"]
 
 #: Model dimensions (transformers ``LlamaConfig`` fields); weights are random.
 E2E_MODELS = {
@@ -282,7 +262,7 @@ def run_path(model, path: str, *, B: int, S: int, steps: int, device, dtype, bas
 
         clock = _Clock(dev)
         with torch.no_grad(), sdpa_context(sdpa_backend):
-            t0 = time.perf_counter()
+            t0, n_compiles = time.perf_counter(), inductor_compiles()
             for i in range(steps):
                 step(i)
             clock.sync()
@@ -305,7 +285,7 @@ def run_path(model, path: str, *, B: int, S: int, steps: int, device, dtype, bas
             "ms_median": med, "ms_mean": sum(times) / len(times), "ms_min": min(times), "wall_ms_per_step": wall,
             "ms_median_again": statistics.median(times_again),
             "tokens_per_s": B / (med * 1e-3), "first_pass_s": first_pass_s, "steps": steps, "finite": finite,
-            "rewind_diff": rewind_diff, "compiled": compiled,
+            "rewind_diff": rewind_diff, "compiled": compiled, "compiled_here": inductor_compiles() > n_compiles,
             # compilation and recording: the first pass beyond what its steps take once warm
             "compile_s": max(0.0, first_pass_s - sum(times) * 1e-3) if compiled else None,
             "cache": type(cache).__name__, "cache_layer": type(layer0).__name__ if layer0 is not None else None,
@@ -447,7 +427,8 @@ def _path_line(r: dict) -> str:
     if "ms_median" not in r:
         return r.get("skipped") or r.get("error")
     again = f" ({r['ms_median_again']:.2f} timed again)" if "ms_median_again" in r else ""
-    line = f"{r['ms_median']:.2f} ms/step{again}, {r['tokens_per_s']:.0f} tok/s, first pass {r['first_pass_s']:.1f} s"
+    line = (f"{r['ms_median']:.2f} ms/step{again}, {r['tokens_per_s']:.0f} tok/s, first pass {r['first_pass_s']:.1f} s"
+            + (" (compiled in this process)" if r.get("compiled_here") else ""))
     if r.get("peak_memory_gib") is not None:
         line += f", peak {r['peak_memory_gib']:.1f} GiB"
     if "generate_ms_per_token" in r:

@@ -141,6 +141,16 @@ class _Clock:
         return out
 
 
+def inductor_compiles() -> int:
+    """Graphs Inductor has compiled in this process so far (FX graph cache misses and bypasses), as opposed to loaded
+    from its on-disk cache: a step compiled in its own process reads 3-5% slower on Hopper cards, in every gap between
+    its CUDA graph's kernels (docs/benchmarks.md), so a timing says which it had."""
+    from torch._dynamo.utils import counters
+
+    c = counters["inductor"]
+    return int(c["fxgraph_cache_miss"] + c["fxgraph_cache_bypass"])
+
+
 def _free(device):
     gc.collect()
     if torch.device(device).type == "cuda":
