@@ -106,7 +106,8 @@ def launch_gaps(events, max_gap_us: float = 50.0, top: int = 10) -> dict:
     """The device's gap from one kernel to the next within a step: for each kernel (by start time) its start minus
     the latest end of the kernels before it (negative: it started before they ended), gaps above ``max_gap_us``
     (waits on the host, step boundaries) left out.  Returns the count, median, 10th and 90th percentiles (us), how
-    many started early, and per pair of consecutive kernel names the count and median gap, largest sum first.  Inside
+    many started early, the sum of the positive gaps (us), and per pair of consecutive kernel names the count and
+    median gap, largest sum first.  Inside
     one CUDA graph a step is in one of two states (results/launch-gaps-h200-2026-11-28/): median about 0.1 us with
     some early starts, or about 0.4 us with none; the second costs ~0.45 ms per 1,000 kernels."""
     evs = sorted(events)
