@@ -58,15 +58,20 @@ def measure_steps(step, first: int, n: int, sync=None, clock=time.perf_counter, 
 
 def dump_graphs_when_captured() -> list:
     """Make every CUDA graph created from now on (Inductor's CUDA-graph trees create theirs with
-    ``torch.cuda.CUDAGraph()``) keep its cudaGraph_t for ``debug_dump``; returns the list they are added to."""
+    ``torch.cuda.CUDAGraph()``) keep its cudaGraph_t for ``debug_dump``; returns the list they are added to.  Kept
+    graphs are instantiated at their first replay instead of at the end of their capture (torch destroys the
+    cudaGraph_t of a graph that is not kept, and ``debug_dump`` then writes nothing)."""
     graphs = []
 
     class _KeptGraph(torch.cuda.CUDAGraph):
         def __new__(cls, keep_graph: bool = False):
-            g = super().__new__(cls, keep_graph)
-            g.enable_debug_mode()
+            g = super().__new__(cls, True)
             graphs.append(g)
             return g
+
+        def __init__(self, keep_graph: bool = False):  # the bound C++ object takes keep_graph here, not in __new__
+            super().__init__(True)
+            self.enable_debug_mode()
 
     torch.cuda.CUDAGraph = _KeptGraph
     return graphs
@@ -132,6 +137,9 @@ def main(argv=None) -> int:
         for j, g in enumerate(graphs or []):
             dot = os.path.join(out, f"graph-{a.path.replace('@', '-')}-L{a.layers}-{j}.dot")
             g.debug_dump(dot)
+            if not os.path.exists(dot):
+                print(f"graph {j}: debug_dump wrote nothing")
+                continue
             with open(dot, "rb") as src, gzip.open(dot + ".gz", "wb") as dst:
                 dst.write(src.read())
             os.remove(dot)
