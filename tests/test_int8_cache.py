@@ -347,3 +347,35 @@ def test_the_int8_copy_follows_crop_reorder_and_reset(triton_device):
         assert not layer.loki.prefix.any() and not layer.loki.prefix_scale.any()
     finally:
         disable_loki(model)
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dp", [32, 40], ids=["dp-of-whole-blocks", "dp-masked"])
+@torch.no_grad()
+def test_the_cache_write_kernel_encodes_the_int8_copy_of_the_keys_it_stores(triton_device, dtype, dp):
+    """``write_rotated(..., prefix_scale=...)`` writes the int8 score copy in the rotation's kernel: its codes and
+    scales equal ``encode_int8_score_keys`` of the keys it stored, exactly (ties to even: a token whose keys are
+    halves under a unit scale), at the written positions only."""
+    from loki.kernels.cache_write import write_rotated
+
+    B, HKV, S, D, L = 2, 2, 16, 64, 3
+    P = torch.linalg.qr(torch.randn(HKV, D, D, generator=torch.Generator().manual_seed(0)))[0].contiguous()
+    P[1] = torch.eye(D)  # head 1 keeps its keys: token 0's are exact ties
+    g = torch.Generator().manual_seed(1)
+    k = torch.randn(B, HKV, L, D, generator=g)
+    k[:, 1, 0, :] = torch.arange(D) % 9 - 3.5  # halves: codes by ties to even
+    k[:, 1, 0, 0] = 127.0  # the largest magnitude: a scale of exactly 1
+    k, v = k.to(dtype), torch.randn(B, HKV, L, D, generator=g).to(dtype)
+    keys, values = torch.zeros(B, HKV, S, D, dtype=dtype), torch.zeros(B, HKV, S, D, dtype=dtype)
+    prefix = torch.full((B, HKV, S, dp), 99, dtype=torch.int8)
+    scale = torch.full((B, HKV, S), 5.0, dtype=torch.bfloat16)
+    dev = [t.to(triton_device) for t in (keys, values, prefix, scale, k, v, P)]
+    pos = torch.tensor([3, 7, 9], device=triton_device)
+    write_rotated(*dev[:3], dev[4], dev[5], dev[6], pos, prefix_scale=dev[3])
+    keys, values, prefix, scale = (t.cpu() for t in dev[:4])
+    codes, want_scale = encode_int8_score_keys(keys[:, :, pos.cpu(), :dp])
+    assert torch.equal(prefix[:, :, pos.cpu()], codes) and torch.equal(scale[:, :, pos.cpu()], want_scale)
+    assert prefix[1, 1, 3, :8].tolist() == [127, -2, -2, 0, 0, 2, 2, 4]  # -2.5, -1.5, ... to even
+    others = torch.ones(S, dtype=torch.bool)
+    others[pos.cpu()] = False
+    assert (prefix[:, :, others] == 99).all() and (scale[:, :, others] == 5.0).all()

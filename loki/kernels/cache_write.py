@@ -1,5 +1,6 @@
 """Writing new tokens into a static Loki cache in one kernel: each new key rotated into the basis (``K P``, fp32
-accumulation) and stored with its value and its key prefix (the first dp rotated dims) at the token's position.
+accumulation) and stored with its value and its key prefix (the first dp rotated dims, or their int8 score copy:
+codes and a per-token scale) at the token's position.
 
 Without it a compiled decode step spends four kernels per layer on this (the rotation's small fp32 product, its
 cast, and one ``index_copy_`` each for keys, values and prefix) and their launch gaps in the CUDA graph.  The
@@ -20,21 +21,52 @@ from loki._triton import tl, triton
 from .common import interpreting
 from .launch import launch
 
-__all__ = ["check_write", "write_rotated", "write_rotated_reference"]
+__all__ = ["check_write", "write_int8_prefix", "write_rotated", "write_rotated_reference"]
+
+
+@triton.jit
+def _rotated_block(k, p_ptr, h, offs_i, jb, D: tl.constexpr, BLOCK_J: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """Dims jb*BLOCK_J.. of a key rotated into the basis, fp32 sums, rounded to the cache's dtype as stored (every
+    program sums a [D, BLOCK_J] tile in the same order, so a recomputed block equals the stored one)."""
+    offs_j = jb * BLOCK_J + tl.arange(0, BLOCK_J)
+    P = tl.load(p_ptr + h * D * D + offs_i[:, None] * D + offs_j[None, :])  # [D, BLOCK_J] fp32
+    return tl.sum(k[:, None] * P, axis=0).to(OUT_DTYPE), offs_j
+
+
+@triton.jit
+def _bf16_rne(x):
+    """fp32 -> bf16 rounded to nearest even by integer ops, as torch rounds (the CPU interpreter's cast truncates)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
+
+
+@triton.jit
+def _int8_codes(y, div):
+    """``round(y / div)`` (IEEE division, ties to even, as ``torch.round``) clamped to [-127, 127], as int8."""
+    q = tl.math.div_rn(y, div)
+    r = tl.floor(q + 0.5)
+    r = tl.where((r - q == 0.5) & (r - 2.0 * tl.floor(r * 0.5) != 0.0), r - 1.0, r)  # a tie rounded up to odd
+    return tl.minimum(tl.maximum(r, -127.0), 127.0).to(tl.int8)
 
 
 @triton.jit
 def _write_rotated_kernel(
-    k_ptr, v_ptr, p_ptr, pos_ptr, keys_ptr, values_ptr, prefix_ptr,
+    k_ptr, v_ptr, p_ptr, pos_ptr, keys_ptr, values_ptr, prefix_ptr, scale_ptr,
     L, HKV, dp, B_CACHE, S_CACHE,
     stride_kb, stride_kh, stride_kl,
     stride_vb, stride_vh, stride_vl,
     stride_cb, stride_ch, stride_cs,
     stride_wb, stride_wh, stride_ws,
     stride_xb, stride_xh, stride_xs,
-    D: tl.constexpr, BLOCK_J: tl.constexpr, HAS_PREFIX: tl.constexpr,
+    stride_sb, stride_sh,
+    D: tl.constexpr, BLOCK_J: tl.constexpr, HAS_PREFIX: tl.constexpr, INT8: tl.constexpr,
+    DP_BLOCKS: tl.constexpr,
 ):
-    """keys[b, h, pos[l]] = k[b, h, l] @ P[h]; values[b, h, pos[l]] = v[b, h, l]; prefix[.., :dp] = keys[.., :dp].
+    """keys[b, h, pos[l]] = k[b, h, l] @ P[h]; values[b, h, pos[l]] = v[b, h, l]; prefix[.., :dp] = keys[.., :dp],
+    or with ``INT8`` the "int8" score copy of keys[.., :dp] as stored (``encode_int8_score_keys``: codes in prefix,
+    the bf16 scale in ``scale_ptr`` [B, HKV, S]), written by the token's first program, which rotates the DP_BLOCKS
+    blocks of the prefix again for its largest magnitude.
 
     Every store is masked to the cache's own rows (``0 <= pos < S_CACHE``, ``b < B_CACHE``): whatever it is
     given, the kernel never writes outside the cache tensors (the host checks raise before launching)."""
@@ -54,26 +86,54 @@ def _write_rotated_kernel(
     y = tl.sum(k[:, None] * P, axis=0)
     tl.store(keys_ptr + b * stride_wb + h * stride_wh + p * stride_ws + offs_j, y.to(keys_ptr.dtype.element_ty),
              mask=(offs_j < D) & inside)
-    if HAS_PREFIX:
+    if HAS_PREFIX and not INT8:
         tl.store(prefix_ptr + b * stride_xb + h * stride_xh + p * stride_xs + offs_j,
                  y.to(prefix_ptr.dtype.element_ty), mask=(offs_j < dp) & inside)
+    if INT8:
+        if tl.program_id(2) == 0:
+            out_dtype = keys_ptr.dtype.element_ty
+            amax = tl.zeros((), tl.float32)
+            for jb in tl.static_range(DP_BLOCKS):
+                yj, oj = _rotated_block(k, p_ptr, h, offs_i, jb, D, BLOCK_J, out_dtype)
+                amax = tl.maximum(amax, tl.max(tl.where(oj < dp, tl.abs(yj.to(tl.float32)), 0.0), axis=0))
+            sc = _bf16_rne(tl.math.div_rn(amax, 127.0))
+            div = tl.where(sc.to(tl.float32) > 0, sc.to(tl.float32), 1.0)
+            tl.store(scale_ptr + b * stride_sb + h * stride_sh + p, sc, mask=inside)
+            for jb in tl.static_range(DP_BLOCKS):
+                yj, oj = _rotated_block(k, p_ptr, h, offs_i, jb, D, BLOCK_J, out_dtype)
+                tl.store(prefix_ptr + b * stride_xb + h * stride_xh + p * stride_xs + oj,
+                         _int8_codes(yj.to(tl.float32), div), mask=(oj < dp) & inside)
 
 
-def write_rotated_reference(keys, values, prefix, k_new, v_new, P, pos) -> None:
-    """The same writes in PyTorch: ``K P`` in fp32 (``loki.reference.rotate_keys``), then ``index_copy_``."""
+def write_int8_prefix(keys, prefix, prefix_scale, pos) -> None:
+    """The int8 score copy of the keys already written at ``pos``: their stored (rotated, cache-dtype) first dp dims
+    encoded by ``encode_int8_score_keys`` and written at the same positions (plain torch ops, no host sync)."""
+    from loki.reference.score_formats import encode_int8_score_keys
+
+    codes, scale = encode_int8_score_keys(keys.index_select(2, pos)[..., : prefix.shape[-1]])
+    prefix.index_copy_(2, pos, codes)
+    prefix_scale.index_copy_(2, pos, scale)
+
+
+def write_rotated_reference(keys, values, prefix, k_new, v_new, P, pos, prefix_scale=None) -> None:
+    """The same writes in PyTorch: ``K P`` in fp32 (``loki.reference.rotate_keys``), then ``index_copy_``; with
+    ``prefix_scale`` the prefix is the int8 score copy (:func:`write_int8_prefix`)."""
     from loki.reference import rotate_keys
 
     k_hat = rotate_keys(k_new, P)
     keys.index_copy_(2, pos, k_hat)
     values.index_copy_(2, pos, v_new)
-    if prefix is not None:
+    if prefix is not None and prefix_scale is not None:
+        write_int8_prefix(keys, prefix, prefix_scale, pos)
+    elif prefix is not None:
         prefix.index_copy_(2, pos, k_hat[..., : prefix.shape[-1]])
 
 
-def _kernel_fits(keys, values, prefix, k_new, v_new, P) -> bool:
+def _kernel_fits(keys, values, prefix, k_new, v_new, P, prefix_scale=None) -> bool:
     D = keys.shape[-1]
     ok = (keys.is_cuda or interpreting()) and D >= 16 and D & (D - 1) == 0 and P.dtype == torch.float32
     ok = ok and all(t.stride(-1) == 1 for t in (keys, values, k_new, v_new))
+    ok = ok and (prefix_scale is None or (prefix is not None and prefix_scale.stride(-1) == 1))
     return ok and (prefix is None or prefix.stride(-1) == 1)
 
 
@@ -107,19 +167,35 @@ def check_write(keys, values, prefix, k_new, v_new, P, pos, *, check_positions: 
                                      f"with max_cache_len >= {hi + 1})")
 
 
-@torch.library.custom_op("loki::write_rotated", mutates_args=("keys", "values", "prefix"))
 def write_rotated(keys: torch.Tensor, values: torch.Tensor, prefix: torch.Tensor | None, k_new: torch.Tensor,
-                  v_new: torch.Tensor, P: torch.Tensor, pos: torch.Tensor, check_positions: bool = True) -> None:
-    """Write L new tokens into a static cache in place.
+                  v_new: torch.Tensor, P: torch.Tensor, pos: torch.Tensor, check_positions: bool = True,
+                  prefix_scale: torch.Tensor | None = None) -> None:
+    """Write L new tokens into a static cache in place (the op ``torch.ops.loki.write_rotated``, every argument
+    passed: an op's mutated argument left to its default breaks torch's in-place bookkeeping).
 
     keys, values: [B, HKV, S, D]; prefix: [B, HKV, S, dp] or None; k_new, v_new: [B, HKV, L, D] (keys in their
-    own coordinates); P: [HKV, D, D] fp32, the basis; pos: [L] int64, the positions written.  Shapes and
-    positions are checked before anything is written (:func:`check_write`; ``check_positions=False`` skips the
-    positions' host sync for a caller that checked them already); the kernel's stores are masked to the cache.
+    own coordinates); P: [HKV, D, D] fp32, the basis; pos: [L] int64, the positions written.  ``prefix_scale``
+    [B, HKV, S] bf16: ``prefix`` holds the int8 score copy (int8 codes of the stored keys' first dp dims, written with
+    their scales in the same kernel).  Shapes and positions are checked before anything is written
+    (:func:`check_write`; ``check_positions=False`` skips the positions' host sync for a caller that checked them
+    already); the kernel's stores are masked to the cache.
     """
+    _write_rotated_op(keys, values, prefix, prefix_scale, k_new, v_new, P, pos, check_positions)
+
+
+@torch.library.custom_op("loki::write_rotated", mutates_args=("keys", "values", "prefix", "prefix_scale"))
+def _write_rotated_op(keys: torch.Tensor, values: torch.Tensor, prefix: torch.Tensor | None,
+                      prefix_scale: torch.Tensor | None, k_new: torch.Tensor, v_new: torch.Tensor, P: torch.Tensor,
+                      pos: torch.Tensor, check_positions: bool) -> None:
+    """:func:`write_rotated`, as the op."""
     check_write(keys, values, prefix, k_new, v_new, P, pos, check_positions=check_positions)
-    if not _kernel_fits(keys, values, prefix, k_new, v_new, P):
-        write_rotated_reference(keys, values, prefix, k_new, v_new, P, pos)
+    if prefix_scale is not None and (prefix is None or prefix_scale.shape != prefix.shape[:3]
+                                     or prefix.dtype != torch.int8 or prefix_scale.dtype != torch.bfloat16):
+        raise ValueError("prefix_scale [B, HKV, S] bf16 goes with an int8 prefix [B, HKV, S, dp] (the int8 score "
+                         f"copy), got {None if prefix is None else (prefix.dtype, list(prefix.shape))} and "
+                         f"{prefix_scale.dtype} {list(prefix_scale.shape)}")
+    if not _kernel_fits(keys, values, prefix, k_new, v_new, P, prefix_scale):
+        write_rotated_reference(keys, values, prefix, k_new, v_new, P, pos, prefix_scale)
         return
     B, HKV, L, D = k_new.shape
     if B == 0 or L == 0:
@@ -129,15 +205,19 @@ def write_rotated(keys: torch.Tensor, values: torch.Tensor, prefix: torch.Tensor
     if B * HKV > 65535:
         raise ValueError(f"batch x KV heads = {B * HKV} exceeds the 65535 programs of a grid axis")
     block_j = min(32, D)
+    dp = pre.shape[-1] if prefix is not None else 0
+    sc = prefix_scale if prefix_scale is not None else pos  # a placeholder pointer without an int8 copy
     launch(_write_rotated_kernel, (L, B * HKV, D // block_j), [
-        k_new, v_new, P, pos, keys, values, pre, L, HKV, pre.shape[-1] if prefix is not None else 0,
+        k_new, v_new, P, pos, keys, values, pre, sc, L, HKV, dp,
         keys.shape[0], keys.shape[2],
         k_new.stride(0), k_new.stride(1), k_new.stride(2), v_new.stride(0), v_new.stride(1), v_new.stride(2),
         values.stride(0), values.stride(1), values.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
-        pre.stride(0), pre.stride(1), pre.stride(2), D, block_j, prefix is not None,
+        pre.stride(0), pre.stride(1), pre.stride(2),
+        sc.stride(0) if prefix_scale is not None else 0, sc.stride(1) if prefix_scale is not None else 0,
+        D, block_j, prefix is not None, prefix_scale is not None, triton.cdiv(dp, block_j),
     ], dict(num_warps=4))
 
 
-@write_rotated.register_fake
-def _(keys, values, prefix, k_new, v_new, P, pos, check_positions=True) -> None:
+@_write_rotated_op.register_fake
+def _(keys, values, prefix, prefix_scale, k_new, v_new, P, pos, check_positions) -> None:
     return None

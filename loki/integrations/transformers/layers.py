@@ -27,7 +27,7 @@ import torch
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, StaticLayer
 
 from loki._hf import attention_modules, config_head_dim, config_kv_heads, config_num_layers, text_config
-from loki.kernels.cache_write import check_write, write_rotated, write_rotated_reference
+from loki.kernels.cache_write import check_write, write_int8_prefix, write_rotated, write_rotated_reference
 from loki.reference import rotate_keys
 from loki.reference.score_formats import encode_int8_score_keys
 from loki.settings import Backend, Method
@@ -117,36 +117,26 @@ def _prefix_oom_hint(store: LayerStore, keys: torch.Tensor) -> str:
             f"this layer) did not fit beside the static cache's keys and values: {how}")
 
 
-def _write_int8_prefix(keys, prefix, prefix_scale, pos) -> None:
-    """The int8 score copy of the keys just written at ``pos``: their stored (rotated, cache-dtype) first dp dims
-    encoded by ``encode_int8_score_keys`` and written at the same positions (plain torch ops, no host sync)."""
-    codes, scale = encode_int8_score_keys(keys.index_select(2, pos)[..., : prefix.shape[-1]])
-    prefix.index_copy_(2, pos, codes)
-    prefix_scale.index_copy_(2, pos, scale)
-
-
 def write_tokens(store: LayerStore, keys, values, prefix, k_new, v_new, pos, *, check: bool,
                  prefix_scale=None) -> None:
     """The one write of new tokens into a Loki cache layer's storage: keys rotated into the basis (``K P``) and
     written with their values and key prefix at positions ``pos`` ([L] int64), in place.  keys, values:
     [B, HKV, S, D]; prefix: [B, HKV, S, dp] or None; k_new, v_new: [B, HKV, L, D].  Bounds checked before anything
     is written (``check``: the positions too, one host sync).  ``prefix_scale`` [B, HKV, S] bf16: ``prefix`` is an
-    int8 score copy (int8 codes), written after the keys from the keys as stored."""
-    if prefix_scale is not None:
-        write_tokens(store, keys, values, None, k_new, v_new, pos, check=check)
-        _write_int8_prefix(keys, prefix, prefix_scale, pos)
-        return
+    int8 score copy (int8 codes of the keys as stored), written with them."""
     P = store.transforms.key
     if P is not None and store.kernel_writes(keys.device):
-        write_rotated(keys, values, prefix, k_new, v_new, P, pos, check_positions=check)
+        write_rotated(keys, values, prefix, k_new, v_new, P, pos, check_positions=check, prefix_scale=prefix_scale)
         return
     check_write(keys, values, prefix, k_new, v_new, P, pos, check_positions=check)
     if P is not None:
-        write_rotated_reference(keys, values, prefix, k_new, v_new, P, pos)
+        write_rotated_reference(keys, values, prefix, k_new, v_new, P, pos, prefix_scale)
         return
     keys.index_copy_(2, pos, k_new)
     values.index_copy_(2, pos, v_new)
-    if prefix is not None:
+    if prefix is not None and prefix_scale is not None:
+        write_int8_prefix(keys, prefix, prefix_scale, pos)
+    elif prefix is not None:
         prefix.index_copy_(2, pos, k_new[..., : prefix.shape[-1]])
 
 
