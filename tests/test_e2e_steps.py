@@ -64,3 +64,24 @@ def test_measure_steps_without_events_counts_the_host_wait_as_device_time():
 def test_main_refuses_without_a_cuda_device():
     with pytest.raises(SystemExit, match="needs a CUDA device"):
         e2e_steps.main(["--layers", "1"])
+
+
+def test_plan_steps_gives_each_path_its_warm_up_loops_rounds_and_profiled_steps():
+    """One path: warm-up, the synced and back-to-back loops, the profiled steps; several paths: the loops again in every
+    round.  The steps fill the cache's last slots."""
+    assert e2e_steps.plan_steps(1000, steps=10, n_paths=1, rounds=2, warm=8, extra=6) == (1000 - 34, 34)
+    assert e2e_steps.plan_steps(1000, steps=10, n_paths=2, rounds=2, warm=8, extra=0) == (1000 - 68, 68)
+    assert e2e_steps.plan_steps(69, steps=10, n_paths=3, rounds=2, warm=8, extra=0) == (1, 68)
+
+
+@pytest.mark.parametrize("steps, rounds, seq_len", [(0, 2, 1000), (10, -1, 1000), (10, 2, 68)])
+def test_plan_steps_refuses_what_does_not_fit_naming_the_arguments(steps, rounds, seq_len):
+    with pytest.raises(SystemExit, match="--steps .* --rounds"):
+        e2e_steps.plan_steps(seq_len, steps=steps, n_paths=2, rounds=rounds, warm=8, extra=0)
+
+
+def test_compiled_step_refuses_steps_beyond_the_cache_before_building_anything():
+    from benchmarks.tuning.e2e_profile import compiled_step
+
+    with pytest.raises(ValueError, match="n_fill \\+ n_steps must fit in the cache of 100 tokens"):
+        compiled_step(None, "loki_compiled", 1, 100, 90, 11, 16)

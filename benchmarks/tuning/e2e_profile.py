@@ -55,25 +55,38 @@ def _release(model, path):
         torch.cuda.empty_cache()
 
 
+def compiled_step(model, path, B, S, n_fill, n_steps, k, aggregate="auto", score_format="native"):
+    """``path``'s compiled decode step on ``model`` (``mode="reduce-overhead"``: static cache, CUDA graphs), the
+    cache holding ``n_fill`` random tokens: ``step(i)`` writes position ``n_fill + i`` for i < ``n_steps``.  Its
+    position tensors are built here, once, so a step launches only the compiled forward (shared by
+    :func:`profile_path` and ``e2e_steps``)."""
+    from loki._hf import cache_keyword
+
+    if n_fill < 1 or n_fill + n_steps > S:
+        raise ValueError(f"n_fill + n_steps must fit in the cache of {S} tokens with n_fill >= 1, got {n_fill} + "
+                         f"{n_steps}")
+    cache = _prepare(model, path, B, S, n_fill, k, aggregate, "cuda", score_format)
+    fn = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    key = cache_keyword(model)
+    ids = torch.randint(0, 1000, (B, 1), device="cuda")
+    pos = [(torch.full((B, 1), n_fill + i, device="cuda"), torch.tensor([n_fill + i], device="cuda"))
+           for i in range(n_steps)]
+
+    def step(i):
+        torch.compiler.cudagraph_mark_step_begin()
+        fn(input_ids=ids, position_ids=pos[i][0], cache_position=pos[i][1], use_cache=True, **{key: cache})
+
+    return step
+
+
 def profile_path(model, path, B, S, steps=8, prof_steps=4, k=0.25, aggregate="auto", sdpa_backend="default",
                  score_format="native"):
     """The compiled forward of ``path``'s decode step: kernels per step, grouped by name."""
-    from loki._hf import cache_keyword
     from loki.bench import e2e
 
     from .kernel_profile import kernel_rows
 
-    n0 = S - steps - prof_steps
-    cache = _prepare(model, path, B, S, n0, k, aggregate, "cuda", score_format)
-    fn = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
-    key = cache_keyword(model)
-    ids = torch.randint(0, 1000, (B, 1), device="cuda")
-
-    def step(i):
-        torch.compiler.cudagraph_mark_step_begin()
-        fn(input_ids=ids, position_ids=torch.full((B, 1), n0 + i, device="cuda"),
-           cache_position=torch.tensor([n0 + i], device="cuda"), use_cache=True, **{key: cache})
-
+    step = compiled_step(model, path, B, S, S - steps - prof_steps, steps + prof_steps, k, aggregate, score_format)
     with torch.no_grad(), e2e.sdpa_context(sdpa_backend):
         for i in range(steps):
             step(i)
@@ -85,7 +98,7 @@ def profile_path(model, path, B, S, steps=8, prof_steps=4, k=0.25, aggregate="au
     rows = kernel_rows(prof, prof_steps)
     gaps = _gaps(prof, prof_steps)
     gaps["launch_gaps"] = launch_gaps(_kernel_events(prof))
-    cache = fn = None  # the closure above holds them: released here
+    step = None  # it holds the cache and the compiled forward: released here
     _release(model, path)
     return {"total_us": sum(t for _, t, _ in rows), "kernels": sum(c for _, _, c in rows), **gaps,
             "top": [{"name": n[:90], "us": t, "count": c} for n, t, c in rows[:30]]}
