@@ -1,0 +1,162 @@
+"""Which part of building a compiled step sets the process's launch-gap state?  One process.
+
+    PYTHONPATH=. python3 -m benchmarks.tuning.launch_state --probe loki_compiled --build loki_compiled@int8
+    PYTHONPATH=. python3 -m benchmarks.tuning.launch_state --probe loki_compiled --build loki_compiled --fresh
+
+A compiled decode step's kernels wait about 0.1 us or about 0.4 us for each other inside its CUDA graph, 0.45 ms per
+step apart at Llama-3-8B dims; the state is the process's, two graphs share it, and the latest build sets it
+(results/launch-state-h200-2026-11-28/NOTES.md).  This builds the ``--probe`` path's step (as ``e2e_steps`` does),
+times it, then builds the ``--build`` path on a second model one stage at a time, timing the probe step back to back
+after each stage:
+
+* ``model``: the second model's weights;
+* ``loki``: Loki enabled on it (a Loki path);
+* ``cache``: its cache made and filled (the int8 encoding for ``@int8``);
+* ``eager``: one uncompiled forward step on that cache;
+* ``compile``: the first call of its compiled forward (Dynamo and Inductor; CUDA-graph trees run it without a graph);
+* ``capture``: the next calls (the graph recorded, then replayed).
+
+``--fresh`` makes Inductor compile the second step in this process (its caches off for that build), the cold-process
+case.  The stage after which the probe's time moves is the one that sets the state.  Run it twice with one
+``TORCHINDUCTOR_CACHE_DIR``: the first process compiles the probe's step (and so starts in the slow state), the second
+loads it and starts in the fast one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import time
+
+import torch
+
+STAGES = ("model", "loki", "cache", "eager", "compile", "capture")
+
+
+def run_stages(stages, probe) -> list[dict]:
+    """``probe()`` (ms per step) before any stage and after each of ``stages`` ((name, fn) pairs, run in order);
+    returns one row per probe: the stage it followed ("before" first), its time and the stage's own wall time (s)."""
+    rows = [{"after": "before", "probe_ms": probe(), "stage_s": 0.0}]
+    for name, fn in stages:
+        t0 = time.perf_counter()
+        fn()
+        rows.append({"after": name, "probe_ms": probe(), "stage_s": time.perf_counter() - t0})
+    return rows
+
+
+def build_stages(dims: dict, path: str, B: int, S: int, n_fill: int, k: int, fresh: bool) -> list:
+    """The stages of building ``path``'s compiled step on a new model of ``dims`` (:data:`STAGES`, "loki" only for a
+    Loki path), as (name, fn) pairs sharing their state; ``fresh``: Inductor's caches off while it compiles."""
+    from loki._hf import cache_keyword
+    from loki.basis import PCABasis
+    from loki.bench import e2e
+    from loki.integrations.transformers import enable_loki
+
+    base, _, fmt = path.partition("@")
+    fmt = fmt or "native"
+    st = {}
+    pos = [(torch.full((B, 1), n_fill + i, device="cuda"), torch.tensor([n_fill + i], device="cuda")) for i in range(4)]
+
+    def model():
+        st["model"] = e2e.build_model(e2e.llama_config(dims), "cuda")
+
+    def loki():
+        L, _, HKV, D = e2e._dims(st["model"].config)
+        enable_loki(st["model"], PCABasis.random(L, HKV, D, seed=0), k=k, d=0.25 if fmt == "native" else 0.5,
+                    aggregate="auto", score_format=fmt, backend="auto")
+
+    def cache():
+        m = st["model"]
+        st["cache"] = e2e.make_cache(m, base, B, S)
+        e2e.fill_cache(st["cache"], m.config, B, n_fill, device="cuda", dtype=next(m.parameters()).dtype)
+        st["kw"] = {cache_keyword(m): st["cache"]}
+        st["ids"] = torch.randint(0, 1000, (B, 1), device="cuda")
+
+    def call(fn, i):
+        fn(input_ids=st["ids"], position_ids=pos[i][0], cache_position=pos[i][1], use_cache=True, **st["kw"])
+
+    def eager():
+        call(st["model"].forward, 0)
+        torch.cuda.synchronize()
+
+    def compile_():
+        import torch._inductor.config
+
+        st["fn"] = torch.compile(st["model"].forward, mode="reduce-overhead", fullgraph=True)
+        with torch._inductor.config.patch(force_disable_caches=True) if fresh else contextlib.nullcontext():
+            torch.compiler.cudagraph_mark_step_begin()
+            call(st["fn"], 1)
+        torch.cuda.synchronize()
+
+    def capture():
+        for i in (2, 3):
+            torch.compiler.cudagraph_mark_step_begin()
+            call(st["fn"], i)
+        torch.cuda.synchronize()
+
+    named = {"model": model, "loki": loki, "cache": cache, "eager": eager, "compile": compile_, "capture": capture}
+    return [(n, named[n]) for n in STAGES if n != "loki" or base.startswith("loki")]
+
+
+def main(argv=None) -> int:
+    from loki.bench import e2e
+
+    from .e2e_profile import compiled_step
+    from .e2e_steps import measure_steps
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--probe", default="loki_compiled", help="the path whose step is timed after every stage "
+                    "(a compiled path of loki bench --e2e; loki_compiled@int8 names the int8 copy)")
+    ap.add_argument("--build", default="loki_compiled@int8", help="the path built stage by stage on a second model")
+    ap.add_argument("--fresh", action="store_true", help="Inductor compiles the built path in this process")
+    ap.add_argument("--model", default="llama3-8b", help="model dimensions (loki.bench.e2e.E2E_MODELS)")
+    ap.add_argument("--layers", type=int, default=32, help="decoder layers")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=32768, help="cache length; the steps fill its last slots")
+    ap.add_argument("--k", type=int, default=2048, help="Loki's token budget")
+    ap.add_argument("--steps", type=int, default=30, help="steps in each of the probe's synced and back-to-back loops")
+    a = ap.parse_args(argv)
+    if a.model not in e2e.E2E_MODELS:
+        raise SystemExit(f"--model must be one of {sorted(e2e.E2E_MODELS)}, got {a.model!r}")
+    for flag, p in (("--probe", a.probe), ("--build", a.build)):
+        if p.partition("@")[0] not in ("loki_compiled", "sdpa_compiled"):
+            raise SystemExit(f"{flag} must be loki_compiled[@int8] or sdpa_compiled, got {p!r}")
+    warm, probes = 8, len(STAGES) + 2  # before, after each stage, again
+    per_path = warm + 2 * a.steps * probes
+    if a.steps < 1 or per_path >= a.seq_len - 4:
+        raise SystemExit(f"--steps must be >= 1 with 8 + 2 * steps * {probes} < --seq-len - 4, got --steps {a.steps} "
+                         f"--seq-len {a.seq_len}")
+    if not torch.cuda.is_available():
+        raise SystemExit("launch_state needs a CUDA device")
+    n0 = a.seq_len - per_path
+    dims = dict(e2e.E2E_MODELS[a.model], num_hidden_layers=a.layers)
+    used = [0]
+
+    def probe():
+        first = used[0]
+        used[0] += 2 * a.steps
+        return measure_steps(step, first, a.steps)["back_to_back_ms"]
+
+    with torch.no_grad(), e2e.sdpa_context("native-gqa"):
+        path, _, fmt = a.probe.partition("@")
+        step = compiled_step(e2e.build_model(e2e.llama_config(dims), "cuda"), path, a.batch, a.seq_len, n0, per_path,
+                             a.k, "auto", fmt or "native")
+        for i in range(warm):
+            step(i)
+        used[0] = warm
+        torch.cuda.synchronize()
+        stages = build_stages(dims, a.build, a.batch, a.seq_len, a.seq_len - 4, a.k, a.fresh)
+        rows = run_stages(stages, probe)
+        rows.append({"after": "again", "probe_ms": probe(), "stage_s": 0.0})
+    head = f"probe {a.probe}, building {a.build}{' (compiled here)' if a.fresh else ''}, {torch.cuda.get_device_name()}"
+    print(json.dumps({"probe": a.probe, "build": a.build, "fresh": a.fresh, "layers": a.layers, "batch": a.batch,
+                      "seq_len": a.seq_len, "k": a.k, "rows": rows}))
+    print(head)
+    for r in rows:
+        print(f"RESULT after {r['after']:<8} probe {r['probe_ms']:.3f} ms/step  (stage {r['stage_s']:.1f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
