@@ -44,3 +44,25 @@ def test_main_refuses_bad_arguments_naming_them(argv, match):
 def test_main_refuses_without_a_cuda_device():
     with pytest.raises(SystemExit, match="needs a CUDA device"):
         launch_state.main(["--layers", "1"])
+
+
+TINY = dict(num_hidden_layers=1, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            intermediate_size=128, vocab_size=97, rope_theta=10000.0, max_position_embeddings=256)
+
+
+@pytest.mark.parametrize("path", ["loki_compiled", "loki_compiled@int8", "sdpa_compiled"])
+def test_build_stages_before_the_compile_build_a_model_its_cache_and_an_eager_step(path):
+    """The stages up to the eager step on a tiny model on the CPU: Loki enabled on a Loki path only, the cache filled,
+    and the eager step's logits finite (the compile and capture stages run on the GPU command)."""
+    stages, st = launch_state.build_stages(TINY, path, B=1, S=64, n_fill=60, k=8, fresh=False, device="cpu")
+    names = [n for n, _ in stages]
+    assert names == [n for n in launch_state.STAGES if n != "loki" or path.startswith("loki")]
+    for name, fn in stages:
+        if name == "compile":
+            break
+        fn()
+    from loki.integrations.transformers import is_loki_enabled
+
+    assert is_loki_enabled(st["model"]) == path.startswith("loki")
+    logits = st["eager_logits"]
+    assert logits.shape == (1, 1, TINY["vocab_size"]) and torch.isfinite(logits.float()).all()

@@ -45,9 +45,10 @@ def run_stages(stages, probe) -> list[dict]:
     return rows
 
 
-def build_stages(dims: dict, path: str, B: int, S: int, n_fill: int, k: int, fresh: bool) -> list:
+def build_stages(dims: dict, path: str, B: int, S: int, n_fill: int, k: int, fresh: bool, device="cuda") -> list:
     """The stages of building ``path``'s compiled step on a new model of ``dims`` (:data:`STAGES`, "loki" only for a
-    Loki path), as (name, fn) pairs sharing their state; ``fresh``: Inductor's caches off while it compiles."""
+    Loki path), as (name, fn) pairs, and the dict they fill (model, cache, eager logits, compiled forward);
+    ``fresh``: Inductor's caches off while it compiles."""
     from loki._hf import cache_keyword
     from loki.basis import PCABasis
     from loki.bench import e2e
@@ -56,29 +57,34 @@ def build_stages(dims: dict, path: str, B: int, S: int, n_fill: int, k: int, fre
     base, _, fmt = path.partition("@")
     fmt = fmt or "native"
     st = {}
-    pos = [(torch.full((B, 1), n_fill + i, device="cuda"), torch.tensor([n_fill + i], device="cuda")) for i in range(4)]
+    pos = [(torch.full((B, 1), n_fill + i, device=device), torch.tensor([n_fill + i], device=device)) for i in range(4)]
+
+    def sync():
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize()
 
     def model():
-        st["model"] = e2e.build_model(e2e.llama_config(dims), "cuda")
+        st["model"] = e2e.build_model(e2e.llama_config(dims), device)
 
     def loki():
         L, _, HKV, D = e2e._dims(st["model"].config)
+        backend = "auto" if torch.device(device).type == "cuda" else "torch"
         enable_loki(st["model"], PCABasis.random(L, HKV, D, seed=0), k=k, d=0.25 if fmt == "native" else 0.5,
-                    aggregate="auto", score_format=fmt, backend="auto")
+                    aggregate="auto", score_format=fmt, backend=backend)
 
     def cache():
         m = st["model"]
         st["cache"] = e2e.make_cache(m, base, B, S)
-        e2e.fill_cache(st["cache"], m.config, B, n_fill, device="cuda", dtype=next(m.parameters()).dtype)
+        e2e.fill_cache(st["cache"], m.config, B, n_fill, device=device, dtype=next(m.parameters()).dtype)
         st["kw"] = {cache_keyword(m): st["cache"]}
-        st["ids"] = torch.randint(0, 1000, (B, 1), device="cuda")
+        st["ids"] = torch.randint(0, m.config.vocab_size, (B, 1), device=device)
 
     def call(fn, i):
-        fn(input_ids=st["ids"], position_ids=pos[i][0], cache_position=pos[i][1], use_cache=True, **st["kw"])
+        return fn(input_ids=st["ids"], position_ids=pos[i][0], cache_position=pos[i][1], use_cache=True, **st["kw"])
 
     def eager():
-        call(st["model"].forward, 0)
-        torch.cuda.synchronize()
+        st["eager_logits"] = call(st["model"].forward, 0).logits
+        sync()
 
     def compile_():
         import torch._inductor.config
@@ -87,16 +93,16 @@ def build_stages(dims: dict, path: str, B: int, S: int, n_fill: int, k: int, fre
         with torch._inductor.config.patch(force_disable_caches=True) if fresh else contextlib.nullcontext():
             torch.compiler.cudagraph_mark_step_begin()
             call(st["fn"], 1)
-        torch.cuda.synchronize()
+        sync()
 
     def capture():
         for i in (2, 3):
             torch.compiler.cudagraph_mark_step_begin()
             call(st["fn"], i)
-        torch.cuda.synchronize()
+        sync()
 
     named = {"model": model, "loki": loki, "cache": cache, "eager": eager, "compile": compile_, "capture": capture}
-    return [(n, named[n]) for n in STAGES if n != "loki" or base.startswith("loki")]
+    return [(n, named[n]) for n in STAGES if n != "loki" or base.startswith("loki")], st
 
 
 def main(argv=None) -> int:
@@ -146,7 +152,7 @@ def main(argv=None) -> int:
             step(i)
         used[0] = warm
         torch.cuda.synchronize()
-        stages = build_stages(dims, a.build, a.batch, a.seq_len, a.seq_len - 4, a.k, a.fresh)
+        stages, _ = build_stages(dims, a.build, a.batch, a.seq_len, a.seq_len - 4, a.k, a.fresh)
         rows = run_stages(stages, probe)
         rows.append({"after": "again", "probe_ms": probe(), "stage_s": 0.0})
     head = f"probe {a.probe}, building {a.build}{' (compiled here)' if a.fresh else ''}, {torch.cuda.get_device_name()}"
