@@ -15,10 +15,9 @@ from __future__ import annotations
 import torch
 
 from .._checks import check_decode_inputs, valid_token_mask
-from .accounting import record_indices, tallying
 from .common import default_scale
-from .selection import GQA_AGGREGATES, GQA_SELECT_MODES, aggregate_group_scores, agreement_budget, budget, select_topk
-from .sparse import sparse_attention
+from .selection import GQA_AGGREGATES, GQA_SELECT_MODES, budget, group_selection
+from .sparse import select_and_attend
 
 __all__ = ["double_sparsity_attention", "label_scores"]
 
@@ -72,12 +71,7 @@ def double_sparsity_attention(
     heads = s = label_scores(q, k_cache, channels, compute_dtype).masked_fill(~valid[:, None, :], float("-inf"))
     counts = budget(k, lengths, starts, B, S, q.device)
     if gqa_select == "kv":
-        if aggregate == "agreement":
-            counts = agreement_budget(heads, HKV, counts, lengths - starts)
-        s = aggregate_group_scores(s, HKV, aggregate, scale=default_scale(D, scale))
-        s = s.masked_fill(~valid[:, None, :], float("-inf"))
-    idx = select_topk(s, counts)
-    if tallying():
-        record_indices(idx, lengths - starts, HKV, S)
-    out = sparse_attention(q, k_cache, v_cache, idx, counts, scale=scale, compute_dtype=compute_dtype)
+        s, counts = group_selection(heads, counts, HKV, aggregate, valid, lengths - starts, default_scale(D, scale))
+    out, idx = select_and_attend(s, counts, q, k_cache, v_cache, lengths - starts, scale=scale,
+                                 compute_dtype=compute_dtype)
     return (out, (idx, counts)) if return_indices else out

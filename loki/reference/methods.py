@@ -21,11 +21,11 @@ from __future__ import annotations
 import torch
 
 from .._checks import check_decode_inputs, resolve_d, valid_token_mask
-from .accounting import diagnosing, record_components, record_diagnostics, record_indices, record_selection, tallying
+from .accounting import diagnosing, record_components, record_diagnostics, record_selection, tallying
 from .common import default_scale, expand_to_query_heads
 from .dense import dense_attention, exact_scores, masked_values
-from .selection import aggregate_group_scores, agreement_budget, approx_scores, budget, select_topk, topk_indices
-from .sparse import sparse_attention
+from .selection import agreement_budget, approx_scores, budget, group_selection, topk_indices
+from .sparse import select_and_attend
 
 __all__ = [
     "loki_attention",
@@ -76,10 +76,8 @@ def loki_attention(
         counts = budget(k, lengths, starts, B, S, q_hat.device)
     if gqa_select == "kv" and aggregate == "agreement":
         counts = agreement_budget(head_scores, HKV, counts, lengths - starts)
-    idx = select_topk(s, counts)
-    if tallying():  # the bytes accounting (loki.reference.accounting)
-        record_indices(idx, lengths - starts, HKV, S)
-    out = sparse_attention(q_hat, k_hat, v_cache, idx, counts, scale=scale, compute_dtype=compute_dtype)
+    out, idx = select_and_attend(s, counts, q_hat, k_hat, v_cache, lengths - starts, scale=scale,
+                                 compute_dtype=compute_dtype)
     return (out, (idx, counts)) if return_indices else out
 
 
@@ -106,17 +104,12 @@ def exact_topk_attention(
     s = exact_scores(q, k_cache, lengths, starts, compute_dtype=compute_dtype)
     counts = budget(k, lengths, starts, B, S, q.device)
     if gqa_select == "kv":
-        valid = valid_token_mask(lengths, starts, S)
-        if aggregate == "agreement":
-            counts = agreement_budget(s, HKV, counts, lengths - starts)
-        s = aggregate_group_scores(s, HKV, aggregate, scale=default_scale(D, scale))
-        s = s.masked_fill(~valid[:, None, :], float("-inf"))
+        s, counts = group_selection(s, counts, HKV, aggregate, valid_token_mask(lengths, starts, S), lengths - starts,
+                                    default_scale(D, scale))
     elif gqa_select != "query":
         raise ValueError(f"gqa_select must be 'query' or 'kv', got {gqa_select!r}")
-    idx = select_topk(s, counts)
-    if tallying():
-        record_indices(idx, lengths - starts, HKV, S)
-    out = sparse_attention(q, k_cache, v_cache, idx, counts, scale=scale, compute_dtype=compute_dtype)
+    out, idx = select_and_attend(s, counts, q, k_cache, v_cache, lengths - starts, scale=scale,
+                                 compute_dtype=compute_dtype)
     return (out, (idx, counts)) if return_indices else out
 
 
@@ -181,13 +174,12 @@ def sparq_attention(
     valid = valid_token_mask(lengths, starts, S)
     s_hat = torch.softmax(s_hat.masked_fill(~valid[:, None, :], float("-inf")), dim=-1)
     counts = budget(k, lengths, starts, B, S, q.device)
-    idx = select_topk(s_hat, counts)
+    y, idx = select_and_attend(s_hat, counts, q, k_cache, v_cache, lengths - starts, scale=scale,
+                               compute_dtype=compute_dtype)
     if tallying():
-        record_indices(idx, lengths - starts, HKV, S)
         record_components(i1[:, :, None, :], (lengths - starts)[:, None], HKV, D)  # the key components read
     keep = idx >= 0
     alpha = (torch.gather(s_hat, -1, idx.clamp(min=0)) * keep).sum(-1)  # [B, HQ]
-    y = sparse_attention(q, k_cache, v_cache, idx, counts, scale=scale, compute_dtype=compute_dtype)
     n = valid.sum(-1).to(compute_dtype)  # [B]
     v_mean = masked_values(v_cache, lengths, starts, compute_dtype).sum(2) / n[:, None, None]  # [B, HKV, D]
     v_mean = expand_to_query_heads(v_mean, HQ)

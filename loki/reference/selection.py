@@ -25,7 +25,7 @@ from .score_formats import quantize_score_keys
 
 __all__ = ["DEFAULT_KV_AGGREGATE", "GQA_SELECT_MODES", "GQA_AGGREGATES", "KERNEL_AGGREGATES", "approx_scores",
            "aggregate_group_scores", "agreement_budget", "agreement_counts", "budget", "check_kernel_aggregate",
-           "group_union_sizes", "select_topk", "selection_mask", "token_ranks", "topk_indices"]
+           "group_selection", "group_union_sizes", "select_topk", "selection_mask", "token_ranks", "topk_indices"]
 
 #: "query": every query head selects its own tokens (the paper's code repeats KV heads).  "kv": one selection per KV
 #: head from the group's aggregated scores; each selected KV row is read once (``enable_loki``'s default for method
@@ -149,6 +149,18 @@ def agreement_budget(head_scores: torch.Tensor, HKV: int, counts: torch.Tensor,
     (each query head's selection scores, -inf outside the visible tokens), ``counts``, ``n_visible`` [B]."""
     sel = selection_mask(select_topk(head_scores, counts), head_scores.shape[-1])
     return agreement_counts(group_union_sizes(sel, HKV), counts, n_visible)
+
+
+def group_selection(head_scores: torch.Tensor, counts: torch.Tensor, HKV: int, aggregate: str, valid: torch.Tensor,
+                    n_visible: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One selection per KV group (``gqa_select="kv"``) from per-query-head selection scores ``head_scores``
+    [B, HQ, S] (-inf outside the visible tokens): the group's scores [B, HKV, S] (:func:`aggregate_group_scores`,
+    -inf outside ``valid`` [B, S]) and the budget (``counts``, or per KV head the ``"agreement"`` aggregate's
+    :func:`agreement_budget` from the heads' own selections; ``n_visible`` [B])."""
+    if aggregate == "agreement":
+        counts = agreement_budget(head_scores, HKV, counts, n_visible)
+    s = aggregate_group_scores(head_scores, HKV, aggregate, scale=scale)
+    return s.masked_fill(~valid[:, None, :], float("-inf")), counts
 
 
 def selection_mask(idx: torch.Tensor, S: int) -> torch.Tensor:

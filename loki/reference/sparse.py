@@ -9,9 +9,24 @@ from __future__ import annotations
 import torch
 
 from .._checks import check_row_counts
+from .accounting import record_indices, tallying
 from .common import default_scale, gather_rows
+from .selection import select_topk
 
-__all__ = ["sparse_attention"]
+__all__ = ["select_and_attend", "sparse_attention"]
+
+
+def select_and_attend(scores, counts, q_hat, k_hat, v_cache, n_visible, *, scale=None,
+                      compute_dtype: torch.dtype = torch.float32):
+    """The top ``counts`` tokens of each row of ``scores`` [B, H, S] (:func:`~loki.reference.selection.select_topk`,
+    tallied for the bytes accounting when it runs, ``n_visible`` [B] tokens per sequence) and exact attention over
+    them (:func:`sparse_attention`): returns (out [B, HQ, D], idx [B, H, K]).  The shared tail of the selecting
+    references."""
+    idx = select_topk(scores, counts)
+    if tallying():  # the bytes accounting (loki.reference.accounting)
+        B, HKV, S, _ = k_hat.shape
+        record_indices(idx, n_visible, HKV, S)
+    return sparse_attention(q_hat, k_hat, v_cache, idx, counts, scale=scale, compute_dtype=compute_dtype), idx
 
 
 def sparse_attention(
