@@ -27,6 +27,7 @@ import warnings
 from dataclasses import replace
 from pathlib import Path
 
+from loki.evaluation.commands import unit_fraction
 from loki.evaluation.gates import (
     DEFAULT_THRESHOLDS,
     EXIT_RULE,
@@ -93,16 +94,6 @@ def _windows(text: str) -> tuple[tuple[int, int], ...]:
     return out
 
 
-def _fraction(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text!r}") from None
-    if not 0.0 < v <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text}")
-    return v
-
-
 def _budget(text: str) -> int | float:
     """A budget: ``512`` is a count of tokens, ``0.25`` a fraction k_f in (0, 1] (as ``loki ppl --k``)."""
     from loki.evaluation.commands import fraction_or_count
@@ -151,7 +142,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "or none (default: the profile's; long: 512,1024,2048)")
     parser.add_argument("--retrieval-k", type=_budget, default=None,
                         help="budget of the retrieval suite: a fraction or a count of tokens (default: 0.125)")
-    parser.add_argument("--d", "--dims", type=_fraction, default=None,
+    parser.add_argument("--d", "--dims", type=unit_fraction, default=None,
                         help="principal-dims fraction d_f (default: 0.25)")
     parser.add_argument("--score-format", default="native", choices=("native", "fp8", "int8", "int4"),
                         help="how every Loki row's approximate scores read the keys' d leading dims: native (the "

@@ -26,6 +26,7 @@ __all__ = [
     "check_output_folder",
     "fail",
     "fraction_or_count",
+    "unit_fraction",
     "check_basis_for",
     "load_basis_arg",
     "load_model_from_args",
@@ -85,6 +86,17 @@ def fraction_or_count(text: str) -> int | float:
         raise argparse.ArgumentTypeError(f"a count must be >= 1, got {text}")
     if v > MAX_COUNT:
         raise argparse.ArgumentTypeError(f"a count must be <= {MAX_COUNT}, got {text}")
+    return v
+
+
+def unit_fraction(text: str) -> float:
+    """argparse helper: a fraction in (0, 1]; an ArgumentTypeError otherwise."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text!r}") from None
+    if not 0.0 < v <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text}")
     return v
 
 

@@ -18,6 +18,7 @@ from . import (
     int_list,
     load_model_from_args,
     positive_int,
+    unit_fraction,
 )
 
 #: loki.evaluation.compare.COMPARE_METHODS / DEFAULT_METHODS, written out so that --help imports no torch
@@ -39,16 +40,6 @@ def _windows(text: str) -> tuple[int, int]:
     if tokens < 2 or count < 1:
         raise argparse.ArgumentTypeError(f"expected TOKENSxCOUNT with TOKENS >= 2 and COUNT >= 1, got {text!r}")
     return tokens, count
-
-
-def _fraction(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text!r}") from None
-    if not 0.0 < v <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text}")
-    return v
 
 
 def _lengths(text: str) -> tuple[int, ...]:
@@ -84,13 +75,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         f"{','.join(_DEFAULT_METHODS)}; also: loki-pca[kv], quest[kv], double_sparsity[kv], pcaattn, "
                         "and the default with its score copy in fewer bits, more dims for the same bytes: loki[fp8] "
                         "(2d dims), loki[int4] (4d dims)")
-    parser.add_argument("--k", type=_fraction, default=0.25,
+    parser.add_argument("--k", type=unit_fraction, default=0.25,
                         help="the default configuration's budget fraction k_f, which sets the target bytes; also the "
                         "oracles' budget (default: %(default)s)")
-    parser.add_argument("--d", type=_fraction, default=0.25,
+    parser.add_argument("--d", type=unit_fraction, default=0.25,
                         help="Loki's d_f, and SparQ's and Double Sparsity's r as a fraction of D "
                         "(default: %(default)s)")
-    parser.add_argument("--bytes", type=_fraction, default=None, dest="target_bytes",
+    parser.add_argument("--bytes", type=unit_fraction, default=None, dest="target_bytes",
                         help="the target bytes per decode step as a fraction of dense (default: the default "
                         "configuration's at --k/--d, measured)")
     parser.add_argument("--corpus", default="wikitext", choices=("wikitext", "wikipedia", "book"),
