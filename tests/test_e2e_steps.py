@@ -85,3 +85,46 @@ def test_compiled_step_refuses_steps_beyond_the_cache_before_building_anything()
 
     with pytest.raises(ValueError, match="n_fill \\+ n_steps must fit in the cache of 100 tokens"):
         compiled_step(None, "loki_compiled", 1, 100, 90, 11, 16)
+
+
+def test_main_with_several_paths_gives_each_its_own_steps_and_times_all_again(monkeypatch, capsys):
+    """Two paths in one process (the GPU parts faked): each path's step is called with its own indices 0..n-1 once
+    each, within what its cache holds; each path is timed right after its build and again in every round, in order."""
+    from benchmarks.tuning import e2e_profile
+    from loki.bench import e2e
+
+    calls, built = {}, []
+
+    def fake_compiled_step(model, path, B, S, n_fill, n_steps, k, aggregate="auto", score_format="native"):
+        label = f"{path}@{score_format}"
+        built.append((label, n_fill, n_steps))
+        calls[label] = []
+
+        def step(i):
+            assert 0 <= i < n_steps
+            calls[label].append(i)
+        return step
+
+    class Ev:
+        def record(self):
+            pass
+
+        def elapsed_time(self, other):
+            return 1.0
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "fake")
+    monkeypatch.setattr(e2e_profile, "compiled_step", fake_compiled_step)
+    monkeypatch.setattr(e2e, "build_model", lambda config, device: None)
+    monkeypatch.setattr(e2e_steps, "_cuda_events", lambda: (Ev(), Ev()))
+    assert e2e_steps.main(["--path", "loki_compiled,loki_compiled@int8", "--layers", "1", "--seq-len", "1000",
+                           "--steps", "5", "--rounds", "2"]) == 0
+    per_path = 8 + 2 * 5 * 3
+    assert built == [("loki_compiled@native", 1000 - per_path, per_path), ("loki_compiled@int8", 1000 - per_path,
+                                                                            per_path)]
+    assert calls["loki_compiled@native"] == list(range(per_path)) == calls["loki_compiled@int8"]
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("RESULT")]
+    assert [ln.split(" L=")[0] for ln in lines] == ["RESULT loki_compiled", "RESULT loki_compiled@int8"] * 3
+    assert "(built: loki_compiled)" in lines[0] and "(built: loki_compiled, loki_compiled@int8)" in lines[1]
+    assert "(round 2, all built)" in lines[-1]
