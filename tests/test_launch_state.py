@@ -66,3 +66,36 @@ def test_build_stages_before_the_compile_build_a_model_its_cache_and_an_eager_st
     assert is_loki_enabled(st["model"]) == path.startswith("loki")
     logits = st["eager_logits"]
     assert logits.shape == (1, 1, TINY["vocab_size"]) and torch.isfinite(logits.float()).all()
+
+
+def test_main_probes_with_fresh_steps_before_after_each_stage_and_again(monkeypatch, capsys):
+    """The GPU parts faked: the probe's step gets indices 0..n-1 once each (warm-up, then 2 x steps per probe), and
+    the printed rows name every stage the build ran."""
+    from benchmarks.tuning import e2e_profile
+    from loki.bench import e2e
+
+    seen, ran = [], []
+
+    def fake_compiled_step(model, path, B, S, n_fill, n_steps, k, aggregate="auto", score_format="native"):
+        assert n_fill + n_steps == S
+
+        def step(i):
+            assert 0 <= i < n_steps
+            seen.append(i)
+        return step
+
+    def fake_build_stages(dims, path, B, S, n_fill, k, fresh, device="cuda"):
+        return [(n, lambda n=n: ran.append(n)) for n in launch_state.STAGES], {}
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "fake")
+    monkeypatch.setattr(e2e_profile, "compiled_step", fake_compiled_step)
+    monkeypatch.setattr(launch_state, "build_stages", fake_build_stages)
+    monkeypatch.setattr(e2e, "build_model", lambda config, device: None)
+    assert launch_state.main(["--layers", "1", "--steps", "3", "--seq-len", "1000"]) == 0
+    probes = len(launch_state.STAGES) + 2
+    assert seen == list(range(8 + 2 * 3 * probes))
+    assert ran == list(launch_state.STAGES)
+    rows = [ln.split()[2] for ln in capsys.readouterr().out.splitlines() if ln.startswith("RESULT")]
+    assert rows == ["before", *launch_state.STAGES, "again"]
