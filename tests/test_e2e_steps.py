@@ -128,3 +128,16 @@ def test_main_with_several_paths_gives_each_its_own_steps_and_times_all_again(mo
     assert [ln.split(" L=")[0] for ln in lines] == ["RESULT loki_compiled", "RESULT loki_compiled@int8"] * 3
     assert "(built: loki_compiled)" in lines[0] and "(built: loki_compiled, loki_compiled@int8)" in lines[1]
     assert "(round 2, all built)" in lines[-1]
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--path", "loki_compild"], "--path must name"),
+    (["--path", "sdpa_compiled@int8"], "--path must name"),
+    (["--path", "loki_compiled@fp8"], "--path must name"),
+    (["--path", "loki_compiled,loki_compiled"], "names a path twice"),
+    (["--model", "gpt2"], "--model must be one of"),
+    (["--steps", "0"], "--steps must be >= 1"),
+])
+def test_main_refuses_bad_arguments_naming_them(argv, match):
+    with pytest.raises(SystemExit, match=match):
+        e2e_steps.main(argv)

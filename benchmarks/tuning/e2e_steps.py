@@ -121,17 +121,25 @@ def main(argv=None) -> int:
     ap.add_argument("--timeline", action="store_true",
                     help="profile 6 more back-to-back steps: launch gaps printed, the kernel timeline written to $OUT")
     a = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("e2e_steps needs a CUDA device")
     if a.model not in e2e.E2E_MODELS:
         raise SystemExit(f"--model must be one of {sorted(e2e.E2E_MODELS)}, got {a.model!r}")
     paths = a.path.split(",")
+    for p in paths:
+        base, _, fmt = p.partition("@")
+        if base not in ("loki_compiled", "sdpa_compiled") or fmt not in ("", "native", "int8") or (
+                fmt and base != "loki_compiled"):
+            raise SystemExit(f"--path must name loki_compiled[@native|@int8] or sdpa_compiled, comma-separated, got "
+                             f"{p!r}")
+    if len(set(paths)) != len(paths):
+        raise SystemExit(f"--path names a path twice: {a.path!r}")
     extra, warm = (6 if a.timeline else 0), 8
     n0, per_path = plan_steps(a.seq_len, a.steps, len(paths), a.rounds, warm, extra)
+    if not torch.cuda.is_available():
+        raise SystemExit("e2e_steps needs a CUDA device")
     dims = dict(e2e.E2E_MODELS[a.model], num_hidden_layers=a.layers)
     graphs = dump_graphs_when_captured() if a.graph_dump else None
     out = os.environ.get("OUT", ".")
-    steps, used, results = {}, dict.fromkeys(paths, 0), []
+    steps, used = {}, dict.fromkeys(paths, 0)
 
     def run(p, n):  # the next n steps of path p
         first = used[p]
@@ -141,7 +149,6 @@ def main(argv=None) -> int:
     def report(p, r, after):
         r.update(path=p, after_building=after, layers=a.layers, batch=a.batch, seq_len=a.seq_len, k=a.k,
                  device=torch.cuda.get_device_name())
-        results.append(r)
         print(json.dumps({k: v for k, v in r.items() if k != "launch_gaps"}))
         lg = r.get("launch_gaps", {})
         if lg.get("n"):

@@ -45,7 +45,8 @@ def run_stages(stages, probe) -> list[dict]:
     return rows
 
 
-def build_stages(dims: dict, path: str, B: int, S: int, n_fill: int, k: int, fresh: bool, device="cuda") -> list:
+def build_stages(dims: dict, path: str, B: int, S: int, n_fill: int, k: int, fresh: bool,
+                 device="cuda") -> tuple[list, dict]:
     """The stages of building ``path``'s compiled step on a new model of ``dims`` (:data:`STAGES`, "loki" only for a
     Loki path), as (name, fn) pairs, and the dict they fill (model, cache, eager logits, compiled forward);
     ``fresh``: Inductor's caches off while it compiles."""
