@@ -17,9 +17,10 @@ after each stage:
 * ``capture``: the next calls (the graph recorded, then replayed).
 
 ``--fresh`` makes Inductor compile the second step in this process (its caches off for that build), the cold-process
-case.  The stage after which the probe's time moves is the one that sets the state.  Run it twice with one
-``TORCHINDUCTOR_CACHE_DIR``: the first process compiles the probe's step (and so starts in the slow state), the second
-loads it and starts in the fast one.
+case.  The stage after which the probe's time moves is the one that sets the state.  Both models live at once: at
+the defaults (Llama-3-8B dims, 32 layers, B=8, S=32768) about 105 GB, so a card of 80 GB takes ``--layers 16``.
+Run it twice with one ``TORCHINDUCTOR_CACHE_DIR``: the first process compiles the probe's step (and so starts in the
+slow state), the second loads it and starts in the fast one.
 """
 
 from __future__ import annotations
