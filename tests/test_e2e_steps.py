@@ -141,3 +141,25 @@ def test_main_with_several_paths_gives_each_its_own_steps_and_times_all_again(mo
 def test_main_refuses_bad_arguments_naming_them(argv, match):
     with pytest.raises(SystemExit, match=match):
         e2e_steps.main(argv)
+
+
+def test_dump_graphs_keeps_every_new_graph_with_its_debug_mode(monkeypatch):
+    """The CUDA graphs made after ``dump_graphs_when_captured`` are kept (``keep_graph=True`` reaches the bound
+    object's ``__init__``, which is where torch's graph takes it: without it torch drops the cudaGraph_t and
+    ``debug_dump`` writes nothing) with their debug mode on, and collected in the returned list."""
+
+    class FakeGraph:  # as torch's: the Python class's __new__ passes keep_graph on, the bound __init__ stores it
+        def __new__(cls, keep_graph=False):
+            return super().__new__(cls)
+
+        def __init__(self, keep_graph=False):
+            self.keep_graph, self.debug = keep_graph, False
+
+        def enable_debug_mode(self):
+            self.debug = True
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    graphs = e2e_steps.dump_graphs_when_captured()
+    g1, g2 = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph(keep_graph=False)
+    assert graphs == [g1, g2]
+    assert all(g.keep_graph and g.debug for g in graphs)
