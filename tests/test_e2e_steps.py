@@ -131,9 +131,9 @@ def test_main_with_several_paths_gives_each_its_own_steps_and_times_all_again(mo
 
 
 @pytest.mark.parametrize("argv, match", [
-    (["--path", "loki_compild"], "--path must name"),
-    (["--path", "sdpa_compiled@int8"], "--path must name"),
-    (["--path", "loki_compiled@fp8"], "--path must name"),
+    (["--path", "loki_compild"], "--path must be loki_compiled"),
+    (["--path", "sdpa_compiled@int8"], "--path must be loki_compiled"),
+    (["--path", "loki_compiled@fp8"], "--path must be loki_compiled"),
     (["--path", "loki_compiled,loki_compiled"], "names a path twice"),
     (["--model", "gpt2"], "--model must be one of"),
     (["--steps", "0"], "--steps must be >= 1"),

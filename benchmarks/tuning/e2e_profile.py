@@ -26,20 +26,32 @@ import torch
 
 
 def _prepare(model, path, B, S, n_fill, k, aggregate, device, score_format="native"):
-    """Loki enabled for a Loki path (``score_format`` "int8": the int8 copy of 2d dims, d_f 0.5, the native copy's
-    bytes at d_f 0.25), and the path's cache holding ``n_fill`` random tokens."""
+    """Loki enabled for a Loki path (:func:`enable_for`), and the path's cache holding ``n_fill`` random tokens
+    (:func:`filled_cache`)."""
+    enable_for(model, path, k, aggregate, device, score_format)
+    return filled_cache(model, path, B, S, n_fill, device)
+
+
+def enable_for(model, path, k, aggregate, device, score_format="native") -> None:
+    """Loki enabled on ``model`` with a random basis for a Loki path (``score_format`` "int8": the int8 copy of 2d
+    dims, d_f 0.5, the native copy's bytes at d_f 0.25; the Triton kernels on CUDA); nothing for a dense path."""
     from loki.basis import PCABasis
     from loki.bench import e2e
     from loki.integrations.transformers import enable_loki
 
-    cfg = model.config
     if path.startswith("loki"):
-        L, _, HKV, D = e2e._dims(cfg)
+        L, _, HKV, D = e2e._dims(model.config)
         enable_loki(model, PCABasis.random(L, HKV, D, seed=0), k=k, d=0.25 if score_format == "native" else 0.5,
                     aggregate=aggregate, score_format=score_format,
                     backend="auto" if torch.device(device).type == "cuda" else "torch")  # gqa_select: the default
+
+
+def filled_cache(model, path, B, S, n_fill, device):
+    """``path``'s cache of S tokens (``loki.bench.e2e.make_cache``) holding ``n_fill`` random tokens."""
+    from loki.bench import e2e
+
     cache = e2e.make_cache(model, path, B, S)
-    e2e.fill_cache(cache, cfg, B, n_fill, device=device, dtype=next(model.parameters()).dtype)
+    e2e.fill_cache(cache, model.config, B, n_fill, device=device, dtype=next(model.parameters()).dtype)
     return cache
 
 
@@ -120,9 +132,9 @@ def launch_gaps(events, max_gap_us: float = 50.0, top: int = 10) -> dict:
     the latest end of the kernels before it (negative: it started before they ended), gaps above ``max_gap_us``
     (waits on the host, step boundaries) left out.  Returns the count, median, 10th and 90th percentiles (us), how
     many started early, the sum of the positive gaps (us), and per pair of consecutive kernel names the count and
-    median gap, largest sum first.  Inside
-    one CUDA graph a step is in one of two states (results/launch-gaps-h200-2026-11-28/): median about 0.1 us with
-    some early starts, or about 0.4 us with none; the second costs ~0.45 ms per 1,000 kernels."""
+    median gap, largest sum first.  A process runs its CUDA graphs in one of two states, which the latest build of
+    a step sets (results/launch-state-h200-2026-11-28/): median about 0.1 us with some early starts, or about
+    0.4 us with none; the second costs ~0.45 ms per 1,000 kernels."""
     evs = sorted(events)
     gaps, pairs = [], collections.defaultdict(list)
     end = evs[0][1] if evs else 0.0

@@ -97,6 +97,34 @@ def plan_steps(seq_len: int, steps: int, n_paths: int, rounds: int, warm: int, e
     return seq_len - per_path, per_path
 
 
+def add_step_arguments(ap: argparse.ArgumentParser, steps: int, steps_help: str) -> None:
+    """The model and step arguments of the step timers (this module and ``launch_state``)."""
+    ap.add_argument("--model", default="llama3-8b", help="model dimensions (loki.bench.e2e.E2E_MODELS)")
+    ap.add_argument("--layers", type=int, default=32, help="decoder layers")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=32768, help="cache length; the steps fill its last slots")
+    ap.add_argument("--k", type=int, default=2048, help="Loki's token budget")
+    ap.add_argument("--steps", type=int, default=steps, help=steps_help)
+
+
+def model_dims(a) -> dict:
+    """The parsed ``--model`` and ``--layers`` as model dimensions; SystemExit naming ``--model`` for an unknown one."""
+    from loki.bench import e2e
+
+    if a.model not in e2e.E2E_MODELS:
+        raise SystemExit(f"--model must be one of {sorted(e2e.E2E_MODELS)}, got {a.model!r}")
+    return dict(e2e.E2E_MODELS[a.model], num_hidden_layers=a.layers)
+
+
+def check_path(flag: str, p: str) -> None:
+    """A path the step timers can build: loki_compiled, loki_compiled@native / @int8 (its score copy) or
+    sdpa_compiled; SystemExit naming ``flag`` otherwise."""
+    base, _, fmt = p.partition("@")
+    if base not in ("loki_compiled", "sdpa_compiled") or fmt not in ("", "native", "int8") or (
+            fmt and base != "loki_compiled"):
+        raise SystemExit(f"{flag} must be loki_compiled[@native|@int8] or sdpa_compiled, got {p!r}")
+
+
 def main(argv=None) -> int:
     from loki.bench import e2e
 
@@ -107,12 +135,7 @@ def main(argv=None) -> int:
                     help="a compiled path of loki bench --e2e; a Loki path may name its score copy: "
                     "loki_compiled@int8.  Several, comma-separated, are built in that order in this one process (a "
                     "model each), each timed right after it is built and all again in --rounds rounds")
-    ap.add_argument("--model", default="llama3-8b", help="model dimensions (loki.bench.e2e.E2E_MODELS)")
-    ap.add_argument("--layers", type=int, default=32, help="decoder layers")
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq-len", type=int, default=32768, help="cache length; the steps fill its last slots")
-    ap.add_argument("--k", type=int, default=2048, help="Loki's token budget")
-    ap.add_argument("--steps", type=int, default=40, help="steps in each of the synced and back-to-back loops")
+    add_step_arguments(ap, 40, "steps in each of the synced and back-to-back loops")
     ap.add_argument("--rounds", type=int, default=2, help="with several paths: times every path is timed again, in "
                     "order, after all are built")
     ap.add_argument("--graph-dump", action="store_true",
@@ -121,22 +144,16 @@ def main(argv=None) -> int:
     ap.add_argument("--timeline", action="store_true",
                     help="profile 6 more back-to-back steps: launch gaps printed, the kernel timeline written to $OUT")
     a = ap.parse_args(argv)
-    if a.model not in e2e.E2E_MODELS:
-        raise SystemExit(f"--model must be one of {sorted(e2e.E2E_MODELS)}, got {a.model!r}")
+    dims = model_dims(a)
     paths = a.path.split(",")
     for p in paths:
-        base, _, fmt = p.partition("@")
-        if base not in ("loki_compiled", "sdpa_compiled") or fmt not in ("", "native", "int8") or (
-                fmt and base != "loki_compiled"):
-            raise SystemExit(f"--path must name loki_compiled[@native|@int8] or sdpa_compiled, comma-separated, got "
-                             f"{p!r}")
+        check_path("--path", p)
     if len(set(paths)) != len(paths):
         raise SystemExit(f"--path names a path twice: {a.path!r}")
     extra, warm = (6 if a.timeline else 0), 8
     n0, per_path = plan_steps(a.seq_len, a.steps, len(paths), a.rounds, warm, extra)
     if not torch.cuda.is_available():
         raise SystemExit("e2e_steps needs a CUDA device")
-    dims = dict(e2e.E2E_MODELS[a.model], num_hidden_layers=a.layers)
     graphs = dump_graphs_when_captured() if a.graph_dump else None
     out = os.environ.get("OUT", ".")
     steps, used = {}, dict.fromkeys(paths, 0)

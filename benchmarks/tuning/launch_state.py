@@ -52,12 +52,11 @@ def build_stages(dims: dict, path: str, B: int, S: int, n_fill: int, k: int, fre
     Loki path), as (name, fn) pairs, and the dict they fill (model, cache, eager logits, compiled forward);
     ``fresh``: Inductor's caches off while it compiles."""
     from loki._hf import cache_keyword
-    from loki.basis import PCABasis
     from loki.bench import e2e
-    from loki.integrations.transformers import enable_loki
+
+    from .e2e_profile import enable_for, filled_cache
 
     base, _, fmt = path.partition("@")
-    fmt = fmt or "native"
     st = {}
     pos = [(torch.full((B, 1), n_fill + i, device=device), torch.tensor([n_fill + i], device=device)) for i in range(4)]
 
@@ -69,15 +68,11 @@ def build_stages(dims: dict, path: str, B: int, S: int, n_fill: int, k: int, fre
         st["model"] = e2e.build_model(e2e.llama_config(dims), device)
 
     def loki():
-        L, _, HKV, D = e2e._dims(st["model"].config)
-        backend = "auto" if torch.device(device).type == "cuda" else "torch"
-        enable_loki(st["model"], PCABasis.random(L, HKV, D, seed=0), k=k, d=0.25 if fmt == "native" else 0.5,
-                    aggregate="auto", score_format=fmt, backend=backend)
+        enable_for(st["model"], base, k, "auto", device, fmt or "native")
 
     def cache():
         m = st["model"]
-        st["cache"] = e2e.make_cache(m, base, B, S)
-        e2e.fill_cache(st["cache"], m.config, B, n_fill, device=device, dtype=next(m.parameters()).dtype)
+        st["cache"] = filled_cache(m, base, B, S, n_fill, device)
         st["kw"] = {cache_keyword(m): st["cache"]}
         st["ids"] = torch.randint(0, m.config.vocab_size, (B, 1), device=device)
 
@@ -111,25 +106,18 @@ def main(argv=None) -> int:
     from loki.bench import e2e
 
     from .e2e_profile import compiled_step
-    from .e2e_steps import measure_steps
+    from .e2e_steps import add_step_arguments, check_path, measure_steps, model_dims
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--probe", default="loki_compiled", help="the path whose step is timed after every stage "
                     "(a compiled path of loki bench --e2e; loki_compiled@int8 names the int8 copy)")
     ap.add_argument("--build", default="loki_compiled@int8", help="the path built stage by stage on a second model")
     ap.add_argument("--fresh", action="store_true", help="Inductor compiles the built path in this process")
-    ap.add_argument("--model", default="llama3-8b", help="model dimensions (loki.bench.e2e.E2E_MODELS)")
-    ap.add_argument("--layers", type=int, default=32, help="decoder layers")
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq-len", type=int, default=32768, help="cache length; the steps fill its last slots")
-    ap.add_argument("--k", type=int, default=2048, help="Loki's token budget")
-    ap.add_argument("--steps", type=int, default=30, help="steps in each of the probe's synced and back-to-back loops")
+    add_step_arguments(ap, 30, "steps in each of the probe's synced and back-to-back loops")
     a = ap.parse_args(argv)
-    if a.model not in e2e.E2E_MODELS:
-        raise SystemExit(f"--model must be one of {sorted(e2e.E2E_MODELS)}, got {a.model!r}")
+    dims = model_dims(a)
     for flag, p in (("--probe", a.probe), ("--build", a.build)):
-        if p.partition("@")[0] not in ("loki_compiled", "sdpa_compiled"):
-            raise SystemExit(f"{flag} must be loki_compiled[@int8] or sdpa_compiled, got {p!r}")
+        check_path(flag, p)
     warm, probes = 8, len(STAGES) + 2  # before, after each stage, again
     per_path = warm + 2 * a.steps * probes
     if a.steps < 1 or per_path >= a.seq_len - 4:
@@ -138,7 +126,6 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("launch_state needs a CUDA device")
     n0 = a.seq_len - per_path
-    dims = dict(e2e.E2E_MODELS[a.model], num_hidden_layers=a.layers)
     used = [0]
 
     def probe():
