@@ -199,7 +199,7 @@ def memory_needed(config, B: int, S: int, *, itemsize: int, d_f, key_prefix: boo
 
 
 def run_path(model, path: str, *, B: int, S: int, steps: int, device, dtype, basis=None, k_f: float = 0.25,
-             d_f=0.25, gqa_select: str = "auto", sdpa_backend: str = "default", seed: int = 0,
+             d_f=0.25, gqa_select: str = "auto", sdpa_backend: str = "native-gqa", seed: int = 0,
              compile_mode: str | None = "reduce-overhead", aggregate: str = "auto", generate: bool = False,
              generate_tokens: int | None = None, generate_reps: int = 3, generate_prompt: str = "cache",
              score_format: str = "native", key_prefix: bool = True) -> dict:
@@ -330,7 +330,7 @@ def _loki_import_error() -> str | None:
 
 
 def run_grid(grid, *, device="cuda", dtype=torch.bfloat16, models=None, paths=PATHS, steps: int = 32,
-             k_f: float = 0.25, d_f=0.25, gqa_select: str = "auto", sdpa_backend: str = "default",
+             k_f: float = 0.25, d_f=0.25, gqa_select: str = "auto", sdpa_backend: str = "native-gqa",
              copy_gbps: float | None = None, time_budget_s: float | None = None, seed: int = 0,
              compile_mode: str | None = "reduce-overhead", free_bytes: int | None = None, on_setting=None,
              log=print, aggregate: str = "auto", generate: bool = False, generate_tokens: int | None = None,
