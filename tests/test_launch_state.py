@@ -84,7 +84,7 @@ def test_main_probes_with_fresh_steps_before_after_each_stage_and_again(monkeypa
             seen.append(i)
         return step
 
-    def fake_build_stages(dims, path, B, S, n_fill, k, fresh, device="cuda"):
+    def fake_build_stages(dims, path, B, S, n_fill, k, fresh, device="cuda", patch=None):
         return [(n, lambda n=n: ran.append(n)) for n in launch_state.STAGES], {}
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -99,3 +99,45 @@ def test_main_probes_with_fresh_steps_before_after_each_stage_and_again(monkeypa
     assert ran == list(launch_state.STAGES)
     rows = [ln.split()[2] for ln in capsys.readouterr().out.splitlines() if ln.startswith("RESULT")]
     assert rows == ["before", *launch_state.STAGES, "again"]
+
+
+def test_parse_patches_reads_inductor_settings_and_refuses_unknown_keys():
+    patch = launch_state.parse_patches(["triton.autotune_pointwise=False", "compile_threads=1"])
+    assert patch == {"triton.autotune_pointwise": False, "compile_threads": 1}
+    for bad in ("triton.no_such_setting=1", "no_such=1", "compile_threads"):
+        with pytest.raises(SystemExit, match="--inductor must be KEY=VALUE"):
+            launch_state.parse_patches([bad])
+
+
+def test_main_adds_the_worker_and_allocator_stages_last_and_counts_gpu_processes(monkeypatch, capsys):
+    """--stop-workers and --empty-cache run after "again", in that order, each followed by a probe; every row carries
+    the GPU's process count; the Inductor patch reaches the build."""
+    import torch._inductor.async_compile as async_compile
+
+    from benchmarks.tuning import e2e_profile
+    from loki.bench import e2e
+
+    ran, got = [], {}
+
+    def fake_build_stages(dims, path, B, S, n_fill, k, fresh, device="cuda", patch=None):
+        got["patch"] = patch
+        return [(n, lambda n=n: ran.append(n)) for n in launch_state.STAGES], {}
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "fake")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: ran.append("empty_cache"))
+    monkeypatch.setattr(async_compile, "shutdown_compile_workers", lambda: ran.append("shutdown"))
+    monkeypatch.setattr(launch_state, "gpu_processes", lambda: 1 + len(ran))
+    monkeypatch.setattr(e2e_profile, "compiled_step", lambda *a, **k: (lambda i: None))
+    monkeypatch.setattr(launch_state, "build_stages", fake_build_stages)
+    monkeypatch.setattr(e2e, "build_model", lambda config, device: None)
+    argv = ["--layers", "1", "--steps", "2", "--seq-len", "1000", "--stop-workers", "--empty-cache",
+            "--inductor", "compile_threads=1"]
+    assert launch_state.main(argv) == 0
+    assert ran == [*launch_state.STAGES, "shutdown", "empty_cache"]
+    assert got["patch"] == {"compile_threads": 1}
+    rows = [ln.split() for ln in capsys.readouterr().out.splitlines() if ln.startswith("RESULT")]
+    assert [r[2] for r in rows] == ["before", *launch_state.STAGES, "again", "workers", "emptied"]
+    counts = [int(r[r.index("processes") - 1]) for r in rows]
+    assert counts == [1, *range(2, 2 + len(launch_state.STAGES)), 1 + len(launch_state.STAGES), 8, 9]

@@ -17,10 +17,14 @@ after each stage:
 * ``capture``: the next calls (the graph recorded, then replayed).
 
 ``--fresh`` makes Inductor compile the second step in this process (its caches off for that build), the cold-process
-case.  The stage after which the probe's time moves is the one that sets the state.  Both models live at once: at
-the defaults (Llama-3-8B dims, 32 layers, B=8, S=32768) about 105 GB, so a card of 80 GB takes ``--layers 16``.
-Run it twice with one ``TORCHINDUCTOR_CACHE_DIR``: the first process compiles the probe's step (and so starts in the
-slow state), the second loads it and starts in the fast one.
+case; ``--inductor KEY=VALUE`` patches an Inductor setting for that build (``triton.autotune_pointwise=False``) and
+``--stop-workers`` / ``--empty-cache`` add last stages that shut Inductor's compile workers down / hand the caching
+allocator's free blocks back.  Every row also counts the processes that hold a context on the GPU (``nvidia-smi``).
+The stage after which the probe's time moves is the one that sets the state: on an H200 it is always ``compile``
+(results/launch-state-h200-2026-11-28/NOTES.md).  Both models live at once: at the defaults (Llama-3-8B dims, 32
+layers, B=8, S=32768) about 105 GB, so a card of 80 GB takes ``--layers 16``.  Run it twice with one
+``TORCHINDUCTOR_CACHE_DIR``: the first process compiles the probe's step (and so starts in the slow state), the second
+loads it and starts in the fast one.
 """
 
 from __future__ import annotations
@@ -46,11 +50,39 @@ def run_stages(stages, probe) -> list[dict]:
     return rows
 
 
+def gpu_processes() -> int | None:
+    """How many processes hold a context on the GPUs (``nvidia-smi``), or None where it cannot say."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return len([ln for ln in out.splitlines() if ln.strip()])
+
+
+def parse_patches(items: list[str]) -> dict:
+    """``KEY=VALUE`` strings as an Inductor config patch (True / False / ints parsed); refuses a key Inductor lacks."""
+    import torch._inductor.config as cfg
+
+    patch = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        node = cfg
+        for part in key.split(".")[:-1]:
+            node = getattr(node, part, None)
+        if not sep or node is None or not hasattr(node, key.split(".")[-1]):
+            raise SystemExit(f"--inductor must be KEY=VALUE with a key of torch._inductor.config, got {item!r}")
+        patch[key] = {"True": True, "False": False}.get(value, int(value) if value.lstrip("-").isdigit() else value)
+    return patch
+
+
 def build_stages(dims: dict, path: str, B: int, S: int, n_fill: int, k: int, fresh: bool,
-                 device="cuda") -> tuple[list, dict]:
+                 device="cuda", patch: dict | None = None) -> tuple[list, dict]:
     """The stages of building ``path``'s compiled step on a new model of ``dims`` (:data:`STAGES`, "loki" only for a
     Loki path), as (name, fn) pairs, and the dict they fill (model, cache, eager logits, compiled forward);
-    ``fresh``: Inductor's caches off while it compiles."""
+    ``fresh``: Inductor's caches off while it compiles; ``patch``: more Inductor settings while it compiles."""
     from loki._hf import cache_keyword
     from loki.bench import e2e
 
@@ -87,7 +119,8 @@ def build_stages(dims: dict, path: str, B: int, S: int, n_fill: int, k: int, fre
         import torch._inductor.config
 
         st["fn"] = torch.compile(st["model"].forward, mode="reduce-overhead", fullgraph=True)
-        with torch._inductor.config.patch(force_disable_caches=True) if fresh else contextlib.nullcontext():
+        settings = {**({"force_disable_caches": True} if fresh else {}), **(patch or {})}
+        with torch._inductor.config.patch(settings) if settings else contextlib.nullcontext():
             torch.compiler.cudagraph_mark_step_begin()
             call(st["fn"], 1)
         sync()
@@ -113,12 +146,19 @@ def main(argv=None) -> int:
                     "(a compiled path of loki bench --e2e; loki_compiled@int8 names the int8 copy)")
     ap.add_argument("--build", default="loki_compiled@int8", help="the path built stage by stage on a second model")
     ap.add_argument("--fresh", action="store_true", help="Inductor compiles the built path in this process")
+    ap.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE",
+                    help="an Inductor setting for the build (repeatable), e.g. triton.autotune_pointwise=False")
+    ap.add_argument("--stop-workers", action="store_true",
+                    help="a last stage that shuts Inductor's compile worker processes down")
+    ap.add_argument("--empty-cache", action="store_true",
+                    help="a last stage that hands the caching allocator's free blocks back (torch.cuda.empty_cache)")
     add_step_arguments(ap, 30, "steps in each of the probe's synced and back-to-back loops")
     a = ap.parse_args(argv)
     dims = model_dims(a)
     for flag, p in (("--probe", a.probe), ("--build", a.build)):
         check_path(flag, p)
-    warm, probes = 8, len(STAGES) + 2  # before, after each stage, again
+    patch = parse_patches(a.inductor)
+    warm, probes = 8, len(STAGES) + 2 + a.stop_workers + a.empty_cache  # before, each stage, again, the extras
     per_path = warm + 2 * a.steps * probes
     if a.steps < 1 or per_path >= a.seq_len - 4:
         raise SystemExit(f"--steps must be >= 1 with 8 + 2 * steps * {probes} < --seq-len - 4, got --steps {a.steps} "
@@ -126,12 +166,14 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("launch_state needs a CUDA device")
     n0 = a.seq_len - per_path
-    used = [0]
+    used, procs = [0], []
 
     def probe():
         first = used[0]
         used[0] += 2 * a.steps
-        return measure_steps(step, first, a.steps)["back_to_back_ms"]
+        ms = measure_steps(step, first, a.steps)["back_to_back_ms"]
+        procs.append(gpu_processes())
+        return ms
 
     with torch.no_grad(), e2e.sdpa_context("native-gqa"):
         path, _, fmt = a.probe.partition("@")
@@ -141,15 +183,24 @@ def main(argv=None) -> int:
             step(i)
         used[0] = warm
         torch.cuda.synchronize()
-        stages, _ = build_stages(dims, a.build, a.batch, a.seq_len, a.seq_len - 4, a.k, a.fresh)
+        stages, _ = build_stages(dims, a.build, a.batch, a.seq_len, a.seq_len - 4, a.k, a.fresh, patch=patch)
+        stages.append(("again", lambda: None))
+        if a.stop_workers:
+            from torch._inductor.async_compile import shutdown_compile_workers
+
+            stages.append(("workers", shutdown_compile_workers))
+        if a.empty_cache:
+            stages.append(("emptied", torch.cuda.empty_cache))
         rows = run_stages(stages, probe)
-        rows.append({"after": "again", "probe_ms": probe(), "stage_s": 0.0})
+        for r, n in zip(rows, procs):
+            r["gpu_procs"] = n
     head = f"probe {a.probe}, building {a.build}{' (compiled here)' if a.fresh else ''}, {torch.cuda.get_device_name()}"
-    print(json.dumps({"probe": a.probe, "build": a.build, "fresh": a.fresh, "layers": a.layers, "batch": a.batch,
-                      "seq_len": a.seq_len, "k": a.k, "rows": rows}))
+    print(json.dumps({"probe": a.probe, "build": a.build, "fresh": a.fresh, "inductor": patch, "layers": a.layers,
+                      "batch": a.batch, "seq_len": a.seq_len, "k": a.k, "rows": rows}))
     print(head)
     for r in rows:
-        print(f"RESULT after {r['after']:<8} probe {r['probe_ms']:.3f} ms/step  (stage {r['stage_s']:.1f} s)")
+        print(f"RESULT after {r['after']:<8} probe {r['probe_ms']:.3f} ms/step  (stage {r['stage_s']:.1f} s, "
+              f"{'?' if r['gpu_procs'] is None else r['gpu_procs']} processes on the GPU)")
     return 0
 
 
