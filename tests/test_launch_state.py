@@ -128,16 +128,22 @@ def test_main_adds_the_worker_and_allocator_stages_last_and_counts_gpu_processes
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "fake")
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: ran.append("empty_cache"))
     monkeypatch.setattr(async_compile, "shutdown_compile_workers", lambda: ran.append("shutdown"))
+    monkeypatch.setattr(launch_state, "profile_once", lambda: ran.append("profile"))
     monkeypatch.setattr(launch_state, "gpu_processes", lambda: 1 + len(ran))
     monkeypatch.setattr(e2e_profile, "compiled_step", lambda *a, **k: (lambda i: None))
     monkeypatch.setattr(launch_state, "build_stages", fake_build_stages)
     monkeypatch.setattr(e2e, "build_model", lambda config, device: None)
-    argv = ["--layers", "1", "--steps", "2", "--seq-len", "1000", "--stop-workers", "--empty-cache",
+    argv = ["--layers", "1", "--steps", "2", "--seq-len", "1000", "--stop-workers", "--empty-cache", "--profile-once",
             "--inductor", "compile_threads=1"]
     assert launch_state.main(argv) == 0
-    assert ran == [*launch_state.STAGES, "shutdown", "empty_cache"]
+    assert ran == [*launch_state.STAGES, "shutdown", "profile", "empty_cache"]
     assert got["patch"] == {"compile_threads": 1}
     rows = [ln.split() for ln in capsys.readouterr().out.splitlines() if ln.startswith("RESULT")]
-    assert [r[2] for r in rows] == ["before", *launch_state.STAGES, "again", "workers", "emptied"]
+    assert [r[2] for r in rows] == ["before", *launch_state.STAGES, "again", "workers", "profiled", "emptied"]
     counts = [int(r[r.index("processes") - 1]) for r in rows]
-    assert counts == [1, *range(2, 2 + len(launch_state.STAGES)), 1 + len(launch_state.STAGES), 8, 9]
+    assert counts == [1, *range(2, 2 + len(launch_state.STAGES)), 1 + len(launch_state.STAGES), 8, 9, 10]
+
+
+def test_profile_once_runs_a_profiler_session_on_the_cpu():
+    launch_state.profile_once(device="cpu")
+    assert not torch.autograd.profiler._is_profiler_enabled

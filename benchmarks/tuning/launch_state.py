@@ -18,8 +18,9 @@ after each stage:
 
 ``--fresh`` makes Inductor compile the second step in this process (its caches off for that build), the cold-process
 case; ``--inductor KEY=VALUE`` patches an Inductor setting for that build (``triton.autotune_pointwise=False``) and
-``--stop-workers`` / ``--empty-cache`` add last stages that shut Inductor's compile workers down / hand the caching
-allocator's free blocks back.  Every row also counts the processes that hold a context on the GPU (``nvidia-smi``).
+``--stop-workers`` / ``--profile-once`` / ``--empty-cache`` add last stages that shut Inductor's compile workers
+down / run one profiler session / hand the caching allocator's free blocks back.  Every row also counts the
+processes that hold a context on the GPU (``nvidia-smi``).
 The stage after which the probe's time moves is the one that sets the state: on an H200 it is always ``compile``
 (results/launch-state-h200-2026-11-28/NOTES.md).  Both models live at once: at the defaults (Llama-3-8B dims, 32
 layers, B=8, S=32768) about 105 GB, so a card of 80 GB takes ``--layers 16``.  Run it twice with one
@@ -60,6 +61,17 @@ def gpu_processes() -> int | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return len([ln for ln in out.splitlines() if ln.strip()])
+
+
+def profile_once(device="cuda") -> None:
+    """One ``torch.profiler`` session (CPU and CUDA activities: CUPTI) around a small matmul, as Inductor's
+    profiling benchmarker runs while it compiles."""
+    x = torch.ones(256, 256, device=device)
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if torch.device(device).type == "cuda":
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=acts):
+        (x @ x).sum().item()
 
 
 def parse_patches(items: list[str]) -> dict:
@@ -150,6 +162,8 @@ def main(argv=None) -> int:
                     help="an Inductor setting for the build (repeatable), e.g. triton.autotune_pointwise=False")
     ap.add_argument("--stop-workers", action="store_true",
                     help="a last stage that shuts Inductor's compile worker processes down")
+    ap.add_argument("--profile-once", action="store_true",
+                    help="a last stage that runs torch.profiler (CPU and CUDA activities) around one small matmul")
     ap.add_argument("--empty-cache", action="store_true",
                     help="a last stage that hands the caching allocator's free blocks back (torch.cuda.empty_cache)")
     add_step_arguments(ap, 30, "steps in each of the probe's synced and back-to-back loops")
@@ -158,7 +172,7 @@ def main(argv=None) -> int:
     for flag, p in (("--probe", a.probe), ("--build", a.build)):
         check_path(flag, p)
     patch = parse_patches(a.inductor)
-    warm, probes = 8, len(STAGES) + 2 + a.stop_workers + a.empty_cache  # before, each stage, again, the extras
+    warm, probes = 8, len(STAGES) + 2 + a.stop_workers + a.profile_once + a.empty_cache  # before, stages, again, extras
     per_path = warm + 2 * a.steps * probes
     if a.steps < 1 or per_path >= a.seq_len - 4:
         raise SystemExit(f"--steps must be >= 1 with 8 + 2 * steps * {probes} < --seq-len - 4, got --steps {a.steps} "
@@ -189,6 +203,8 @@ def main(argv=None) -> int:
             from torch._inductor.async_compile import shutdown_compile_workers
 
             stages.append(("workers", shutdown_compile_workers))
+        if a.profile_once:
+            stages.append(("profiled", profile_once))
         if a.empty_cache:
             stages.append(("emptied", torch.cuda.empty_cache))
         rows = run_stages(stages, probe)
