@@ -90,6 +90,7 @@ def test_main_probes_with_fresh_steps_before_after_each_stage_and_again(monkeypa
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "fake")
+    monkeypatch.setattr(launch_state, "stream_state", lambda: "s")
     monkeypatch.setattr(e2e_profile, "compiled_step", fake_compiled_step)
     monkeypatch.setattr(launch_state, "build_stages", fake_build_stages)
     monkeypatch.setattr(e2e, "build_model", lambda config, device: None)
@@ -130,6 +131,7 @@ def test_main_adds_the_worker_and_allocator_stages_last_and_counts_gpu_processes
     monkeypatch.setattr(async_compile, "shutdown_compile_workers", lambda: ran.append("shutdown"))
     monkeypatch.setattr(launch_state, "profile_once", lambda: ran.append("profile"))
     monkeypatch.setattr(launch_state, "gpu_processes", lambda: 1 + len(ran))
+    monkeypatch.setattr(launch_state, "stream_state", lambda: f"s{len(ran)}")
     monkeypatch.setattr(e2e_profile, "compiled_step", lambda *a, **k: (lambda i: None))
     monkeypatch.setattr(launch_state, "build_stages", fake_build_stages)
     monkeypatch.setattr(e2e, "build_model", lambda config, device: None)
@@ -141,9 +143,20 @@ def test_main_adds_the_worker_and_allocator_stages_last_and_counts_gpu_processes
     rows = [ln.split() for ln in capsys.readouterr().out.splitlines() if ln.startswith("RESULT")]
     assert [r[2] for r in rows] == ["before", *launch_state.STAGES, "again", "workers", "profiled", "emptied"]
     counts = [int(r[r.index("processes") - 1]) for r in rows]
+    assert [r[-1] for r in rows][-3:] == ["s7)", "s8)", "s9)"]  # the stream read after each probe
     assert counts == [1, *range(2, 2 + len(launch_state.STAGES)), 1 + len(launch_state.STAGES), 8, 9, 10]
 
 
 def test_profile_once_runs_a_profiler_session_on_the_cpu():
     launch_state.profile_once(device="cpu")
     assert not torch.autograd.profiler._is_profiler_enabled
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_stream_state_names_a_side_stream():
+    assert "(default)" in launch_state.stream_state()
+    side = torch.cuda.Stream(priority=-1)
+    with torch.cuda.stream(side):
+        state = launch_state.stream_state()
+    assert "(default)" not in state and f"0x{side.cuda_stream:x}" in state and "priority -1" in state

@@ -20,7 +20,7 @@ after each stage:
 case; ``--inductor KEY=VALUE`` patches an Inductor setting for that build (``triton.autotune_pointwise=False``) and
 ``--stop-workers`` / ``--profile-once`` / ``--empty-cache`` add last stages that shut Inductor's compile workers
 down / run one profiler session / hand the caching allocator's free blocks back.  Every row also counts the
-processes that hold a context on the GPU (``nvidia-smi``).
+processes that hold a context on the GPU (``nvidia-smi``) and the current stream the probe ran on.
 The stage after which the probe's time moves is the one that sets the state: on an H200 it is always ``compile``
 (results/launch-state-h200-2026-11-28/NOTES.md).  Both models live at once: at the defaults (Llama-3-8B dims, 32
 layers, B=8, S=32768) about 105 GB, so a card of 80 GB takes ``--layers 16``.  Run it twice with one
@@ -72,6 +72,15 @@ def profile_once(device="cuda") -> None:
         acts.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=acts):
         (x @ x).sum().item()
+
+
+def stream_state() -> str:
+    """The stream the probe's steps were enqueued on: its handle, whether it is the default stream, its priority and
+    the priority range, so a build that leaves another current stream shows."""
+    cur, default = torch.cuda.current_stream(), torch.cuda.default_stream()
+    lo, hi = torch.cuda.Stream.priority_range()
+    return (f"0x{cur.cuda_stream:x}{' (default)' if cur.cuda_stream == default.cuda_stream else ''} priority "
+            f"{cur.priority} of [{hi}, {lo}]")
 
 
 def parse_patches(items: list[str]) -> dict:
@@ -186,7 +195,7 @@ def main(argv=None) -> int:
         first = used[0]
         used[0] += 2 * a.steps
         ms = measure_steps(step, first, a.steps)["back_to_back_ms"]
-        procs.append(gpu_processes())
+        procs.append((gpu_processes(), stream_state()))
         return ms
 
     with torch.no_grad(), e2e.sdpa_context("native-gqa"):
@@ -209,14 +218,14 @@ def main(argv=None) -> int:
             stages.append(("emptied", torch.cuda.empty_cache))
         rows = run_stages(stages, probe)
         for r, n in zip(rows, procs):
-            r["gpu_procs"] = n
+            r["gpu_procs"], r["stream"] = n
     head = f"probe {a.probe}, building {a.build}{' (compiled here)' if a.fresh else ''}, {torch.cuda.get_device_name()}"
     print(json.dumps({"probe": a.probe, "build": a.build, "fresh": a.fresh, "inductor": patch, "layers": a.layers,
                       "batch": a.batch, "seq_len": a.seq_len, "k": a.k, "rows": rows}))
     print(head)
     for r in rows:
         print(f"RESULT after {r['after']:<8} probe {r['probe_ms']:.3f} ms/step  (stage {r['stage_s']:.1f} s, "
-              f"{'?' if r['gpu_procs'] is None else r['gpu_procs']} processes on the GPU)")
+              f"{'?' if r['gpu_procs'] is None else r['gpu_procs']} processes on the GPU; stream {r['stream']})")
     return 0
 
 
