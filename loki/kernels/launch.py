@@ -15,6 +15,7 @@ compiled kernels' launchers directly, with no other torch op.
 
 from __future__ import annotations
 
+import collections
 import os
 
 import torch
@@ -28,7 +29,7 @@ try:  # triton >= 3.4
 except Exception:  # noqa: BLE001 - older triton: no direct launches
     _knobs = _CompiledKernel = _driver = None
 
-__all__ = ["DecodePlan", "launch", "new_output", "pdl", "recording"]
+__all__ = ["DecodePlan", "counting", "launch", "new_output", "pdl", "recording"]
 
 #: Programmatic dependent launch (Hopper+), opt-in with ``LOKI_PDL=1``: the decode kernels are launched so
 #: that each may start while the previous one drains, and wait (griddepcontrol.wait) before reading its
@@ -49,6 +50,34 @@ def pdl(device) -> bool:
 
 _RECORD: list | None = None
 _ALLOCS: list | None = None
+_COUNTERS: list = []  # the active ``counting`` contexts
+
+
+def _count(fn) -> None:
+    name = getattr(fn, "__name__", None) or getattr(getattr(fn, "fn", None), "__name__", repr(fn))
+    for c in _COUNTERS:
+        c[name] += 1
+
+
+class counting:
+    """Context manager counting the Triton launches of Loki's kernels made inside it, by kernel name (a
+    ``collections.Counter``), whether they go through :func:`launch` or are replayed by a :class:`DecodePlan`;
+    contexts nest, and each sees every launch made while it is open (from Python: a CUDA graph's replay launches
+    without it)::
+
+        with counting() as launches:
+            model(...)
+        sum(launches.values()), launches["_approx_scores_kernel"]
+    """
+
+    def __enter__(self) -> collections.Counter:
+        self.counter = collections.Counter()
+        _COUNTERS.append(self.counter)
+        return self.counter
+
+    def __exit__(self, *exc):
+        del _COUNTERS[next(i for i, c in enumerate(_COUNTERS) if c is self.counter)]  # by identity: equal counts
+        return False
 
 
 def note_allocation(t: torch.Tensor) -> torch.Tensor:
@@ -80,6 +109,8 @@ def launch(fn, grid, args, opts):
     while a ``recording()`` is active.  Returns what Triton returns (the compiled kernel on a GPU)."""
     if opts.pop("pdl", False):
         opts = dict(opts, launch_pdl=True)
+    if _COUNTERS:
+        _count(fn)
     ret = fn[grid](*args, **opts)
     if _RECORD is not None:
         _RECORD.append((fn, tuple(grid) + (1,) * (3 - len(grid)), list(args), opts, ret))
@@ -183,6 +214,9 @@ class DecodePlan:
 
     def launch_all(self, arg_lists) -> None:
         """Launch every recorded kernel with its argument list (as ``bind`` gives them for ``direct()``)."""
+        if _COUNTERS:
+            for rec in self.launches:
+                _count(rec[0])
         if not self.direct():
             for (fn, grid, _, _, opts, _), args in zip(self.launches, arg_lists):
                 fn[grid](*args, **opts)
