@@ -160,3 +160,46 @@ def test_stream_state_names_a_side_stream():
     with torch.cuda.stream(side):
         state = launch_state.stream_state()
     assert "(default)" not in state and f"0x{side.cuda_stream:x}" in state and "priority -1" in state
+
+
+def test_graph_functions_watch_the_probes_graphs_from_before_the_build(monkeypatch, capsys):
+    """--graph-functions: the graphs kept while the probe was built are snapshot before the first probe and after
+    each one; a change shows under the row of the stage after which it appeared."""
+    from benchmarks.tuning import e2e_profile, e2e_steps, graph_functions
+    from loki.bench import e2e
+
+    kept, ran = [], []
+
+    class FakeGraph:
+        def raw_cuda_graph(self):
+            return 1
+
+    def fake_compiled_step(*a, **k):
+        kept.append(FakeGraph())  # the probe's graph, captured while its step is built
+        return lambda i: None
+
+    def fake_snapshot(graph, drv):
+        return [{"node": 1, "name": "k", "func_attrs": {"carveout": 100 if "compile" in ran else 0}}]
+
+    def fake_build_stages(dims, path, B, S, n_fill, k, fresh, device="cuda", patch=None):
+        kept.append(FakeGraph())  # a graph of the build: not watched
+        return [(n, lambda n=n: ran.append(n)) for n in launch_state.STAGES], {}
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "fake")
+    monkeypatch.setattr(launch_state, "stream_state", lambda: "s")
+    monkeypatch.setattr(launch_state, "gpu_processes", lambda: 1)
+    monkeypatch.setattr(e2e_steps, "dump_graphs_when_captured", lambda: kept)
+    monkeypatch.setattr(graph_functions, "Driver", lambda: None)
+    monkeypatch.setattr(graph_functions, "snapshot", fake_snapshot)
+    monkeypatch.setattr(e2e_profile, "compiled_step", fake_compiled_step)
+    monkeypatch.setattr(launch_state, "build_stages", fake_build_stages)
+    monkeypatch.setattr(e2e, "build_model", lambda config, device: None)
+    assert launch_state.main(["--layers", "1", "--steps", "2", "--seq-len", "1000", "--graph-functions"]) == 0
+    out = capsys.readouterr().out
+    assert "watching 1 graphs of the probe: 1 kernel nodes" in out
+    lines = out.splitlines()
+    at = {ln.split()[2]: i for i, ln in enumerate(lines) if ln.startswith("RESULT")}
+    assert "graphs: k: func_attrs.carveout 0 -> 100" in lines[at["compile"] + 1]
+    assert not lines[at["eager"] + 1].strip().startswith("graphs:")

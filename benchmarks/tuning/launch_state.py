@@ -160,7 +160,8 @@ def main(argv=None) -> int:
     from loki.bench import e2e
 
     from .e2e_profile import compiled_step
-    from .e2e_steps import add_step_arguments, check_path, measure_steps, model_dims
+    from .e2e_steps import add_step_arguments, check_path, dump_graphs_when_captured, measure_steps, model_dims
+    from .graph_functions import Driver, changes, snapshot
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--probe", default="loki_compiled", help="the path whose step is timed after every stage "
@@ -173,6 +174,9 @@ def main(argv=None) -> int:
                     help="a last stage that shuts Inductor's compile worker processes down")
     ap.add_argument("--profile-once", action="store_true",
                     help="a last stage that runs torch.profiler (CPU and CUDA activities) around one small matmul")
+    ap.add_argument("--graph-functions", action="store_true",
+                    help="keep the probe's CUDA graphs and print, after every stage, what changed in their kernel "
+                    "nodes' functions, node attributes and edges (benchmarks/tuning/graph_functions.py)")
     ap.add_argument("--empty-cache", action="store_true",
                     help="a last stage that hands the caching allocator's free blocks back (torch.cuda.empty_cache)")
     add_step_arguments(ap, 30, "steps in each of the probe's synced and back-to-back loops")
@@ -189,13 +193,17 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("launch_state needs a CUDA device")
     n0 = a.seq_len - per_path
-    used, procs = [0], []
+    used, procs, graph_changes = [0], [], []
+    kept, watch = (dump_graphs_when_captured() if a.graph_functions else None), {}
 
     def probe():
         first = used[0]
         used[0] += 2 * a.steps
         ms = measure_steps(step, first, a.steps)["back_to_back_ms"]
         procs.append((gpu_processes(), stream_state()))
+        if watch:
+            now = [snapshot(g.raw_cuda_graph(), watch["driver"]) for g in watch["graphs"]]
+            graph_changes.append([ln for b, n in zip(watch["base"], now) for ln in changes(b, n)])
         return ms
 
     with torch.no_grad(), e2e.sdpa_context("native-gqa"):
@@ -206,6 +214,11 @@ def main(argv=None) -> int:
             step(i)
         used[0] = warm
         torch.cuda.synchronize()
+        if kept is not None:  # the probe's graphs, as captured (the build's come later)
+            watch["driver"], watch["graphs"] = Driver(), list(kept)
+            watch["base"] = [snapshot(g.raw_cuda_graph(), watch["driver"]) for g in watch["graphs"]]
+            print(f"watching {len(watch['graphs'])} graphs of the probe: "
+                  f"{sum(len(b) for b in watch['base'] if isinstance(b, list))} kernel nodes")
         stages, _ = build_stages(dims, a.build, a.batch, a.seq_len, a.seq_len - 4, a.k, a.fresh, patch=patch)
         stages.append(("again", lambda: None))
         if a.stop_workers:
@@ -219,6 +232,8 @@ def main(argv=None) -> int:
         rows = run_stages(stages, probe)
         for r, n in zip(rows, procs):
             r["gpu_procs"], r["stream"] = n
+        for r, ch in zip(rows, graph_changes):
+            r["graph_changes"] = ch
     head = f"probe {a.probe}, building {a.build}{' (compiled here)' if a.fresh else ''}, {torch.cuda.get_device_name()}"
     print(json.dumps({"probe": a.probe, "build": a.build, "fresh": a.fresh, "inductor": patch, "layers": a.layers,
                       "batch": a.batch, "seq_len": a.seq_len, "k": a.k, "rows": rows}))
@@ -226,6 +241,8 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"RESULT after {r['after']:<8} probe {r['probe_ms']:.3f} ms/step  (stage {r['stage_s']:.1f} s, "
               f"{'?' if r['gpu_procs'] is None else r['gpu_procs']} processes on the GPU; stream {r['stream']})")
+        for line in r.get("graph_changes", [])[:12]:
+            print(f"    graphs: {line}")
     return 0
 
 
