@@ -38,6 +38,7 @@ REPEAT_KV_NOTE = ("the dense paths ran transformers' own SDPA call (--sdpa-backe
                   "query head on each static-cache step of a GQA model: the speed-ups over dense read high; "
                   "--sdpa-backend native-gqa is the fair baseline.")
 
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group(
         "end-to-end decode (--e2e)",
