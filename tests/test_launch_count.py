@@ -6,6 +6,7 @@ launch to the step, or a replay that skips one, fails here."""
 from __future__ import annotations
 
 import collections
+import os
 
 import pytest
 import torch
@@ -17,7 +18,6 @@ from loki.integrations.transformers import cache_keyword, enable_loki, loki_cach
 from loki.kernels.launch import counting  # noqa: E402
 from loki.testing.models import tiny_model  # noqa: E402
 
-pytestmark = pytest.mark.interpreter
 L, P = 2, 24
 
 #: The step's kernels on the interpreter's route (a register select: rows of 25 keys), per layer.
@@ -32,14 +32,9 @@ def _per_layer(launches: collections.Counter) -> dict:
     return {name: n // L for name, n in launches.items()}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _interpreter():
-    from loki._checks import triton_interpreting
-
-    if not triton_interpreting():
-        pytest.skip("the Triton kernels on the CPU need TRITON_INTERPRET=1")
-
-
+@pytest.mark.interpreter
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="the Triton kernels on the CPU need TRITON_INTERPRET=1")
 @pytest.mark.parametrize("aggregate, want", [("auto", SHARED_SOFTMAX), ("sum", RAW_SUM)])
 def test_launches_per_layer_of_a_decode_step(aggregate, want):
     """The default (one selection per KV group, softmax-max) and the raw sum; the first decode step records the

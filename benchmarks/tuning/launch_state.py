@@ -83,6 +83,20 @@ def stream_state() -> str:
             f"{cur.priority} of [{hi}, {lo}]")
 
 
+def _stop_workers() -> None:
+    from torch._inductor.async_compile import shutdown_compile_workers
+
+    shutdown_compile_workers()
+
+
+def last_stages(a) -> list:
+    """The stages after the build: "again" (nothing: the probe timed once more), then those the flags ask for, in
+    this order: "workers" (``--stop-workers``), "profiled" (``--profile-once``), "emptied" (``--empty-cache``)."""
+    extra = [("workers", a.stop_workers, _stop_workers), ("profiled", a.profile_once, lambda: profile_once()),
+             ("emptied", a.empty_cache, lambda: torch.cuda.empty_cache())]
+    return [("again", lambda: None)] + [(name, fn) for name, on, fn in extra if on]
+
+
 def parse_patches(items: list[str]) -> dict:
     """``KEY=VALUE`` strings as an Inductor config patch (True / False / ints parsed); refuses a key Inductor lacks."""
     import torch._inductor.config as cfg
@@ -185,7 +199,8 @@ def main(argv=None) -> int:
     for flag, p in (("--probe", a.probe), ("--build", a.build)):
         check_path(flag, p)
     patch = parse_patches(a.inductor)
-    warm, probes = 8, len(STAGES) + 2 + a.stop_workers + a.profile_once + a.empty_cache  # before, stages, again, extras
+    last = last_stages(a)
+    warm, probes = 8, 1 + len(STAGES) + len(last)  # before, after each stage
     per_path = warm + 2 * a.steps * probes
     if a.steps < 1 or per_path >= a.seq_len - 4:
         raise SystemExit(f"--steps must be >= 1 with 8 + 2 * steps * {probes} < --seq-len - 4, got --steps {a.steps} "
@@ -220,16 +235,7 @@ def main(argv=None) -> int:
             print(f"watching {len(watch['graphs'])} graphs of the probe: "
                   f"{sum(len(b) for b in watch['base'] if isinstance(b, list))} kernel nodes")
         stages, _ = build_stages(dims, a.build, a.batch, a.seq_len, a.seq_len - 4, a.k, a.fresh, patch=patch)
-        stages.append(("again", lambda: None))
-        if a.stop_workers:
-            from torch._inductor.async_compile import shutdown_compile_workers
-
-            stages.append(("workers", shutdown_compile_workers))
-        if a.profile_once:
-            stages.append(("profiled", profile_once))
-        if a.empty_cache:
-            stages.append(("emptied", torch.cuda.empty_cache))
-        rows = run_stages(stages, probe)
+        rows = run_stages(stages + last, probe)
         for r, n in zip(rows, procs):
             r["gpu_procs"], r["stream"] = n
         for r, ch in zip(rows, graph_changes):
