@@ -143,8 +143,39 @@ def test_main_adds_the_worker_and_allocator_stages_last_and_counts_gpu_processes
     rows = [ln.split() for ln in capsys.readouterr().out.splitlines() if ln.startswith("RESULT")]
     assert [r[2] for r in rows] == ["before", *launch_state.STAGES, "again", "workers", "profiled", "emptied"]
     counts = [int(r[r.index("processes") - 1]) for r in rows]
-    assert [r[-1] for r in rows][-3:] == ["s7)", "s8)", "s9)"]  # the stream read after each probe
+    assert [r[r.index("stream") + 1] for r in rows][-3:] == ["s7;", "s8;", "s9;"]  # the stream after each probe
     assert counts == [1, *range(2, 2 + len(launch_state.STAGES)), 1 + len(launch_state.STAGES), 8, 9, 10]
+
+
+def test_idle_runs_first_and_every_row_carries_the_clocks_read_after_its_probe(monkeypatch, capsys):
+    """--idle: an "idle" stage (the GPU left idle for the seconds asked) before the build's stages, probed like the
+    others; every row names the clocks read right after its probe (a GPU's power state is a suspect for the slow
+    launch-gap state: a compile leaves the GPU idle for most of a minute)."""
+    import time
+
+    from benchmarks.tuning import e2e_profile
+    from loki.bench import e2e
+
+    ran, slept = [], []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "fake")
+    monkeypatch.setattr(time, "sleep", lambda s: (slept.append(s), ran.append("sleep")))
+    monkeypatch.setattr(launch_state, "stream_state", lambda: "s")
+    monkeypatch.setattr(launch_state, "gpu_processes", lambda: 1)
+    monkeypatch.setattr(launch_state, "gpu_clocks", lambda: f"{1980 - 100 * len(ran)} MHz, 3201 MHz, P0")
+    monkeypatch.setattr(e2e_profile, "compiled_step", lambda *a, **k: (lambda i: None))
+    monkeypatch.setattr(launch_state, "build_stages", lambda *a, **k: (
+        [(n, lambda n=n: ran.append(n)) for n in launch_state.STAGES], {}))
+    monkeypatch.setattr(e2e, "build_model", lambda config, device: None)
+    assert launch_state.main(["--layers", "1", "--steps", "2", "--seq-len", "1000", "--idle", "90"]) == 0
+    assert slept == [90.0] and ran == ["sleep", *launch_state.STAGES]
+    rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("RESULT")]
+    assert [r.split()[2] for r in rows] == ["before", "idle", *launch_state.STAGES, "again"]
+    assert [r.split("clocks ")[1].split()[0] for r in rows] == [
+        str(1980 - 100 * i) for i in (0, 1, *range(2, 2 + len(launch_state.STAGES)), 1 + len(launch_state.STAGES))]
+    with pytest.raises(SystemExit, match="--idle must be"):
+        launch_state.main(["--layers", "1", "--idle", "-1"])
 
 
 def test_profile_once_runs_a_profiler_session_on_the_cpu():

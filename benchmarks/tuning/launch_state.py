@@ -19,8 +19,10 @@ after each stage:
 ``--fresh`` makes Inductor compile the second step in this process (its caches off for that build), the cold-process
 case; ``--inductor KEY=VALUE`` patches an Inductor setting for that build (``triton.autotune_pointwise=False``) and
 ``--stop-workers`` / ``--profile-once`` / ``--empty-cache`` add last stages that shut Inductor's compile workers
-down / run one profiler session / hand the caching allocator's free blocks back.  Every row also counts the
-processes that hold a context on the GPU (``nvidia-smi``) and the current stream the probe ran on.
+down / run one profiler session / hand the caching allocator's free blocks back; ``--idle SECONDS`` adds a first
+stage that leaves the GPU idle that long (a compile leaves it idle for most of a minute).  Every row also counts the
+processes that hold a context on the GPU (``nvidia-smi``), the current stream the probe ran on, and the SM and
+memory clocks and performance state read right after the probe.
 The stage after which the probe's time moves is the one that sets the state: on an H200 it is always ``compile``
 (results/launch-state-h200-2026-11-28/NOTES.md).  Both models live at once: at the defaults (Llama-3-8B dims, 32
 layers, B=8, S=32768) about 105 GB, so a card of 80 GB takes ``--layers 16``.  Run it twice with one
@@ -63,6 +65,20 @@ def gpu_processes() -> int | None:
     return len([ln for ln in out.splitlines() if ln.strip()])
 
 
+def gpu_clocks() -> str | None:
+    """The first GPU's SM and memory clocks (MHz) and performance state, as ``nvidia-smi`` reads them now, or None
+    where it cannot say."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,clocks.mem,pstate", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = [ln.strip() for ln in out.splitlines() if ln.strip()]
+    return lines[0] if lines else None
+
+
 def profile_once(device="cuda") -> None:
     """One ``torch.profiler`` session (CPU and CUDA activities: CUPTI) around a small matmul, as Inductor's
     profiling benchmarker runs while it compiles."""
@@ -87,6 +103,11 @@ def _stop_workers() -> None:
     from torch._inductor.async_compile import shutdown_compile_workers
 
     shutdown_compile_workers()
+
+
+def first_stages(a) -> list:
+    """The stages before the build: "idle" (``--idle SECONDS``: the GPU left idle that long), or none."""
+    return [("idle", lambda: time.sleep(a.idle))] if a.idle > 0 else []
 
 
 def last_stages(a) -> list:
@@ -191,6 +212,8 @@ def main(argv=None) -> int:
     ap.add_argument("--graph-functions", action="store_true",
                     help="keep the probe's CUDA graphs and print, after every stage, what changed in their kernel "
                     "nodes' functions, node attributes and edges (benchmarks/tuning/graph_functions.py)")
+    ap.add_argument("--idle", type=float, default=0.0, metavar="SECONDS",
+                    help="a first stage that leaves the GPU idle this long before the build (0: none)")
     ap.add_argument("--empty-cache", action="store_true",
                     help="a last stage that hands the caching allocator's free blocks back (torch.cuda.empty_cache)")
     add_step_arguments(ap, 30, "steps in each of the probe's synced and back-to-back loops")
@@ -199,8 +222,10 @@ def main(argv=None) -> int:
     for flag, p in (("--probe", a.probe), ("--build", a.build)):
         check_path(flag, p)
     patch = parse_patches(a.inductor)
-    last = last_stages(a)
-    warm, probes = 8, 1 + len(STAGES) + len(last)  # before, after each stage
+    if not a.idle >= 0:
+        raise SystemExit(f"--idle must be a number of seconds >= 0, got {a.idle}")
+    first, last = first_stages(a), last_stages(a)
+    warm, probes = 8, 1 + len(first) + len(STAGES) + len(last)  # before, after each stage
     per_path = warm + 2 * a.steps * probes
     if a.steps < 1 or per_path >= a.seq_len - 4:
         raise SystemExit(f"--steps must be >= 1 with 8 + 2 * steps * {probes} < --seq-len - 4, got --steps {a.steps} "
@@ -215,7 +240,7 @@ def main(argv=None) -> int:
         first = used[0]
         used[0] += 2 * a.steps
         ms = measure_steps(step, first, a.steps)["back_to_back_ms"]
-        procs.append((gpu_processes(), stream_state()))
+        procs.append((gpu_processes(), stream_state(), gpu_clocks()))
         if watch:
             now = [snapshot(g.raw_cuda_graph(), watch["driver"]) for g in watch["graphs"]]
             graph_changes.append([ln for b, n in zip(watch["base"], now) for ln in changes(b, n)])
@@ -235,9 +260,9 @@ def main(argv=None) -> int:
             print(f"watching {len(watch['graphs'])} graphs of the probe: "
                   f"{sum(len(b) for b in watch['base'] if isinstance(b, list))} kernel nodes")
         stages, _ = build_stages(dims, a.build, a.batch, a.seq_len, a.seq_len - 4, a.k, a.fresh, patch=patch)
-        rows = run_stages(stages + last, probe)
+        rows = run_stages(first + stages + last, probe)
         for r, n in zip(rows, procs):
-            r["gpu_procs"], r["stream"] = n
+            r["gpu_procs"], r["stream"], r["clocks"] = n
         for r, ch in zip(rows, graph_changes):
             r["graph_changes"] = ch
     head = f"probe {a.probe}, building {a.build}{' (compiled here)' if a.fresh else ''}, {torch.cuda.get_device_name()}"
@@ -246,7 +271,8 @@ def main(argv=None) -> int:
     print(head)
     for r in rows:
         print(f"RESULT after {r['after']:<8} probe {r['probe_ms']:.3f} ms/step  (stage {r['stage_s']:.1f} s, "
-              f"{'?' if r['gpu_procs'] is None else r['gpu_procs']} processes on the GPU; stream {r['stream']})")
+              f"{'?' if r['gpu_procs'] is None else r['gpu_procs']} processes on the GPU; stream {r['stream']}; "
+              f"clocks {r['clocks'] or '?'})")
         for line in r.get("graph_changes", [])[:12]:
             print(f"    graphs: {line}")
     return 0
