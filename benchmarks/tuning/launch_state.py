@@ -53,29 +53,28 @@ def run_stages(stages, probe) -> list[dict]:
     return rows
 
 
-def gpu_processes() -> int | None:
-    """How many processes hold a context on the GPUs (``nvidia-smi``), or None where it cannot say."""
+def _nvidia_smi(query: str) -> list[str] | None:
+    """The non-empty lines ``nvidia-smi --<query> --format=csv,noheader`` prints, or None where it cannot run."""
     import subprocess
 
     try:
-        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=30, check=True).stdout
+        out = subprocess.run(["nvidia-smi", f"--{query}", "--format=csv,noheader"], capture_output=True, text=True,
+                             timeout=30, check=True).stdout
     except (OSError, subprocess.SubprocessError):
         return None
-    return len([ln for ln in out.splitlines() if ln.strip()])
+    return [ln.strip() for ln in out.splitlines() if ln.strip()]
+
+
+def gpu_processes() -> int | None:
+    """How many processes hold a context on the GPUs (``nvidia-smi``), or None where it cannot say."""
+    lines = _nvidia_smi("query-compute-apps=pid")
+    return None if lines is None else len(lines)
 
 
 def gpu_clocks() -> str | None:
     """The first GPU's SM and memory clocks (MHz) and performance state, as ``nvidia-smi`` reads them now, or None
     where it cannot say."""
-    import subprocess
-
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,clocks.mem,pstate", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    lines = [ln.strip() for ln in out.splitlines() if ln.strip()]
+    lines = _nvidia_smi("query-gpu=clocks.sm,clocks.mem,pstate")
     return lines[0] if lines else None
 
 
