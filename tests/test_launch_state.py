@@ -234,3 +234,49 @@ def test_graph_functions_watch_the_probes_graphs_from_before_the_build(monkeypat
     at = {ln.split()[2]: i for i, ln in enumerate(lines) if ln.startswith("RESULT")}
     assert "graphs: k: func_attrs.carveout 0 -> 100" in lines[at["compile"] + 1]
     assert not lines[at["eager"] + 1].strip().startswith("graphs:")
+
+
+def test_triggers_run_one_stage_each_before_the_build_and_build_none_leaves_it_out(monkeypatch, capsys):
+    """--triggers: each named trigger is a stage of its own, probed after it, before the build; --build none runs no
+    build stage (only the triggers and "again"); an unknown trigger is refused by name."""
+    from benchmarks.tuning import e2e_profile, launch_triggers
+    from loki.bench import e2e
+
+    ran = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "fake")
+    monkeypatch.setattr(launch_state, "stream_state", lambda: "s")
+    monkeypatch.setattr(launch_state, "gpu_processes", lambda: 1)
+    monkeypatch.setattr(launch_state, "gpu_clocks", lambda: None)
+    monkeypatch.setattr(launch_triggers, "trigger_stages", lambda names, device="cuda": (
+        [(n, lambda n=n: ran.append(n)) for n in names], []))
+    monkeypatch.setattr(e2e_profile, "compiled_step", lambda *a, **k: (lambda i: None))
+    monkeypatch.setattr(launch_state, "build_stages", lambda *a, **k: (
+        [(n, lambda n=n: ran.append(n)) for n in launch_state.STAGES], {}))
+    monkeypatch.setattr(e2e, "build_model", lambda config, device: None)
+    base = ["--layers", "1", "--steps", "2", "--seq-len", "1000"]
+    assert launch_state.main([*base, "--triggers", "pinned,gc"]) == 0
+    assert ran == ["pinned", "gc", *launch_state.STAGES]
+    rows = [ln.split()[2] for ln in capsys.readouterr().out.splitlines() if ln.startswith("RESULT")]
+    assert rows == ["before", "pinned", "gc", *launch_state.STAGES, "again"]
+    ran.clear()
+    assert launch_state.main([*base, "--triggers", "all", "--build", "none"]) == 0
+    assert ran == list(launch_triggers.TRIGGERS)
+    rows = [ln.split()[2] for ln in capsys.readouterr().out.splitlines() if ln.startswith("RESULT")]
+    assert rows == ["before", *launch_triggers.TRIGGERS, "again"]
+    with pytest.raises(SystemExit, match="--triggers takes names of .* got nope"):
+        launch_state.main([*base, "--triggers", "gc,nope"])
+
+
+def test_the_cheap_triggers_run_on_the_cpu_and_keep_what_they_allocate():
+    """The triggers that need no GPU or compiler run on the CPU; pinned memory and streams stay referenced (a trigger
+    whose allocation was freed at once would test nothing)."""
+    from benchmarks.tuning import launch_triggers
+
+    names = ["pinned", "host-copy", "events", "streams", "cublas", "gc", "bench"]
+    stages, keep = launch_triggers.trigger_stages(names, device="cpu")
+    assert [n for n, _ in stages] == names
+    for _, fn in stages:
+        fn()
+    assert len(keep) == 1 and keep[0].numel() == 256 << 20

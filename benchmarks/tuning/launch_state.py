@@ -20,7 +20,9 @@ after each stage:
 case; ``--inductor KEY=VALUE`` patches an Inductor setting for that build (``triton.autotune_pointwise=False``) and
 ``--stop-workers`` / ``--profile-once`` / ``--empty-cache`` add last stages that shut Inductor's compile workers
 down / run one profiler session / hand the caching allocator's free blocks back; ``--idle SECONDS`` adds a first
-stage that leaves the GPU idle that long (a compile leaves it idle for most of a minute).  Every row also counts the
+stage that leaves the GPU idle that long (a compile leaves it idle for most of a minute); ``--triggers a,b,...``
+runs cheap pieces of what a compile does (``launch_triggers.py``) one stage each before the build, and ``--build
+none`` leaves the build out.  Every row also counts the
 processes that hold a context on the GPU (``nvidia-smi``), the current stream the probe ran on, and the SM and
 memory clocks and performance state read right after the probe.
 The stage after which the probe's time moves is the one that sets the state: on an H200 it is always ``compile``
@@ -104,9 +106,18 @@ def _stop_workers() -> None:
     shutdown_compile_workers()
 
 
-def first_stages(a) -> list:
-    """The stages before the build: "idle" (``--idle SECONDS``: the GPU left idle that long), or none."""
-    return [("idle", lambda: time.sleep(a.idle))] if a.idle > 0 else []
+def first_stages(a, keep: list | None = None) -> list:
+    """The stages before the build: "idle" (``--idle SECONDS``: the GPU left idle that long), then the
+    ``--triggers`` (``launch_triggers.py``; what they allocate is appended to ``keep``), or none."""
+    from .launch_triggers import parse_triggers, trigger_stages
+
+    stages = [("idle", lambda: time.sleep(a.idle))] if a.idle > 0 else []
+    if a.triggers:
+        triggers, kept = trigger_stages(parse_triggers(a.triggers))
+        stages += triggers
+        if keep is not None:
+            keep.append(kept)
+    return stages
 
 
 def last_stages(a) -> list:
@@ -200,7 +211,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--probe", default="loki_compiled", help="the path whose step is timed after every stage "
                     "(a compiled path of loki bench --e2e; loki_compiled@int8 names the int8 copy)")
-    ap.add_argument("--build", default="loki_compiled@int8", help="the path built stage by stage on a second model")
+    ap.add_argument("--build", default="loki_compiled@int8", help="the path built stage by stage on a second model "
+                    "(none: no build, only the --triggers and last stages)")
+    ap.add_argument("--triggers", default="", metavar="NAMES",
+                    help="comma-separated cheap stages run before the build, one piece of a compile each "
+                    "(benchmarks/tuning/launch_triggers.py; all: every one)")
     ap.add_argument("--fresh", action="store_true", help="Inductor compiles the built path in this process")
     ap.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE",
                     help="an Inductor setting for the build (repeatable), e.g. triton.autotune_pointwise=False")
@@ -219,12 +234,15 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     dims = model_dims(a)
     for flag, p in (("--probe", a.probe), ("--build", a.build)):
-        check_path(flag, p)
+        if not (flag == "--build" and p == "none"):
+            check_path(flag, p)
     patch = parse_patches(a.inductor)
     if not a.idle >= 0:
         raise SystemExit(f"--idle must be a number of seconds >= 0, got {a.idle}")
-    first, last = first_stages(a), last_stages(a)
-    warm, probes = 8, 1 + len(first) + len(STAGES) + len(last)  # before, after each stage
+    keep: list = []  # what the triggers allocate, alive to the end
+    first, last = first_stages(a, keep), last_stages(a)
+    n_build = 0 if a.build == "none" else len(STAGES)
+    warm, probes = 8, 1 + len(first) + n_build + len(last)  # before, after each stage
     per_path = warm + 2 * a.steps * probes
     if a.steps < 1 or per_path >= a.seq_len - 4:
         raise SystemExit(f"--steps must be >= 1 with 8 + 2 * steps * {probes} < --seq-len - 4, got --steps {a.steps} "
@@ -258,15 +276,16 @@ def main(argv=None) -> int:
             watch["base"] = [snapshot(g.raw_cuda_graph(), watch["driver"]) for g in watch["graphs"]]
             print(f"watching {len(watch['graphs'])} graphs of the probe: "
                   f"{sum(len(b) for b in watch['base'] if isinstance(b, list))} kernel nodes")
-        stages, _ = build_stages(dims, a.build, a.batch, a.seq_len, a.seq_len - 4, a.k, a.fresh, patch=patch)
+        stages = [] if a.build == "none" else build_stages(dims, a.build, a.batch, a.seq_len, a.seq_len - 4, a.k,
+                                                            a.fresh, patch=patch)[0]
         rows = run_stages(first + stages + last, probe)
         for r, n in zip(rows, procs):
             r["gpu_procs"], r["stream"], r["clocks"] = n
         for r, ch in zip(rows, graph_changes):
             r["graph_changes"] = ch
     head = f"probe {a.probe}, building {a.build}{' (compiled here)' if a.fresh else ''}, {torch.cuda.get_device_name()}"
-    print(json.dumps({"probe": a.probe, "build": a.build, "fresh": a.fresh, "inductor": patch, "layers": a.layers,
-                      "batch": a.batch, "seq_len": a.seq_len, "k": a.k, "rows": rows}))
+    print(json.dumps({"probe": a.probe, "build": a.build, "fresh": a.fresh, "inductor": patch, "triggers": a.triggers,
+                      "layers": a.layers, "batch": a.batch, "seq_len": a.seq_len, "k": a.k, "rows": rows}))
     print(head)
     for r in rows:
         print(f"RESULT after {r['after']:<8} probe {r['probe_ms']:.3f} ms/step  (stage {r['stage_s']:.1f} s, "
