@@ -280,3 +280,20 @@ def test_the_cheap_triggers_run_on_the_cpu_and_keep_what_they_allocate():
     for _, fn in stages:
         fn()
     assert len(keep) == 1 and keep[0].numel() == 256 << 20
+
+
+def test_parse_triggers_takes_counts_on_the_stream_triggers_only():
+    """``streams:N`` / ``streams-idle:N`` take a count N >= 1; the variants outside ``all`` are named one by one; a
+    count on another trigger, a zero or a non-number is refused by name."""
+    from benchmarks.tuning import launch_triggers as lt
+
+    assert lt.parse_triggers("streams:3, streams-idle:2,side-work,tree-sync") == [
+        "streams:3", "streams-idle:2", "side-work", "tree-sync"]
+    assert lt.parse_triggers("all") == list(lt.TRIGGERS) and not set(lt.EXTRA) & set(lt.TRIGGERS)
+    for bad in ("streams:0", "gc:2", "streams:x", "nope"):
+        with pytest.raises(SystemExit, match=f"got {bad}"):
+            lt.parse_triggers(bad)
+    stages, keep = lt.trigger_stages(["streams:3", "streams-idle:2", "side-gemm"], device="cpu")
+    assert [n for n, _ in stages] == ["streams:3", "streams-idle:2", "side-gemm"]
+    for _, fn in stages:
+        fn()

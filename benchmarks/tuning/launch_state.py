@@ -22,14 +22,14 @@ case; ``--inductor KEY=VALUE`` patches an Inductor setting for that build (``tri
 down / run one profiler session / hand the caching allocator's free blocks back; ``--idle SECONDS`` adds a first
 stage that leaves the GPU idle that long (a compile leaves it idle for most of a minute); ``--triggers a,b,...``
 runs cheap pieces of what a compile does (``launch_triggers.py``) one stage each before the build, and ``--build
-none`` leaves the build out.  Every row also counts the
-processes that hold a context on the GPU (``nvidia-smi``), the current stream the probe ran on, and the SM and
-memory clocks and performance state read right after the probe.
-The stage after which the probe's time moves is the one that sets the state: on an H200 it is always ``compile``
-(results/launch-state-h200-2026-11-28/NOTES.md).  Both models live at once: at the defaults (Llama-3-8B dims, 32
-layers, B=8, S=32768) about 105 GB, so a card of 80 GB takes ``--layers 16``.  Run it twice with one
-``TORCHINDUCTOR_CACHE_DIR``: the first process compiles the probe's step (and so starts in the slow state), the second
-loads it and starts in the fast one.
+none`` leaves the build out.  Every row also counts the processes that hold a context on the GPU (``nvidia-smi``),
+the current stream the probe ran on, and the SM and memory clocks and performance state read right after the probe.
+The stage after which the probe's time moves is the one that sets the state: of a build's stages, on an H200, it
+is always ``compile`` (results/launch-state-h200-2026-11-28/NOTES.md); of the triggers, the first kernel run on a
+second stream (results/launch-streams-h200-2026-12-01/NOTES.md).  Both models live at once: at the defaults
+(Llama-3-8B dims, 32 layers, B=8, S=32768) about 105 GB, so a card of 80 GB takes ``--layers 16``.  Run it twice
+with one ``TORCHINDUCTOR_CACHE_DIR``: the first process compiles the probe's step (and so starts in the slow state),
+the second loads it and starts in the fast one.
 """
 
 from __future__ import annotations

@@ -5,19 +5,13 @@ fast one (results/launch-state-h200-2026-11-28/NOTES.md); a build takes a minute
 what a compile does, or of what the driver keeps per process, done alone in a second or two, so one process can try
 many: the stage after which the probe moves names the piece.
 
+The triggers of ``all``, in this order:
+
 * ``pinned``: 256 MB of page-locked host memory, kept alive;
 * ``host-copy``: 64 MB copied host -> device -> host without blocking, through page-locked memory;
 * ``events``: 200 pairs of timing events recorded around a small kernel, their times read;
-* ``streams``: 40 streams taken from torch's stream pool (``torch.cuda.Stream()``), a small kernel on each;
-  ``streams:N`` takes N; ``streams-idle:N`` takes N and launches nothing on them;
-* ``side-stream``: a pool stream made the current stream, so every later probe replays on it;
-* ``side-wait``: the current stream waits on a new pool stream that ran nothing; ``side-work``: a small kernel on a
-  new pool stream, no waits between it and the current stream (a device sync after); ``side-fork``: a new pool
-  stream waits on the current one, then runs a small kernel (no join; a device sync after);
-* ``tree-sync`` / ``tree-wait``: what ``streams:1`` does, or only the current stream's wait, with the stream of
-  Inductor's CUDA-graph tree manager (the one the probe's graphs were recorded on) instead of a new one;
-  ``tree-gemm`` / ``side-gemm``: a bf16 cuBLAS matmul (large shared memory) instead of the small kernel, on that
-  stream or on a new pool stream;
+* ``streams``: 40 streams taken from torch's stream pool (``torch.cuda.Stream()``), a small kernel on each
+  (``streams:N`` takes N);
 * ``cublas``: matmuls of shapes the probe does not use (bf16 and fp32);
 * ``gc``: ``gc.collect()``;
 * ``bench``: Inductor's GPU benchmarker timing a small kernel (its L2-flush buffer, events, repeats);
@@ -25,6 +19,23 @@ many: the stage after which the probe moves names the piece.
 * ``tiny-compile``: ``torch.compile`` of a small softmax with Inductor's caches off (Dynamo, Inductor, Triton
   compile, reduction autotuning), run once;
 * ``tiny-graph``: the same with ``mode="reduce-overhead"`` (a CUDA-graph tree of its own), run three times.
+
+Variants of ``streams``, named one by one (:data:`EXTRA`):
+
+* ``streams-idle:N``: N pool streams taken, nothing launched on them;
+* ``side-stream``: a pool stream made the current stream, so every later probe replays on it;
+* ``side-wait``: the current stream waits on a new pool stream that ran nothing; ``side-work``: a small kernel on a
+  new pool stream, no waits between it and the current stream (a device sync after); ``side-fork``: a new pool
+  stream waits on the current one, then runs a small kernel (no join; a device sync after);
+* ``tree-sync`` / ``tree-wait``: what ``streams:1`` does, or only the current stream's wait, with the stream of
+  Inductor's CUDA-graph tree manager (the one the probe's graphs were recorded on) instead of a new one;
+* ``tree-gemm`` / ``side-gemm``: a bf16 cuBLAS matmul (large shared memory) instead of the small kernel, on that
+  stream or on a new pool stream; ``tree-many``: 2000 small kernels on the tree manager's stream;
+* ``graph-big``: a new CUDA graph of 1000 small kernels captured (torch captures on a side stream) and replayed
+  twice on the current stream, as a build's capture does at the probe's size.
+
+The matmul, ``tree-many`` and ``graph-big`` triggers are candidates for what makes a slow process fast again, as a
+build loaded from the cache does; results/launch-streams-h200-2026-12-01/NOTES.md has the ones run so far.
 """
 
 from __future__ import annotations
@@ -39,7 +50,7 @@ TRIGGERS = ("pinned", "host-copy", "events", "streams", "cublas", "gc", "bench",
 
 #: Triggers left out of ``all`` (each a variant of ``streams``).
 EXTRA = ("streams-idle", "side-stream", "side-wait", "side-work", "side-fork", "tree-sync", "tree-wait", "tree-gemm",
-         "side-gemm")
+         "side-gemm", "tree-many", "graph-big")
 #: Triggers that take a count: ``name:N``.
 COUNTED = ("streams", "streams-idle")
 
@@ -155,7 +166,7 @@ def trigger_stages(names: list[str], device: str = "cuda") -> tuple[list, list]:
             raise SystemExit("tree-sync / tree-wait need a CUDA-graph tree manager: the probe's compiled step")
         return manager.stream
 
-    def exchange(s, work=True, fork=True, join=True, gemm=False):
+    def exchange(s, work=True, fork=True, join=True, gemm=False, kernels=1):
         x = torch.ones(1 << 16, device=device)
         a = torch.ones(4096, 4096, device=device, dtype=torch.bfloat16) if gemm else None
         if cuda():
@@ -166,9 +177,22 @@ def trigger_stages(names: list[str], device: str = "cuda") -> tuple[list, list]:
                     if gemm:
                         keep.append(a @ a)
                     else:
-                        x.add_(1.0)
+                        for _ in range(kernels):
+                            x.add_(1.0)
             if join:
                 torch.cuda.current_stream().wait_stream(s)
+        sync()
+
+    def graph_big():
+        x = torch.ones(1 << 16, device=device)
+        if cuda():
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                for _ in range(1000):
+                    x.add_(1.0)
+            keep.append((g, x))
+            g.replay()
+            g.replay()
         sync()
 
     def side_stream():
@@ -204,7 +228,8 @@ def trigger_stages(names: list[str], device: str = "cuda") -> tuple[list, list]:
              "tree-sync": lambda: exchange(tree_stream() if cuda() else None),
              "tree-wait": lambda: exchange(tree_stream() if cuda() else None, work=False, fork=False),
              "tree-gemm": lambda: exchange(tree_stream() if cuda() else None, gemm=True),
-             "side-gemm": lambda: exchange(pool_stream() if cuda() else None, gemm=True)}
+             "side-gemm": lambda: exchange(pool_stream() if cuda() else None, gemm=True),
+             "tree-many": lambda: exchange(tree_stream() if cuda() else None, kernels=2000), "graph-big": graph_big}
 
     def stage(name):
         base, n = _split(name)
