@@ -156,8 +156,9 @@ class LokiSettings:
     resolves to "torch"; "triton" is refused), for evaluating them.  key_prefix: whether the caches keep the
     keys' first d rotated dims a second time, contiguous, for the kernels' approximate scores (True, the default:
     d/D more than K in memory, the scores read at the copy bandwidth); False keeps K and V alone, the memory of a
-    dense cache, and the kernels read those dims in place (a strided read, slower; the same results).  The int8
-    score copy is such a prefix and needs it.
+    dense cache, and the kernels read those dims in place (a strided read, slower; the same results).  A static
+    cache with no room for a native prefix leaves it out of the layers where it does not fit (a warning; the same
+    results).  The int8 score copy is such a prefix and needs it.
 
     Values are checked when the object is made (an error names the argument); the "auto" values are decided by
     :meth:`resolve` / :meth:`resolve_shapes`.

@@ -120,27 +120,45 @@ def test_the_e2e_benchmark_passes_it_and_sizes_the_caches_without_it():
         e2e_report.select(parser.parse_args(["--e2e", "--quick", "--no-key-prefix", "--score-format", "int8"]))
 
 
-@pytest.mark.interpreter
-@pytest.mark.parametrize("fmt", ["native", "int8"])
-def test_a_static_cache_out_of_memory_on_the_prefix_says_how_to_fit(triton_device, fmt, monkeypatch):
-    """A static cache whose keys and values fit but whose key prefix does not: the out-of-memory error keeps
-    torch's message and names ``key_prefix=False`` (with the native score copy for an int8 setting)."""
-    if triton_device.type != "cpu":
-        pytest.skip("the interpreter's test")
-    from loki._hf import cache_keyword
+def _tiny(fmt="native"):
     from loki.basis import PCABasis
-    from loki.integrations.transformers import disable_loki, enable_loki, loki_cache
-    from loki.integrations.transformers.layers import LayerStore
+    from loki.integrations.transformers import enable_loki
     from loki.testing.models import tiny_model
 
-    def no_memory(self, keys):
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.00 GiB")
-
-    monkeypatch.setattr(LayerStore, "new_prefix", no_memory)
     model = tiny_model("llama", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, seed=0)
     c = model.config
     enable_loki(model, PCABasis.random(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, seed=1), d=0.5,
                 backend="triton", score_format=fmt)
+    return model
+
+
+def _no_memory_for(layers: set):
+    """A ``LayerStore.new_prefix`` that runs out of memory on the n-th call for every n in ``layers`` (0-based: the
+    layers in order of allocation)."""
+    from loki.integrations.transformers.layers import LayerStore
+
+    real, calls = LayerStore.new_prefix, []
+
+    def new_prefix(self, keys):
+        calls.append(len(calls))
+        if calls[-1] in layers:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.00 GiB")
+        return real(self, keys)
+    return new_prefix
+
+
+@pytest.mark.interpreter
+def test_a_static_cache_out_of_memory_on_an_int8_copy_says_how_to_fit(triton_device, monkeypatch):
+    """An int8 score copy that does not fit beside the keys and values: its scores are read from it, so it cannot
+    be left out; the out-of-memory error keeps torch's message and names key_prefix=False with the native copy."""
+    if triton_device.type != "cpu":
+        pytest.skip("the interpreter's test")
+    from loki._hf import cache_keyword
+    from loki.integrations.transformers import disable_loki, loki_cache
+    from loki.integrations.transformers.layers import LayerStore
+
+    monkeypatch.setattr(LayerStore, "new_prefix", _no_memory_for({0, 1}))
+    model = _tiny("int8")
     try:
         cache = loki_cache(model, static=True, max_cache_len=32)
         with pytest.raises(torch.OutOfMemoryError) as info:
@@ -149,7 +167,83 @@ def test_a_static_cache_out_of_memory_on_the_prefix_says_how_to_fit(triton_devic
         disable_loki(model)
     msg = str(info.value)
     assert msg.startswith("CUDA out of memory. Tried to allocate 4.00 GiB") and "key_prefix=False" in msg
-    assert ("score_format='native'" in msg) == (fmt == "int8")
+    assert "score_format='native'" in msg
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("eager", [False, True], ids=["at-first-write", "batch_size"])
+def test_a_native_prefix_that_does_not_fit_is_left_out_with_a_warning_and_the_same_logits(triton_device, eager,
+                                                                                          monkeypatch):
+    """A static cache whose keys and values fit but whose second layer's key prefix does not: that layer keeps none
+    (its kernels read the keys' first dims in place), a warning names key_prefix=False, the first layer keeps its
+    prefix, and the logits equal those of a cache with every prefix."""
+    if triton_device.type != "cpu":
+        pytest.skip("the interpreter's test")
+    from loki._hf import cache_keyword
+    from loki.integrations.transformers import disable_loki, loki_cache
+    from loki.integrations.transformers.layers import LayerStore
+
+    ids = torch.randint(0, 97, (1, PROMPT + STEPS), generator=torch.Generator().manual_seed(2))
+
+    def run(fail: set):
+        monkeypatch.setattr(LayerStore, "new_prefix", _no_memory_for(fail))
+        model = _tiny()
+        ids_ = ids % model.config.vocab_size
+        try:
+            with torch.no_grad():
+                cache = loki_cache(model, static=True, max_cache_len=PROMPT + STEPS + 2,
+                                   batch_size=1 if eager else None)
+                kw = {cache_keyword(model): cache, "use_cache": True}
+                model(input_ids=ids_[:, :PROMPT], **kw)
+                rows = [model(input_ids=ids_[:, t:t + 1], **kw).logits[0, -1] for t in range(PROMPT, PROMPT + STEPS)]
+                return torch.stack(rows), [la.loki.prefix for la in cache.layers]
+        finally:
+            disable_loki(model)
+
+    want, prefixes = run(set())
+    assert all(p is not None for p in prefixes)
+    with pytest.warns(RuntimeWarning, match="key prefix did not fit .* enable_loki\\(..., key_prefix=False\\)"):
+        got, prefixes = run({1})
+    assert prefixes[0] is not None and prefixes[1] is None
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.interpreter
+def test_an_eager_static_cache_allocates_every_layers_keys_and_values_before_any_prefix(triton_device, monkeypatch):
+    """``loki_cache(..., batch_size=B)``: all keys and values first, then the prefixes, so a prefix that does not
+    fit is the one left out, not a later layer's keys; a layer's keys and values out of memory at the first write
+    say how to fit."""
+    if triton_device.type != "cpu":
+        pytest.skip("the interpreter's test")
+    from transformers.cache_utils import StaticLayer
+
+    from loki._hf import cache_keyword
+    from loki.integrations.transformers import disable_loki, loki_cache
+    from loki.integrations.transformers.layers import LayerStore
+
+    order = []
+    real_kv, real_prefix = StaticLayer.lazy_initialization, LayerStore.new_prefix
+    monkeypatch.setattr(StaticLayer, "lazy_initialization",
+                        lambda self, k, v: (order.append("kv"), real_kv(self, k, v))[1])
+    monkeypatch.setattr(LayerStore, "new_prefix",
+                        lambda self, keys: (order.append("prefix"), real_prefix(self, keys))[1])
+    model = _tiny()
+    try:
+        loki_cache(model, static=True, max_cache_len=16, batch_size=1)
+        assert order == ["kv", "kv", "prefix", "prefix"]
+
+        def no_memory(self, k, v):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB")
+
+        monkeypatch.setattr(StaticLayer, "lazy_initialization", no_memory)
+        cache = loki_cache(model, static=True, max_cache_len=16)
+        with pytest.raises(torch.OutOfMemoryError) as info:
+            model(input_ids=torch.zeros(1, 4, dtype=torch.long), **{cache_keyword(model): cache, "use_cache": True})
+    finally:
+        disable_loki(model)
+    msg = str(info.value)
+    assert msg.startswith("CUDA out of memory. Tried to allocate 8.00 GiB")
+    assert "batch_size=B" in msg and "key_prefix=False" in msg
 
 
 def test_the_prefix_hint_counts_one_layers_bytes():

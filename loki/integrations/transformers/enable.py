@@ -150,7 +150,8 @@ def enable_loki(
             ``score_format``: how the approximate scores read the keys' ``d`` leading dims ("native", or "int8":
             an int8 copy with a bf16 scale per token, which the caches write and the kernels read).  ``key_prefix``
             False: the caches keep no second copy of the keys' d leading dims (a dense cache's memory; the kernels
-            read those dims in place, slower scores, the same results).
+            read those dims in place, slower scores, the same results); True (the default) keeps it, except on the
+            layers of a static cache where a native copy does not fit (left out there, with a warning).
 
     The resolved settings are ``loki.integrations.transformers.state_of(model).settings``.  Returns ``model``
     (modified in place).  Calling it again replaces the previous settings.

@@ -23,6 +23,8 @@ layer), D head dim, dp key-prefix dims.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, StaticLayer
 
@@ -107,8 +109,13 @@ class LayerStore:
         return keys[..., : self.prefix_dims].contiguous(), None
 
 
-def _prefix_oom_hint(store: LayerStore, keys: torch.Tensor) -> str:
-    """What to tell a user whose static cache ran out of memory on the key prefix (the keys and values fitted)."""
+def _prefix_oom_hint(store: LayerStore, keys: torch.Tensor, *, dropped: bool = False) -> str:
+    """What to tell a user whose static cache ran out of memory on the key prefix (the keys and values fitted);
+    ``dropped``: the warning when a native prefix is left out instead (``store.prefix_dims`` already None)."""
+    if dropped:
+        return (f"Loki's key prefix did not fit beside the static cache's keys and values on {keys.device}: a "
+                "layer keeps none, and its kernels read the keys' first dims in place (the same results, a slower "
+                "read). enable_loki(..., key_prefix=False) keeps none on every layer")
     rows, dp = keys[..., 0].numel(), store.prefix_dims
     need = rows * (dp + 2) if store.int8 else rows * dp * keys.element_size()  # an int8 copy: codes and a scale
     how = ("enable_loki(..., score_format='native', key_prefix=False) keeps a dense cache's memory (native scores)"
@@ -280,8 +287,22 @@ class LokiStaticLayer(StaticLayer):
         self.loki = store
 
     def lazy_initialization(self, key_states, value_states) -> None:
-        super().lazy_initialization(key_states, value_states)
+        self._allocate_kv(key_states, value_states)
         self._allocate()
+
+    def _allocate_kv(self, key_states, value_states) -> None:
+        """The layer's keys and values (transformers' allocation); out of memory, the error also says how a cache
+        with Loki's key prefix fits where a dense one does."""
+        try:
+            super().lazy_initialization(key_states, value_states)
+        except torch.OutOfMemoryError as exc:
+            if self.loki.prefix_dims is None:
+                raise
+            raise torch.OutOfMemoryError(
+                f"{exc}\nThe keys and values of a layer of Loki's static cache did not fit beside the earlier layers' "
+                "key prefixes: loki_cache(model, static=True, max_cache_len=..., batch_size=B) allocates every "
+                "layer's keys and values first (a prefix that then does not fit is left out, with the same "
+                "results), or enable_loki(..., key_prefix=False) keeps none") from None
 
     def _allocate(self) -> None:
         dev = self.keys.device
@@ -291,7 +312,14 @@ class LokiStaticLayer(StaticLayer):
             try:
                 self.loki.prefix, self.loki.prefix_scale = self.loki.new_prefix(self.keys)
             except torch.OutOfMemoryError as exc:
-                raise torch.OutOfMemoryError(f"{exc}\n{_prefix_oom_hint(self.loki, self.keys)}") from None
+                if self.loki.int8:  # its scores are read from the copy: leaving it out would change them
+                    raise torch.OutOfMemoryError(f"{exc}\n{_prefix_oom_hint(self.loki, self.keys)}") from None
+                # a native prefix is a copy of the keys' first dims: without it the kernels read them in place
+                # (the same scores and logits, a strided read), so a cache that fits dense's memory still runs
+                self.loki.prefix_dims = None
+                warnings.warn(f"{_prefix_oom_hint(self.loki, self.keys, dropped=True)}", RuntimeWarning,
+                              stacklevel=2)
+                return
             if not torch.compiler.is_compiling():
                 for t in (self.loki.prefix, self.loki.prefix_scale):
                     if t is not None:
@@ -481,9 +509,16 @@ def loki_cache(model, *, static: bool = False, max_cache_len: int | None = None,
     if batch_size is not None:
         HKV, D = config_kv_heads(model.config), config_head_dim(model.config)
         mods = attention_modules(model)
-        for idx, layer in enumerate(cache.layers[:n]):
+        layers = cache.layers[:n]
+        for idx, layer in enumerate(layers):  # every layer's keys and values first, then the key prefixes
             w = mods[idx].k_proj.weight if idx < len(mods) else next(model.parameters())
             dtype = w.dtype if w.dtype.is_floating_point else torch.get_default_dtype()
             z = torch.zeros(batch_size, HKV, 0, D, dtype=dtype, device=w.device)
-            layer.lazy_initialization(z, z)
+            if isinstance(layer, LokiStaticLayer):
+                layer._allocate_kv(z, z)
+            else:
+                layer.lazy_initialization(z, z)
+        for layer in layers:
+            if isinstance(layer, LokiStaticLayer):
+                layer._allocate()
     return cache
