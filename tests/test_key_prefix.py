@@ -236,6 +236,9 @@ def test_an_eager_static_cache_allocates_every_layers_keys_and_values_before_any
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB")
 
         monkeypatch.setattr(StaticLayer, "lazy_initialization", no_memory)
+        with pytest.raises(torch.OutOfMemoryError) as eager:  # no prefix allocated yet: torch's error alone
+            loki_cache(model, static=True, max_cache_len=16, batch_size=1)
+        assert str(eager.value) == "CUDA out of memory. Tried to allocate 8.00 GiB"
         cache = loki_cache(model, static=True, max_cache_len=16)
         with pytest.raises(torch.OutOfMemoryError) as info:
             model(input_ids=torch.zeros(1, 4, dtype=torch.long), **{cache_keyword(model): cache, "use_cache": True})

@@ -113,7 +113,7 @@ def _prefix_oom_hint(store: LayerStore, keys: torch.Tensor, *, dropped: bool = F
     """What to tell a user whose static cache ran out of memory on the key prefix (the keys and values fitted);
     ``dropped``: the warning when a native prefix is left out instead (``store.prefix_dims`` already None)."""
     if dropped:
-        return (f"Loki's key prefix did not fit beside the static cache's keys and values on {keys.device}: a "
+        return (f"Loki's key prefix did not fit beside the static cache's keys and values on {keys.device}: this "
                 "layer keeps none, and its kernels read the keys' first dims in place (the same results, a slower "
                 "read). enable_loki(..., key_prefix=False) keeps none on every layer")
     rows, dp = keys[..., 0].numel(), store.prefix_dims
@@ -287,16 +287,17 @@ class LokiStaticLayer(StaticLayer):
         self.loki = store
 
     def lazy_initialization(self, key_states, value_states) -> None:
-        self._allocate_kv(key_states, value_states)
+        self._allocate_kv(key_states, value_states, hint=True)
         self._allocate()
 
-    def _allocate_kv(self, key_states, value_states) -> None:
-        """The layer's keys and values (transformers' allocation); out of memory, the error also says how a cache
-        with Loki's key prefix fits where a dense one does."""
+    def _allocate_kv(self, key_states, value_states, *, hint: bool = False) -> None:
+        """The layer's keys and values (transformers' allocation).  ``hint``: layer by layer at the first write, so
+        earlier layers may hold key prefixes; out of memory, the error then also says how such a cache fits where
+        a dense one does."""
         try:
             super().lazy_initialization(key_states, value_states)
         except torch.OutOfMemoryError as exc:
-            if self.loki.prefix_dims is None:
+            if not hint or not self.loki.keeps_prefix(key_states.device):
                 raise
             raise torch.OutOfMemoryError(
                 f"{exc}\nThe keys and values of a layer of Loki's static cache did not fit beside the earlier layers' "
@@ -317,8 +318,7 @@ class LokiStaticLayer(StaticLayer):
                 # a native prefix is a copy of the keys' first dims: without it the kernels read them in place
                 # (the same scores and logits, a strided read), so a cache that fits dense's memory still runs
                 self.loki.prefix_dims = None
-                warnings.warn(f"{_prefix_oom_hint(self.loki, self.keys, dropped=True)}", RuntimeWarning,
-                              stacklevel=2)
+                warnings.warn(_prefix_oom_hint(self.loki, self.keys, dropped=True), RuntimeWarning, stacklevel=2)
                 return
             if not torch.compiler.is_compiling():
                 for t in (self.loki.prefix, self.loki.prefix_scale):
