@@ -147,25 +147,30 @@ def _no_memory_for(layers: set):
     return new_prefix
 
 
+def _first_write_out_of_memory(model, cache) -> str:
+    """The message of the out-of-memory error that a 4-token forward writing into ``cache`` raises."""
+    from loki._hf import cache_keyword
+
+    with pytest.raises(torch.OutOfMemoryError) as info:
+        model(input_ids=torch.zeros(1, 4, dtype=torch.long), **{cache_keyword(model): cache, "use_cache": True})
+    return str(info.value)
+
+
 @pytest.mark.interpreter
 def test_a_static_cache_out_of_memory_on_an_int8_copy_says_how_to_fit(triton_device, monkeypatch):
     """An int8 score copy that does not fit beside the keys and values: its scores are read from it, so it cannot
     be left out; the out-of-memory error keeps torch's message and names key_prefix=False with the native copy."""
     if triton_device.type != "cpu":
         pytest.skip("the interpreter's test")
-    from loki._hf import cache_keyword
     from loki.integrations.transformers import disable_loki, loki_cache
     from loki.integrations.transformers.layers import LayerStore
 
     monkeypatch.setattr(LayerStore, "new_prefix", _no_memory_for({0, 1}))
     model = _tiny("int8")
     try:
-        cache = loki_cache(model, static=True, max_cache_len=32)
-        with pytest.raises(torch.OutOfMemoryError) as info:
-            model(input_ids=torch.zeros(1, 4, dtype=torch.long), **{cache_keyword(model): cache, "use_cache": True})
+        msg = _first_write_out_of_memory(model, loki_cache(model, static=True, max_cache_len=32))
     finally:
         disable_loki(model)
-    msg = str(info.value)
     assert msg.startswith("CUDA out of memory. Tried to allocate 4.00 GiB") and "key_prefix=False" in msg
     assert "score_format='native'" in msg
 
@@ -217,7 +222,6 @@ def test_an_eager_static_cache_allocates_every_layers_keys_and_values_before_any
         pytest.skip("the interpreter's test")
     from transformers.cache_utils import StaticLayer
 
-    from loki._hf import cache_keyword
     from loki.integrations.transformers import disable_loki, loki_cache
     from loki.integrations.transformers.layers import LayerStore
 
@@ -239,12 +243,9 @@ def test_an_eager_static_cache_allocates_every_layers_keys_and_values_before_any
         with pytest.raises(torch.OutOfMemoryError) as eager:  # no prefix allocated yet: torch's error alone
             loki_cache(model, static=True, max_cache_len=16, batch_size=1)
         assert str(eager.value) == "CUDA out of memory. Tried to allocate 8.00 GiB"
-        cache = loki_cache(model, static=True, max_cache_len=16)
-        with pytest.raises(torch.OutOfMemoryError) as info:
-            model(input_ids=torch.zeros(1, 4, dtype=torch.long), **{cache_keyword(model): cache, "use_cache": True})
+        msg = _first_write_out_of_memory(model, loki_cache(model, static=True, max_cache_len=16))
     finally:
         disable_loki(model)
-    msg = str(info.value)
     assert msg.startswith("CUDA out of memory. Tried to allocate 8.00 GiB")
     assert "batch_size=B" in msg and "key_prefix=False" in msg
 

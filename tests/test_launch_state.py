@@ -8,6 +8,13 @@ import torch
 from benchmarks.tuning import launch_state
 
 
+def fake_cuda(monkeypatch) -> None:
+    """``main``'s checks of the device pass on the CPU: a CUDA device "fake" that is there and syncs at once."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "fake")
+
+
 def test_run_stages_probes_before_any_stage_and_after_each_in_order():
     """A fake process whose probe reads 9.4 ms until the "compile" stage has run, then 9.9 ms: the rows name the
     stage each probe followed, so the flip shows after "compile" and not before."""
@@ -87,9 +94,7 @@ def test_main_probes_with_fresh_steps_before_after_each_stage_and_again(monkeypa
     def fake_build_stages(dims, path, B, S, n_fill, k, fresh, device="cuda", patch=None):
         return [(n, lambda n=n: ran.append(n)) for n in launch_state.STAGES], {}
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "fake")
+    fake_cuda(monkeypatch)
     monkeypatch.setattr(launch_state, "stream_state", lambda: "s")
     monkeypatch.setattr(e2e_profile, "compiled_step", fake_compiled_step)
     monkeypatch.setattr(launch_state, "build_stages", fake_build_stages)
@@ -124,9 +129,7 @@ def test_main_adds_the_worker_and_allocator_stages_last_and_counts_gpu_processes
         got["patch"] = patch
         return [(n, lambda n=n: ran.append(n)) for n in launch_state.STAGES], {}
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "fake")
+    fake_cuda(monkeypatch)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: ran.append("empty_cache"))
     monkeypatch.setattr(async_compile, "shutdown_compile_workers", lambda: ran.append("shutdown"))
     monkeypatch.setattr(launch_state, "profile_once", lambda: ran.append("profile"))
@@ -157,9 +160,7 @@ def test_idle_runs_first_and_every_row_carries_the_clocks_read_after_its_probe(m
     from loki.bench import e2e
 
     ran, slept = [], []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "fake")
+    fake_cuda(monkeypatch)
     monkeypatch.setattr(time, "sleep", lambda s: (slept.append(s), ran.append("sleep")))
     monkeypatch.setattr(launch_state, "stream_state", lambda: "s")
     monkeypatch.setattr(launch_state, "gpu_processes", lambda: 1)
@@ -216,9 +217,7 @@ def test_graph_functions_watch_the_probes_graphs_from_before_the_build(monkeypat
         kept.append(FakeGraph())  # a graph of the build: not watched
         return [(n, lambda n=n: ran.append(n)) for n in launch_state.STAGES], {}
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "fake")
+    fake_cuda(monkeypatch)
     monkeypatch.setattr(launch_state, "stream_state", lambda: "s")
     monkeypatch.setattr(launch_state, "gpu_processes", lambda: 1)
     monkeypatch.setattr(e2e_steps, "dump_graphs_when_captured", lambda: kept)
@@ -243,9 +242,7 @@ def test_triggers_run_one_stage_each_before_the_build_and_build_none_leaves_it_o
     from loki.bench import e2e
 
     ran = []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "fake")
+    fake_cuda(monkeypatch)
     monkeypatch.setattr(launch_state, "stream_state", lambda: "s")
     monkeypatch.setattr(launch_state, "gpu_processes", lambda: 1)
     monkeypatch.setattr(launch_state, "gpu_clocks", lambda: None)
