@@ -375,3 +375,41 @@ def test_speedup_targets_are_not_judged_against_a_dense_baseline_far_from_its_fl
         assert all(t["pass"] is None and "not a fair baseline" in t["note"] for t in rows)
         assert "6.9x its byte floor" in rows[0]["note"]
         assert "(not judged: dense at 6.9x" in e2e_report.short_table(doc)
+
+
+def test_every_timing_starts_in_one_launch_gap_state(monkeypatch):
+    """The forward's timed steps and generate's timed calls each come right after ``settle_launch_state`` (one small
+    kernel on a second stream on CUDA): a step compiled in this process and one loaded from Inductor's cache are
+    then timed in the same state; results record it."""
+    from loki.bench import e2e_cache, e2e_generate
+
+    events = []
+    monkeypatch.setattr(e2e, "settle_launch_state", lambda dev: events.append("settle") or True)
+    monkeypatch.setattr(e2e_generate, "settle_launch_state", lambda dev: events.append("settle generate") or True)
+    real_run, real_now = e2e_cache._Clock.run, e2e_generate._now
+    monkeypatch.setattr(e2e_cache._Clock, "run", lambda self, n, fn: (events.append("timed"), real_run(self, n, fn))[1])
+    monkeypatch.setattr(e2e_generate, "_now", lambda: (events.append("generate timed"), real_now())[1])
+    (res,) = e2e.run_grid([e2e.Setting("tiny", 1, 24)], device="cpu", dtype=torch.float32, models=TINY, steps=2,
+                          paths=("sdpa_eager",), copy_gbps=10.0, compile_mode=None, log=lambda line: None,
+                          generate=True, generate_tokens=2, generate_reps=1)
+    r = res["paths"]["sdpa_eager"]
+    assert r["launch_state_settled"] is True and r["generate_launch_state_settled"] is True
+    assert events[:3] == ["settle", "timed", "timed"]  # the timed steps and their second timing
+    i = events.index("settle generate")
+    assert "generate timed" not in events[:i] and events[i + 1] == "generate timed"
+
+
+def test_settle_launch_state_does_nothing_off_cuda():
+    from loki.bench.e2e_cache import settle_launch_state
+
+    assert settle_launch_state("cpu") is False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_settle_launch_state_runs_on_a_second_stream_and_leaves_the_current_one():
+    from loki.bench.e2e_cache import settle_launch_state
+
+    before = torch.cuda.current_stream()
+    assert settle_launch_state("cuda") is True
+    assert torch.cuda.current_stream() == before

@@ -17,7 +17,9 @@ path is filled with the same random keys and values (drawn per layer from one se
 ``n0 = S - steps`` positions through ``cache.update`` (no prefill forward); then ``steps`` decode steps run once
 untimed (compilation, CUDA-graph recording, SDPA plans, Triton specialisations), the cache is rewound to ``n0`` and
 the same steps are timed (CUDA events around each step; ``time.perf_counter`` on the CPU); the last reaches S.
-``compiled_here``: this process compiled the step (slower than one loaded from Inductor's cache: docs/benchmarks.md).
+``compiled_here``: this process compiled the step.  On CUDA every timing first runs one small kernel on a second
+stream (``e2e_cache.settle_launch_state``), so a step compiled here and one loaded from Inductor's cache are timed in
+the same launch-gap state, the one any program with a second stream has (docs/benchmarks.md).
 With ``generate=True`` each path then times whole greedy ``model.generate`` calls on the same cache
 (:mod:`loki.bench.e2e_generate`: per token, (t(N + 1 new tokens) - t(1)) / N).  On CUDA each phase records its peak
 of ``torch.cuda.max_memory_allocated`` (weights included).
@@ -47,7 +49,18 @@ from loki._hf import cache_keyword
 from loki.reference.score_formats import score_elements
 from loki.settings import LokiSettings
 
-from .e2e_cache import PeakMemory, _Clock, _dims, _free, fill_cache, inductor_compiles, make_cache, rewind, sdpa_context
+from .e2e_cache import (
+    PeakMemory,
+    _Clock,
+    _dims,
+    _free,
+    fill_cache,
+    inductor_compiles,
+    make_cache,
+    rewind,
+    sdpa_context,
+    settle_launch_state,  # every timing starts in one launch-gap state
+)
 from .e2e_cache import _native_gqa as _native_gqa  # re-exported: scripts import it from here
 from .e2e_cache import sdpa_backend_config as sdpa_backend_config  # re-exported: the report imports it from here
 from .e2e_generate import PROMPTS, time_generate
@@ -269,6 +282,7 @@ def run_path(model, path: str, *, B: int, S: int, steps: int, device, dtype, bas
             first_pass_s, compiled_here = time.perf_counter() - t0, inductor_compiles() > n_compiles
             ref = last.pop("out").logits[:, -1].float().clone()
             rewind(cache, n0)
+            settled = settle_launch_state(dev)  # the same launch-gap state whether compiled here or loaded
             t0 = time.perf_counter()
             times = clock.run(steps, step)
             wall = (time.perf_counter() - t0) * 1e3 / steps
@@ -286,6 +300,7 @@ def run_path(model, path: str, *, B: int, S: int, steps: int, device, dtype, bas
             "ms_median_again": statistics.median(times_again),
             "tokens_per_s": B / (med * 1e-3), "first_pass_s": first_pass_s, "steps": steps, "finite": finite,
             "rewind_diff": rewind_diff, "compiled": compiled, "compiled_here": compiled_here,
+            "launch_state_settled": settled,
             # compilation and recording: the first pass beyond what its steps take once warm
             "compile_s": max(0.0, first_pass_s - sum(times) * 1e-3) if compiled else None,
             "cache": type(cache).__name__, "cache_layer": type(layer0).__name__ if layer0 is not None else None,

@@ -1,6 +1,6 @@
 """What the end-to-end decode benchmark (:mod:`loki.bench.e2e`) does to caches and clocks: each path's cache,
 filling it with random keys and values, rewinding it, the SDPA backend contexts of the dense paths, the step
-clock and freeing device memory between paths.
+clock, the launch-gap state every timing starts in and freeing device memory between paths.
 
 Shape letters: B batch, L layers, HQ query heads, HKV key/value heads, D head dim.
 """
@@ -15,7 +15,7 @@ import torch
 
 from loki._hf import config_head_dim
 
-__all__ = ["fill_cache", "make_cache", "rewind", "sdpa_backend_config", "sdpa_context"]
+__all__ = ["fill_cache", "make_cache", "rewind", "sdpa_backend_config", "sdpa_context", "settle_launch_state"]
 
 
 def _dims(config) -> tuple[int, int, int, int]:
@@ -139,6 +139,29 @@ class _Clock:
             fn(i)
             out.append((time.perf_counter() - t) * 1e3)
         return out
+
+
+def settle_launch_state(device) -> bool:
+    """Put the process in the launch-gap state of any program with a second stream, before a timing: one small
+    kernel on a new stream, then a device sync.  Returns whether it ran (CUDA only).
+
+    A compiled step's CUDA graph runs with short gaps between its kernels in a process that loaded its graphs from
+    Inductor's cache and ran nothing on another stream, and with gaps about 0.3 us longer per kernel (4-5% of a Loki
+    step at Llama-3-8B dims) once any kernel ran on a second stream, which a compile does and a serving stack does
+    (results/launch-streams-h200-2026-12-01/NOTES.md).  Settling first makes a timing independent of whether this
+    process compiled or loaded the step, and of the paths built before it: the state users with a second stream get.
+    """
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return False
+    side, here = torch.cuda.Stream(device=dev), torch.cuda.current_stream(dev)
+    x = torch.zeros(1, device=dev)
+    side.wait_stream(here)
+    with torch.cuda.stream(side):
+        x.add_(1.0)
+    here.wait_stream(side)
+    torch.cuda.synchronize(dev)
+    return True
 
 
 def inductor_compiles() -> int:

@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from .e2e_cache import rewind
+from .e2e_cache import rewind, settle_launch_state
 
 __all__ = ["PROMPTS", "time_generate"]
 
@@ -82,6 +82,7 @@ def time_generate(model, cache, *, B: int, S: int, new_tokens: int, key: str, de
             warm[name] = call(n)
         sync()
         warmup_s = time.perf_counter() - t0
+        settled = settle_launch_state(dev)  # after generate's own compile: the state of the forward's timing
         last = None
         for _ in range(reps):
             for name, n in lengths.items():
@@ -104,4 +105,5 @@ def time_generate(model, cache, *, B: int, S: int, new_tokens: int, key: str, de
             "generate_ms_per_token_spread": max(paired) - min(paired), "generate_new_tokens": N, "generate_reps": reps,
             "generate_prompt": prompt, "generate_prompt_tokens": n0,
             "generate_tokens_per_s": B / (per_token * 1e-3) if per_token > 0 else None,
-            "generate_warmup_s": warmup_s, "generate_same_tokens": bool(torch.equal(last, warm["N+1"]))}
+            "generate_warmup_s": warmup_s, "generate_same_tokens": bool(torch.equal(last, warm["N+1"])),
+            "generate_launch_state_settled": settled}
