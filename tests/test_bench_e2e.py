@@ -322,6 +322,10 @@ def test_reports(cpu_results, tmp_path):
     assert "tiny-B2-S40" in text and "| llama2-7b-B8-S16384 | skip" in text and "loki+compile" in text
     assert "Loki's selection: tiny one per KV group, aggregate softmax-max." in text
     assert e2e_report.REPEAT_KV_NOTE in text  # transformers' repeat-kv call: the report says the ratios read high
+    assert "second stream" not in text  # CPU timings are not settled (there is no launch-gap state)
+    settled = {**res, "paths": {p: {**r, "launch_state_settled": True} for p, r in res["paths"].items()}}
+    assert "after one small kernel on a second stream" in e2e_report.write_markdown(
+        {**doc, "results": [settled]}, str(tmp_path / "r3.md"))
     doc["sdpa_backend"] = "native-gqa"
     assert e2e_report.REPEAT_KV_NOTE not in e2e_report.write_markdown(doc, str(tmp_path / "r2.md"))
     rows = e2e_report.target_rows(doc["results"])
@@ -397,6 +401,15 @@ def test_every_timing_starts_in_one_launch_gap_state(monkeypatch):
     assert events[:3] == ["settle", "timed", "timed"]  # the timed steps and their second timing
     i = events.index("settle generate")
     assert "generate timed" not in events[:i] and events[i + 1] == "generate timed"
+
+
+def test_the_report_says_the_timings_were_settled_only_when_every_path_was():
+    from loki.bench.e2e_report import _settled
+
+    def doc(*flags):
+        return {"results": [{"paths": {f"p{i}": {"ms_median": 1.0, "launch_state_settled": f}
+                                       for i, f in enumerate(flags)} | {"skipped": {"error": "out of memory"}}}]}
+    assert _settled(doc(True, True)) and not _settled(doc(True, False)) and not _settled({"results": []})
 
 
 def test_settle_launch_state_does_nothing_off_cuda():

@@ -291,6 +291,13 @@ def _selection(doc: dict) -> str:
                      for m, (g, a) in seen.items())
 
 
+def _settled(doc: dict) -> bool:
+    """Whether every timed path of the run started in the settled launch-gap state (``settle_launch_state``)."""
+    runs = [r for res in doc["results"] for r in res.get("paths", {}).values()
+            if isinstance(r, dict) and "ms_median" in r]
+    return bool(runs) and all(r.get("launch_state_settled") for r in runs)
+
+
 def write_markdown(doc: dict, path: str) -> str:
     paths = doc["paths"]
     compiled = [p for p in paths if p.endswith("_compiled")]
@@ -305,7 +312,9 @@ def write_markdown(doc: dict, path: str) -> str:
         + (f" Score copy: {doc['score_format']}." if doc.get("score_format", "native") != "native" else "")
         + (f" Note: {REPEAT_KV_NOTE}" if doc["sdpa_backend"] == "default" else "")
         + (" No key prefix (key_prefix=False): the scores read K in place." if doc.get("key_prefix") is False
-           else ""),
+           else "")
+        + (" Each timing started after one small kernel on a second stream (the launch-gap state of any program "
+           "with one; docs/benchmarks.md)." if _settled(doc) else ""),
         "",
         "ms = median ms per decode step (CUDA events), tok/s = B / median step time. Floors: bytes one step must "
         "read (weights without the input embedding table + dense K and V, or Loki's d/D key prefix and k_f rows of "
