@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from .basis import PCABasis
     from .calibration import calibrate
     from .integrations.transformers import disable_loki, enable_loki
-    from .integrations.transformers.layers import loki_cache
+    from .integrations.transformers.caches import loki_cache
     from .kernels import decode_attention
     from .settings import LokiSettings
 
@@ -34,7 +34,7 @@ _EXPORTS = {
     "decode_attention": ".kernels",
     "disable_loki": ".integrations.transformers",
     "enable_loki": ".integrations.transformers",
-    "loki_cache": ".integrations.transformers.layers",  # imports transformers
+    "loki_cache": ".integrations.transformers.caches",  # imports transformers
 }
 
 

@@ -6,7 +6,7 @@ How it plugs in (public transformers APIs only, no model class is patched); docs
   attention function under the name ``"loki"`` with ``transformers.AttentionInterface`` (and a mask builder that
   builds nothing: it hands on the 2-D padding mask, which the step plan reads) and switches the model to it;
   ``disable_loki`` restores the implementation the model had before.
-* A forward pre-hook on the decoder adopts the forward's KV cache (:mod:`.layers`: its layers become
+* A forward pre-hook on the decoder adopts the forward's KV cache (:mod:`.caches`: its layers become
   :class:`LokiDynamicLayer` / :class:`LokiSlidingWindowLayer` / :class:`LokiStaticLayer`, each holding one
   ``LayerStore``; a cache is created when the caller asks for one and passes none) and builds the forward's
   :class:`~.step.StepPlan` (:mod:`.step`: what every query row of every layer sees, the decode step's budgets
@@ -30,8 +30,9 @@ Supported architectures: Llama (incl. SmolLM), Mistral, Qwen2 and Qwen3 (``loki.
 
 Modules: ``state`` (an enabled model's state and transforms, the errors), ``enable`` (enable/disable, the hooks, the
 architecture check), ``step`` (the step plan), ``run`` (the decode step's two routes), ``attention`` (the attention
-function), ``teacher_forced`` (decode-time semantics for every row), ``layers`` (the cache layers and
-:func:`loki_cache`; imports transformers, loaded lazily), ``parallel`` (tensor parallelism).
+function), ``teacher_forced`` (decode-time semantics for every row), ``layers`` (the cache layers) and ``caches``
+(adopting caches, :func:`loki_cache`), both importing transformers and loaded lazily, ``parallel`` (tensor
+parallelism).
 
 Shape letters: B batch, HQ query heads, HKV key/value heads, L query length, S key length (cache + new tokens),
 D head dim.
@@ -69,7 +70,7 @@ __all__ = [
     "teacher_forced_attention",
 ]
 
-_LAYERS = ("LokiDynamicLayer", "LokiSlidingWindowLayer", "LokiStaticLayer", "loki_cache")
+_LAYERS = ("LokiDynamicLayer", "LokiSlidingWindowLayer", "LokiStaticLayer")
 
 
 def __getattr__(name):  # the cache layers subclass transformers' classes: imported when first asked for
@@ -77,4 +78,8 @@ def __getattr__(name):  # the cache layers subclass transformers' classes: impor
         from . import layers
 
         return getattr(layers, name)
+    if name == "loki_cache":
+        from . import caches
+
+        return caches.loki_cache
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

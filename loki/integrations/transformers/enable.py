@@ -206,7 +206,7 @@ def enable_loki(
 
 def _install_hooks(model, state: LokiState) -> None:
     """Hooks on the decoder: before each forward, the cache is adopted (one is created when the caller wants a cache
-    and passed none; :func:`.layers.adopt_cache`) and the forward's step plan is built (:func:`.step.build_step_plan`:
+    and passed none; :func:`.caches.adopt_cache`) and the forward's step plan is built (:func:`.step.build_step_plan`:
     what every query row of every layer sees, the budgets, the runner; checked once); after it, the per-forward
     state is reset."""
     s = state.settings
@@ -223,7 +223,7 @@ def _install_hooks(model, state: LokiState) -> None:
         return args[i] if 0 <= i < len(args) else None
 
     def pre_hook(module, args, kwargs):
-        from .layers import adopt_cache, is_adopted
+        from .caches import adopt_cache, is_adopted
 
         present = [n for n in ("cache", "past_key_values") if kwargs.get(n) is not None]
         cache = kwargs[present[0]] if present else None
@@ -295,7 +295,7 @@ def disable_loki(model, *, _keep_implementation: bool = False):
         return None if _keep_implementation else model
     if not _keep_implementation:
         model.set_attn_implementation(state.previous_implementation or "sdpa")  # the step that can fail: first
-    from .layers import restore_caches
+    from .caches import restore_caches
 
     restore_caches(state)
     state.owner.active = False
