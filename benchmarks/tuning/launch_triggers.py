@@ -10,8 +10,8 @@ The triggers of ``all``, in this order:
 * ``pinned``: 256 MB of page-locked host memory, kept alive;
 * ``host-copy``: 64 MB copied host -> device -> host without blocking, through page-locked memory;
 * ``events``: 200 pairs of timing events recorded around a small kernel, their times read;
-* ``streams``: 40 streams taken from torch's stream pool (``torch.cuda.Stream()``), a small kernel on each
-  (``streams:N`` takes N);
+* ``streams``: 40 streams taken from torch's stream pool (``torch.cuda.Stream()``), a small kernel on each, as
+  ``loki bench --e2e`` settles before a timing (``loki.bench.e2e_cache.settle_launch_state``; ``streams:N``: N);
 * ``cublas``: matmuls of shapes the probe does not use (bf16 and fp32);
 * ``gc``: ``gc.collect()``;
 * ``bench``: Inductor's GPU benchmarker timing a small kernel (its L2-flush buffer, events, repeats);
@@ -61,12 +61,12 @@ def _split(name: str) -> tuple[str, int | None]:
 
 
 def parse_triggers(text: str) -> list[str]:
-    """A comma-separated list of :data:`TRIGGERS` and ``side-stream`` (``all``: every trigger, in that order;
+    """A comma-separated list of :data:`TRIGGERS` and :data:`EXTRA` (``all``: every one of TRIGGERS, in order;
     ``streams:N`` / ``streams-idle:N`` with a count N >= 1); refuses an unknown name or a bad count."""
     names = list(TRIGGERS) if text.strip() == "all" else [t.strip() for t in text.split(",") if t.strip()]
     known = (*TRIGGERS, *EXTRA)
-    bad = [n for n in names if _split(n)[0] not in known or _split(n)[1] == -1
-           or (_split(n)[1] is not None and _split(n)[0] not in COUNTED)]
+    bad = [n for n, (base, count) in zip(names, map(_split, names))
+           if base not in known or count == -1 or (count is not None and base not in COUNTED)]
     if bad:
         raise SystemExit(f"--triggers takes names of {', '.join(known)} (or all; streams:N and streams-idle:N "
                          f"with N >= 1), got {', '.join(bad)}")
@@ -104,17 +104,22 @@ def _triton_new(device: str) -> None:
 
 def trigger_stages(names: list[str], device: str = "cuda") -> tuple[list, list]:
     """(name, fn) stages for ``names`` and the list that keeps what they allocate alive (pinned memory, streams)."""
+    from loki.bench.e2e_cache import settle_launch_state
+
     keep: list = []
 
+    def cuda() -> bool:
+        return torch.device(device).type == "cuda"
+
     def sync():
-        if torch.device(device).type == "cuda":
+        if cuda():
             torch.cuda.synchronize()
 
     def pinned():
-        keep.append(torch.empty(256 << 20, dtype=torch.uint8, pin_memory=torch.device(device).type == "cuda"))
+        keep.append(torch.empty(256 << 20, dtype=torch.uint8, pin_memory=cuda()))
 
     def host_copy():
-        h = torch.ones(64 << 20, dtype=torch.uint8, pin_memory=torch.device(device).type == "cuda")
+        h = torch.ones(64 << 20, dtype=torch.uint8, pin_memory=cuda())
         d = h.to(device, non_blocking=True)
         h.copy_(d, non_blocking=True)
         sync()
@@ -123,7 +128,7 @@ def trigger_stages(names: list[str], device: str = "cuda") -> tuple[list, list]:
         x = torch.ones(1 << 20, device=device)
         pairs = []
         for _ in range(200):
-            if torch.device(device).type == "cuda":
+            if cuda():
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 a.record()
                 x.mul_(1.0)
@@ -136,22 +141,11 @@ def trigger_stages(names: list[str], device: str = "cuda") -> tuple[list, list]:
             a.elapsed_time(b)
 
     def streams(n=40, work=True):
-        x = torch.ones(1 << 16, device=device)
-        for _ in range(n):
-            if torch.device(device).type == "cuda":
-                s = torch.cuda.Stream()
-                keep.append(s)
-                if work:
-                    s.wait_stream(torch.cuda.current_stream())
-                    with torch.cuda.stream(s):
-                        x.add_(1.0)
-                    torch.cuda.current_stream().wait_stream(s)
-            elif work:
-                x.add_(1.0)
-        sync()
-
-    def cuda() -> bool:
-        return torch.device(device).type == "cuda"
+        for _ in range(n):  # what the benchmark's settle does, once per new stream (or the streams alone)
+            if work:
+                settle_launch_state(device)
+            elif cuda():
+                pool_stream()
 
     def pool_stream():
         s = torch.cuda.Stream()
@@ -196,9 +190,8 @@ def trigger_stages(names: list[str], device: str = "cuda") -> tuple[list, list]:
         sync()
 
     def side_stream():
-        if torch.device(device).type == "cuda":
-            s = torch.cuda.Stream()
-            keep.append(s)
+        if cuda():
+            s = pool_stream()
             s.wait_stream(torch.cuda.current_stream())
             torch.cuda.set_stream(s)
 
@@ -213,7 +206,7 @@ def trigger_stages(names: list[str], device: str = "cuda") -> tuple[list, list]:
         from torch._inductor.runtime.benchmarking import benchmarker
 
         x = torch.randn(1 << 20, device=device)
-        if torch.device(device).type == "cuda":
+        if cuda():
             benchmarker.benchmark_gpu(lambda: x.mul(2.0))
         else:
             benchmarker.benchmark_cpu(lambda: x.mul(2.0))

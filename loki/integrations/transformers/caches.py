@@ -63,7 +63,7 @@ def _adopt_layer(layer, state: LokiState, idx: int):
         else:
             new.keys = rotate_keys(keys, P.to(keys.device))
     if cls is LokiStaticLayer and getattr(new, "is_initialized", False):
-        new._allocate()
+        new.allocate_prefix()
     return new
 
 
@@ -169,10 +169,10 @@ def loki_cache(model, *, static: bool = False, max_cache_len: int | None = None,
             dtype = w.dtype if w.dtype.is_floating_point else torch.get_default_dtype()
             z = torch.zeros(batch_size, HKV, 0, D, dtype=dtype, device=w.device)
             if isinstance(layer, LokiStaticLayer):
-                layer._allocate_kv(z, z)
+                layer.allocate_kv(z, z)
             else:
                 layer.lazy_initialization(z, z)
         for layer in layers:
             if isinstance(layer, LokiStaticLayer):
-                layer._allocate()
+                layer.allocate_prefix()
     return cache

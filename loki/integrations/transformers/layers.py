@@ -279,10 +279,10 @@ class LokiStaticLayer(StaticLayer):
         self.loki = store
 
     def lazy_initialization(self, key_states, value_states) -> None:
-        self._allocate_kv(key_states, value_states, hint=True)
-        self._allocate()
+        self.allocate_kv(key_states, value_states, hint=True)
+        self.allocate_prefix()
 
-    def _allocate_kv(self, key_states, value_states, *, hint: bool = False) -> None:
+    def allocate_kv(self, key_states, value_states, *, hint: bool = False) -> None:
         """The layer's keys and values (transformers' allocation).  ``hint``: layer by layer at the first write, so
         earlier layers may hold key prefixes; out of memory, the error then also says how such a cache fits where
         a dense one does."""
@@ -297,7 +297,9 @@ class LokiStaticLayer(StaticLayer):
                 "layer's keys and values first (a prefix that then does not fit is left out, with the same "
                 "results), or enable_loki(..., key_prefix=False) keeps none") from None
 
-    def _allocate(self) -> None:
+    def allocate_prefix(self) -> None:
+        """The layer's key prefix beside its allocated keys (once; a native one that does not fit is left out, with a
+        warning), and its transforms on the keys' device as fixed addresses."""
         dev = self.keys.device
         self.loki.to(dev, static=True)
         if self.loki.keeps_prefix(dev) and self.loki.prefix is None:
