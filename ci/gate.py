@@ -347,6 +347,12 @@ def _unit_of(pattern: str, meta: dict[str, dict]) -> str | None:
     return units.pop() if len(units) == 1 else None
 
 
+def _version_of(pattern: str, meta: dict[str, dict]) -> str | None:
+    """The ASV version of the benchmarks ``pattern`` names in ``benchmarks.json`` (one class: one version), or None."""
+    versions = {str(v["version"]) for k, v in meta.items() if fnmatch.fnmatchcase(k, pattern) and "version" in v}
+    return versions.pop() if len(versions) == 1 else None
+
+
 def _is_str_map(value) -> bool:
     return isinstance(value, dict) and all(isinstance(k, str) for k in value)
 
@@ -429,6 +435,9 @@ class Rule:
     minimum: float | None
     maximum: float | None
     source: str
+    # the benchmark version the limits were recorded for (accuracy limits: the version in benchmarks.json); a result
+    # of another version measured something else and is reported as stale, not judged
+    version: str | None = None
 
     def matches(self, name: str, params: dict[str, str]) -> bool:
         return fnmatch.fnmatchcase(name, self.benchmark) and all(
@@ -510,6 +519,7 @@ def load_rules(thresholds: dict, accuracy: dict | None, thresholds_path: str, ac
                         minimum=float(value) if bound == "min" else None,
                         maximum=float(value) if bound == "max" else None,
                         source=f"{acc_name}:profiles/{profile}/{section}/{name}/{bound}",
+                        version=_version_of(lim["benchmark"], meta),
                     )
                 )
     return rules
@@ -659,6 +669,7 @@ class Check:
     note: str = ""
     known: str = ""  # the reason of the known-miss entry that excuses this failing check ("" when none)
     better: str | None = None  # "lower" or "higher": the direction of the limit
+    stale: bool = False  # a result of another benchmark version than the limits': reported, not judged
 
     @property
     def measured(self) -> bool:
@@ -668,7 +679,10 @@ class Check:
     @property
     def status(self) -> str:
         """``ok`` (a measured value within its limit), ``MISSING`` (no value, accepted by --allow-missing),
-        ``KNOWN`` (a failure a known miss excuses) or ``FAIL``."""
+        ``KNOWN`` (a failure a known miss excuses), ``STALE`` (a result of another benchmark version than the
+        limits were recorded for: not judged) or ``FAIL``."""
+        if self.stale:
+            return "STALE"
         if self.ok:
             return "ok" if self.measured else "MISSING"
         return "KNOWN" if self.known else "FAIL"
@@ -760,6 +774,13 @@ def run_gate(
                 if not rule.matches(name, params):
                     continue
                 hits += 1
+                v_res = current.versions.get(name)
+                if rule.version is not None and v_res is not None and str(v_res) != rule.version:
+                    checks.append(Check("threshold", name, params, value, "-", True,
+                                        f"stale: version {v_res} of the benchmark, the limits are version "
+                                        f"{rule.version}'s ({rule.source}); record it again", better=None,
+                                        stale=True))
+                    continue
                 bound = []
                 ok = _is_number(value)
                 if rule.minimum is not None:
@@ -882,7 +903,7 @@ def record_command(current: ResultsFile, lacking: list[str]) -> str:
 def verdict(checks: list[Check], allow_known_misses: bool = False) -> bool:
     """The gate passes when every check passed (or is a known miss, with ``allow_known_misses``) and at least one
     check compared a measured value: results accepted as missing (``--allow-missing``) are not a pass."""
-    return (any(c.measured for c in checks)
+    return (any(c.measured and not c.stale for c in checks)
             and all(c.ok or (allow_known_misses and c.known) for c in checks))
 
 
@@ -912,12 +933,16 @@ def _print_report(out, machine, current, history, how, checks, stale=(), allow_k
     failed = [c for c in checks if not c.ok]
     known = [c for c in failed if c.known]
     missing = [c for c in checks if c.ok and not c.measured]
-    measured = [c for c in checks if c.measured]
+    measured = [c for c in checks if c.measured and not c.stale]
+    outdated = [c for c in checks if c.stale]
     n_thr = sum(c.kind == "threshold" for c in checks)
     n_reg = sum(c.kind == "regression" for c in checks)
     p(f"gate: {len(checks)} checks ({n_thr} threshold, {n_reg} regression), {len(failed)} failed"
       + (f" ({len(known)} of them known misses listed in known_misses)" if known else "")
       + (f", {len(missing)} without a value accepted by --allow-missing (not checked)" if missing else ""))
+    if outdated:
+        p(f"gate: {len(outdated)} results of another benchmark version than their limits were recorded for, not "
+          "judged (STALE): record them again on the machine")
     for why, n in (not_compared or {}).items():
         p(f"gate: {n} regression cases not compared: {why}")
     for c in failed:

@@ -223,6 +223,34 @@ def test_accuracy_entry_the_results_lack_fails_as_absent(tree):
     assert ok
 
 
+def test_accuracy_limits_do_not_judge_results_of_another_benchmark_version(tree):
+    """Accuracy limits recorded for the benchmark's current version (benchmarks.json) do not judge a result of an
+    earlier version (another configuration measured): it is reported STALE, passes, and is not counted as checked;
+    a result of the current version is judged as before."""
+    low = {k: list(v) for k, v in GOOD.items()}
+    low["bench_accuracy.Accuracy.track_jaccard"] = [0.55]  # below the limit 0.6
+    write_results(tree / "results", A, low, date=1000)  # measured by version "1"
+    meta = {name: {"name": name, "type": "track", "version": "1", **m} for name, m in BENCHMARKS.items()}
+    meta["bench_accuracy.Accuracy.track_jaccard"]["version"] = "2"  # the code's version now: other limits
+    asv_util.write_json(str(tree / "results" / "benchmarks.json"), meta, api_version=2)
+    ok, checks, text = gate_run(tree, A)
+    assert ok, text
+    (c,) = [c for c in checks if c.benchmark == "bench_accuracy.Accuracy.track_jaccard"]
+    assert c.status == "STALE" and c.value == 0.55 and "version 1 of the benchmark" in c.note
+    assert "1 results of another benchmark version than their limits were recorded for" in text
+    assert f"({sum(ch.measured for ch in checks) - 1} measured values checked)" in text
+    # the same value from the current version fails
+    BENCHMARKS["bench_accuracy.Accuracy.track_jaccard"]["version"] = "2"
+    try:
+        write_results(tree / "results", B, low, date=2000)
+    finally:
+        del BENCHMARKS["bench_accuracy.Accuracy.track_jaccard"]["version"]
+    ok, checks, _ = gate_run(tree, B)
+    assert not ok
+    (c,) = [c for c in checks if c.benchmark == "bench_accuracy.Accuracy.track_jaccard" and c.kind == "threshold"]
+    assert c.status == "FAIL"
+
+
 def test_changed_benchmark_version_is_not_compared(tree):
     write_results(tree / "results", A, GOOD, date=1000)
     slow = {k: list(v) for k, v in GOOD.items()}
