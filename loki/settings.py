@@ -16,6 +16,12 @@ The defaults (what ``"auto"`` becomes):
 - ``aggregate``: ``"softmax-max"`` for a shared Loki selection (each head's approximate scores softmax-normalised
   before the group's maximum: the most accurate shared selection the kernels run), ``"sum"`` for a shared selection
   of another method; per-query-head selection has no aggregate (``"sum"`` is recorded, never read).
+- ``score_format``: ``"int8"`` for method ``"loki"`` with a key prefix (the approximate scores read an int8 copy of
+  the keys' leading dims, one bf16 scale per token: twice the dims of a native copy for the same bytes, and more
+  accurate at those bytes); ``"native"`` for every other method and for ``key_prefix=False`` (the int8 copy is a
+  prefix).
+- ``d``: the dims whose score copy reads the bytes of a quarter of the head's dims in 16 bits: 0.25 for a native
+  copy, 0.5 for an 8-bit one (int8, fp8), 1.0 for int4.
 - ``backend``: ``"auto"`` stays ``"auto"``: each forward's step plan runs the Triton kernels on CUDA tensors that need
   no gradient and the PyTorch reference otherwise (the kernels have no backward); on a CPU without the Triton
   interpreter it resolves to ``"torch"``.
@@ -116,15 +122,25 @@ class ScoreFormat(_Choice):
     same bytes).  ``INT8`` runs on the Triton kernels too (the caches write an int8 copy); ``FP8`` and ``INT4`` are
     evaluated on the PyTorch reference only (:attr:`reference_only`)."""
 
+    AUTO = "auto"
     NATIVE = "native"
     FP8 = "fp8"
     INT8 = "int8"
     INT4 = "int4"
 
     @property
+    def default_d(self) -> float:
+        """The default dims fraction of this format: the dims whose copy reads what 0.25 of the dims read in 16 bits
+        (0.25 native, 0.5 for an 8-bit copy, 1.0 for int4)."""
+        return _DEFAULT_D[self]
+
+    @property
     def reference_only(self) -> bool:
         """Whether the format runs on the PyTorch reference only (the kernels read "native" and "int8" copies)."""
         return self in (ScoreFormat.FP8, ScoreFormat.INT4)
+
+
+_DEFAULT_D = {ScoreFormat.NATIVE: 0.25, ScoreFormat.FP8: 0.5, ScoreFormat.INT8: 0.5, ScoreFormat.INT4: 1.0}
 
 
 class Semantics(_Choice):
@@ -146,12 +162,14 @@ class LokiSettings:
 
     k: tokens attended per decode step: an int count (>= 1; a count above a sequence's valid tokens keeps them all)
     or a float fraction in (0, 1] of each sequence's valid length (rounded up, at least 1).
-    d: leading basis dims of the approximate scores (SparQ's ``r`` for method "sparq"): an int count (<= D) or a
-    float fraction of D (rounded up).
+    d: leading basis dims of the approximate scores (SparQ's ``r`` for method "sparq"): an int count (<= D), a
+    float fraction of D (rounded up), or "auto" (the default: :attr:`ScoreFormat.default_d` of the score format,
+    0.5 for the int8 copy, 0.25 for a native one).
     method, gqa_select, aggregate, backend, semantics: see :class:`Method`, :class:`GQAMode`, :class:`Aggregate`,
     :class:`Backend`, :class:`Semantics` (strings are accepted).  h2o_recent_fraction: H2O's share of the budget
     given to the most recent tokens.  score_format: how Loki's approximate scores read the keys' ``d`` leading dims
-    (:class:`ScoreFormat`; "native" by default); "int8" runs on the kernels too (the caches keep an int8 copy of
+    (:class:`ScoreFormat`; "auto", the default, is "int8" for method "loki" with a key prefix and "native"
+    otherwise); "int8" runs on the kernels too (the caches keep an int8 copy of
     the d dims with a bf16 scale per token); "fp8" and "int4" run on the PyTorch reference only (``backend="auto"``
     resolves to "torch"; "triton" is refused), for evaluating them.  key_prefix: whether the caches keep the
     keys' first d rotated dims a second time, contiguous, for the kernels' approximate scores (True, the default:
@@ -165,14 +183,14 @@ class LokiSettings:
     """
 
     k: int | float = 0.25
-    d: int | float = 0.25
+    d: int | float | str = "auto"
     method: Method | str = Method.LOKI
     gqa_select: GQAMode | str = GQAMode.AUTO
     aggregate: Aggregate | str = Aggregate.AUTO
     backend: Backend | str = Backend.AUTO
     semantics: Semantics | str = Semantics.GENERATE
     h2o_recent_fraction: float = 0.5
-    score_format: ScoreFormat | str = ScoreFormat.NATIVE
+    score_format: ScoreFormat | str = ScoreFormat.AUTO
     key_prefix: bool = True
 
     def __post_init__(self):
@@ -181,15 +199,22 @@ class LokiSettings:
         object.__setattr__(self, "aggregate", Aggregate.parse(self.aggregate, "aggregate"))
         object.__setattr__(self, "backend", Backend.parse(self.backend, "backend"))
         object.__setattr__(self, "semantics", Semantics.parse(self.semantics, "semantics"))
-        object.__setattr__(self, "score_format", ScoreFormat.parse(self.score_format, "score_format"))
+        if not isinstance(self.key_prefix, bool):
+            raise TypeError(f"key_prefix must be True or False, got {self.key_prefix!r}")
+        fmt = ScoreFormat.parse(self.score_format, "score_format")
+        if fmt is ScoreFormat.AUTO:  # decided here, once: every later reader sees the concrete format and dims
+            fmt = ScoreFormat.INT8 if self.method is Method.LOKI and self.key_prefix else ScoreFormat.NATIVE
+        object.__setattr__(self, "score_format", fmt)
+        if isinstance(self.d, str):
+            if self.d != "auto":
+                raise ValueError(f"d must be an int count, a float fraction of D or 'auto', got {self.d!r}")
+            object.__setattr__(self, "d", fmt.default_d if self.method is Method.LOKI else 0.25)
         if self.score_format is not ScoreFormat.NATIVE and self.method is not Method.LOKI:
             raise ValueError(f"score_format={self.score_format.value!r} applies to method='loki' only "
                              f"(got method={self.method.value!r})")
         if self.score_format.reference_only and self.backend is Backend.TRITON:
             raise ValueError(f"score_format={self.score_format.value!r} runs on the PyTorch reference only (the "
                              "Triton kernels read a native or int8 copy): use backend='torch' or 'auto'")
-        if not isinstance(self.key_prefix, bool):
-            raise TypeError(f"key_prefix must be True or False, got {self.key_prefix!r}")
         if not self.key_prefix and self.score_format is ScoreFormat.INT8:
             raise ValueError("score_format='int8' keeps its int8 copy as the key prefix: it needs key_prefix=True")
         object.__setattr__(self, "k", check_budget(self.k, name="k"))

@@ -78,7 +78,8 @@ def test_a_model_with_an_allocated_basis_evaluates_and_decode_steps_refuse_it():
     ids = torch.randint(0, model.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
 
     def logits(basis, **kw):
-        enable_loki(model, basis, k=0.5, d=4, semantics="decode", backend="torch", gqa_select="query", **kw)
+        enable_loki(model, basis, k=0.5, d=4, semantics="decode", backend="torch", gqa_select="query",
+                    score_format="native", **kw)
         try:
             with torch.no_grad():
                 return model(input_ids=ids, use_cache=False).logits
@@ -92,6 +93,8 @@ def test_a_model_with_an_allocated_basis_evaluates_and_decode_steps_refuse_it():
         enable_loki(model, alloc, k=0.5, d=4)
     with pytest.raises(ValueError, match="score_format='int8'"):
         enable_loki(model, alloc, k=0.5, d=4, semantics="decode", score_format="int8")
+    with pytest.raises(ValueError, match="score_format='int8'"):  # the default copy: the allocation names it
+        enable_loki(model, alloc, k=0.5, d=4, semantics="decode")
     assert not hasattr(model, "_loki")
 
 

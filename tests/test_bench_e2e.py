@@ -52,7 +52,8 @@ def test_no_gpu_is_one_line_error(monkeypatch, capsys):
     (["--seq-lens", "16"], "below every S"),
     (["--budgets", "0.25:2"], "(0, 1]"),
     (["--budgets", "0.25:0.25", "0.5:0.5"], "one --budgets"),
-    (["--budgets", "x"], "k_f:d_f"),
+    (["--budgets", "x"], "k_f[:d_f]"),
+    (["--budgets", "0.25:0.5", "--score-format", "int8", "--no-key-prefix"], "--no-key-prefix"),
     (["--quick", "--batches", "4"], "no setting"),
     (["--time-budget", "0"], "--time-budget"),
     (["--generate", "--generate-tokens", "0"], "--generate-tokens"),  # 0 was read as "unset": the steps
@@ -75,7 +76,8 @@ def test_selection():
     sel = e2e_report.select(_args("--e2e", "--quick"))
     assert [s.id for s in sel["grid"]] == ["llama2-7b-B8-S4096", "llama3-8b-B16-S8192", "llama2-7b-B1-S16384",
                                            "llama3-8b-B1-S16384"]
-    assert sel["paths"] == e2e.PATHS and (sel["k_f"], sel["d_f"]) == (0.25, 0.25)
+    # the library's default: the int8 score copy of d_f 0.5 (the bytes of the native copy at 0.25)
+    assert sel["paths"] == e2e.PATHS and (sel["k_f"], sel["d_f"], sel["score_format"]) == (0.25, 0.5, "int8")
     # every target setting without its own budget is in --quick (the k = 2048 one is named with --settings)
     assert {s.id for s, _ in e2e.TARGETS if s.k is None} <= {s.id for s in sel["grid"]}
     assert [s.id for s in e2e_report.select(_args("--e2e", "--quick", "--models", "llama2-7b"))["grid"]] == [
@@ -86,8 +88,11 @@ def test_selection():
                                   "--paths", "sdpa_compiled", "loki_compiled", "--steps", "8"))
     assert [s.id for s in one["grid"]] == ["llama3-8b-B16-S8192"]
     assert one["paths"] == ("sdpa_compiled", "loki_compiled") and one["steps"] == 8
-    assert one["score_format"] == "native"
-    assert e2e_report.select(_args("--e2e", "--quick", "--score-format", "int8"))["score_format"] == "int8"
+    assert one["score_format"] == "int8"
+    native = e2e_report.select(_args("--e2e", "--quick", "--score-format", "native"))
+    assert (native["score_format"], native["d_f"]) == ("native", 0.25)  # d_f "auto": the same bytes
+    assert e2e_report.select(_args("--e2e", "--quick", "--budgets", "2048:0.25"))["d_f"] == 0.25  # named: kept
+    assert e2e_report.select(_args("--e2e", "--quick", "--no-key-prefix"))["score_format"] == "native"
 
 
 def test_the_dense_baseline_defaults_to_grouped_kv_sdpa():

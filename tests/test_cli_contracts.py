@@ -240,7 +240,8 @@ def test_eval_checks_tasks_basis_and_output_before_the_model(capsys, tmp_path, n
 
 
 def test_eval_force_replaces_the_output_atomically(capsys, tmp_path, monkeypatch, no_eval):
-    resolved = {"gqa_select": "query", "aggregate": "sum"}  # what LokiLM's enable_loki resolved "auto" to
+    # what LokiLM's enable_loki resolved "auto" to
+    resolved = {"gqa_select": "query", "aggregate": "sum", "d": 0.25, "score_format": "native"}
     monkeypatch.setattr(no_eval.loki_lm_eval, "LokiLM", lambda **kw: SimpleNamespace(kw=kw, loki_settings=resolved))
     monkeypatch.setattr(no_eval.lm_eval, "simple_evaluate",
                         lambda **kw: {"results": {"loki_copa": {"acc,none": 0.5}}})

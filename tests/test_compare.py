@@ -38,14 +38,15 @@ def test_match_budget_finds_the_target_of_a_monotone_byte_curve():
 def test_byte_ranges_follow_the_byte_model():
     D = 64
     ranges = {n: byte_range(m, 0.25, D) for n, m in COMPARE_METHODS.items() if m.method not in ("full", "pcaattn")}
-    assert ranges["loki"] == pytest.approx((0.125, 1.125))
-    assert ranges["double_sparsity"] == ranges["loki"] == ranges["sparq"]
+    assert ranges["loki[native]"] == pytest.approx((0.125, 1.125))
+    assert ranges["double_sparsity"] == ranges["loki[native]"] == ranges["sparq"]
     assert ranges["quest"] == pytest.approx((1 / 16, 1 + 1 / 16))
     assert ranges["exact_topk[query]"] == pytest.approx((0.5, 1.0))
     assert ranges["h2o"] == pytest.approx((0.0, 1.0))
-    # an 8-bit score copy of 2d dims reads d 16-bit dims plus one 16-bit scale per token; 4-bit of 4d the same
-    assert ranges["loki[int8]"] == ranges["loki[fp8]"] == ranges["loki[int4]"]
-    assert ranges["loki[int8]"] == pytest.approx((17 / 128, 1 + 17 / 128))
+    # an 8-bit score copy of 2d dims (the default's) reads d 16-bit dims plus one 16-bit scale per token; 4-bit of 4d
+    # the same
+    assert ranges["loki"] == ranges["loki[query]"] == ranges["loki[fp8]"] == ranges["loki[int4]"]
+    assert ranges["loki"] == pytest.approx((17 / 128, 1 + 17 / 128))
 
 
 def test_resolve_methods():
@@ -82,7 +83,7 @@ def test_every_method_is_measured_at_the_target_bytes(results):
     assert rows["loki"]["k"] == 0.25 and rows["loki"]["bytes_fraction"] == pytest.approx(target, abs=0.02)
     assert target == pytest.approx(0.125 + 0.25, abs=0.05)
     for name in ("loki[query]", "loki-pca[query]", "loki-pca[kv]", "sparq", "double_sparsity",
-                 "double_sparsity[kv]", "quest", "quest[kv]", "loki[fp8]", "loki[int8]", "loki[int4]"):
+                 "double_sparsity[kv]", "quest", "quest[kv]", "loki[fp8]", "loki[native]", "loki[int4]"):
         r = rows[name]
         assert r["probe"]["matched"], name
         assert abs(r["probe"]["bytes"] - target) <= 0.005, name
@@ -93,8 +94,10 @@ def test_every_method_is_measured_at_the_target_bytes(results):
         assert "not byte-matched" in rows[name]["note"]
     assert rows["h2o"]["bytes_fraction"] == pytest.approx(target, abs=0.03)
     assert rows["pcaattn"]["bytes_fraction"] == pytest.approx(0.625)
-    assert rows["loki[int8]"]["d"] == 0.5 and rows["loki[int4]"]["d"] == 1.0 and rows["loki[int8]"]["k"] < 0.25
-    assert rows["loki[int4]"]["score_format"] == "int4" and rows["loki"]["score_format"] == "native"
+    assert rows["loki"]["d"] == 0.5 and rows["loki[int4]"]["d"] == 1.0 and rows["loki[native]"]["d"] == 0.25
+    assert rows["loki[native]"]["k"] > 0.25  # the native copy reads no scales: a little more of the budget
+    assert rows["loki[int4]"]["score_format"] == "int4" and rows["loki"]["score_format"] == "int8"
+    assert rows["loki[native]"]["score_format"] == "native"
     per_head_selection = rows["loki[query]"]["k"]
     assert per_head_selection < 0.25  # the group's union costs bytes: a smaller budget per query head
 
@@ -127,7 +130,7 @@ def test_rows_carry_intervals_and_diagnostics(results):
 
 def test_report_and_plot(results, tmp_path):
     md = compare_markdown(results)
-    assert "| **Loki, default (score-aware, shared softmax-max)** | 0.2500 |" in md
+    assert "| **Loki, default (score-aware, shared softmax-max, an int8 score copy of 2d dims)** | 0.2500 |" in md
     assert "Quest (pages of 16), per query head" in md and "Double Sparsity" in md
     assert "Top-k recall per layer" in md and "captures the least attention mass" in md
     path = write_compare_plot(results, tmp_path / "compare.png")
@@ -290,7 +293,7 @@ def test_retrieval_runs_every_method_at_its_matched_budget(monkeypatch):
     monkeypatch.setattr(hf, "enable_loki", enable_spy)
     torch.manual_seed(0)
     model = tiny_model("llama", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, seed=0)
-    opts = CompareOptions(windows=((160, 1), (1152, 1)), methods=("loki", "exact_topk[kv]", "loki[int8]", "sparq"),
+    opts = CompareOptions(windows=((160, 1), (1152, 1)), methods=("loki", "exact_topk[kv]", "loki[native]", "sparq"),
                           recipe=CalibrationRecipe(num_tokens=1152, seq_len=1152, max_positions=1200),
                           use_cache=False, progress=False, probe_rows=64,
                           retrieval={"context_lens": (1152,), "samples": 3, "batch_size": 2, "tasks": ("passkey",)})
@@ -299,12 +302,13 @@ def test_retrieval_runs_every_method_at_its_matched_budget(monkeypatch):
     (entry,) = res["retrieval"]
     assert entry["context_len"] == 1152 and entry["budgets_from"] == 1152 and entry["oracle"] == "exact_topk[kv]"
     assert seen["kw"]["context_lens"] == (1152,) and seen["kw"]["samples"] == 3
-    for name in ("loki", "loki[int8]", "sparq"):  # each at its own matched budget of the 1152-token windows
+    for name in ("loki", "loki[native]", "sparq"):  # each at its own matched budget of the 1152-token windows
         assert seen[name].k == rows[name]["k"], name
-    assert seen["loki[int8]"].score_format == "int8" and seen["loki[int8]"].d == 0.5
+    assert seen["loki"].score_format == "int8" and seen["loki"].d == 0.5
+    assert seen["loki[native]"].score_format == "native" and seen["loki[native]"].d == 0.25
     assert rows["sparq"]["k"] != rows["loki"]["k"]
     got = {r["name"]: r for r in entry["rows"]}
-    assert set(got) == {"full", "loki", "exact_topk[kv]", "loki[int8]", "sparq"}
+    assert set(got) == {"full", "loki", "exact_topk[kv]", "loki[native]", "sparq"}
     for name, r in got.items():
         assert r["n"] == 3 and 0 <= r["correct"] <= 3
         if name in ("full", "loki"):

@@ -386,9 +386,29 @@ def test_a_run_with_nothing_to_check_fails():
     assert gates.verdict(gates.evaluate_gates({}, THRESH, "tests"))[0] is False  # no settings at all
 
 
+def _with_native_known_misses(thr: dict) -> dict:
+    """``thr`` with the known misses the native copy of d_f 0.25 had in the long profile (1024-token windows and 8k
+    retrieval, per query head and shared): the int8 default meets those targets and ships none, so the tests of
+    the known-miss mechanism carry their own."""
+    thr = json.loads(json.dumps(thr))
+    ppl = {(t["window"], t["k"]): t for t in thr["targets"]["ppl"]}
+    ppl[(1024, 0.25)]["known_misses"] = {"long": [
+        {"measured": 0.146372, "interval": [0.104164, 0.197935], "gqa_select": "kv", "aggregate": "softmax-max",
+         "recorded": "H100, tree of dc4fbfa", "reason": "the native copy at 1024-token windows"},
+        {"measured": 0.139789, "interval": [0.101095, 0.184206], "recorded": "H200, commit 25fc83c",
+         "reason": "the native copy at 1024-token windows, per query head"}]}
+    thr["targets"]["retrieval"][0]["known_misses"] = {"long": [
+        {"measured": -0.0625, "interval": [-0.121419, -0.002734], "gqa_select": "kv", "aggregate": "softmax-max",
+         "recorded": "H100, tree of 0efc1ac", "reason": "the native copy at 8k"},
+        {"measured": -0.020833, "interval": [-0.065922, 0.024395], "recorded": "H200, commit 25fc83c",
+         "reason": "the native copy at 8k, per query head"}]}
+    return thr
+
+
 def _long_run(increase, lo, hi, diff=None):
-    """A long-profile run holding the default Loki row at 1024-token windows (and a retrieval cell at 8k)."""
-    thr = gates.load_thresholds()
+    """A long-profile run holding the default Loki row at 1024-token windows (and a retrieval cell at 8k), with the
+    thresholds of the shipped file plus the native copy's known misses."""
+    thr = _with_native_known_misses(gates.load_thresholds())
     settings = dict(thr["profiles"]["long"]["settings"], default_basis="score",
                     parts={"perplexity": False, "agreement": False, "retrieval": diff is not None})
     row = _row("loki-score[query]", "loki", 20.0 * (1 + increase), basis="score", T=1024)
@@ -403,13 +423,17 @@ def _long_run(increase, lo, hi, diff=None):
 
 
 def test_target_at_1024_tokens_is_the_readme_target_with_a_recorded_known_miss():
-    """The shipped 1024-token target is +8% (the README's), not +15%; the default configuration's miss is a
-    known miss recorded with its measured value: reported, failing unless allowed, failing when worse."""
+    """The shipped 1024-token target is +8% (the README's), not +15%, and the default meets it (no known miss
+    shipped); a miss recorded as a known miss with its measured value (the native copy's): reported, failing
+    unless allowed, failing when worse."""
     from loki.evaluation.targets import load_targets
 
     ppl, ret = load_targets(gates.load_thresholds())
     t1024 = next(t for t in ppl if (t.window, t.k) == (1024, 0.25))
-    assert t1024.max == 0.08 and {m.gqa: m.measured for m in t1024.known_misses["long"]} == pytest.approx(
+    assert t1024.max == 0.08 and not t1024.known_misses and not any(t.known_misses for t in (*ppl, *ret))
+    ppl, _ = load_targets(_with_native_known_misses(gates.load_thresholds()))
+    t1024 = next(t for t in ppl if (t.window, t.k) == (1024, 0.25))
+    assert {m.gqa: m.measured for m in t1024.known_misses["long"]} == pytest.approx(
         {("query", "sum"): 0.1398, ("kv", "softmax-max"): 0.1464}, abs=1e-4)
     res, thr = _long_run(0.14, 0.10, 0.18)  # as recorded
     (g,) = [g for g in gates.evaluate_gates(res, thr, "long") if g["name"].startswith("fidelity")]
@@ -438,6 +462,7 @@ def test_readme_report_and_gates_read_one_set_of_targets(tmp_path):
     doc = (Path(__file__).resolve().parents[1] / "docs" / "accuracy.md").read_text()
     assert targets_markdown(thr) in doc, "docs/accuracy.md's targets table differs from accuracy_thresholds.json"
     assert "fidelity" not in thr and "ppl_rel_max" not in json.dumps(thr), "a second set of target numbers"
+    thr = _with_native_known_misses(thr)
     res, _ = _long_run(0.14, 0.10, 0.18)
     res["gates"] = gates.evaluate_gates(res, thr, "long")
     md = report.markdown_report(res, thr)
@@ -487,19 +512,20 @@ def test_committed_results_without_role_fields_keep_their_gates():
     """Results written before the role fields (results/accuracy-long-h200-2026-11-26) are read through their
     method, k and d fields: every gate they were decided with is still there but the regression limits (recorded
     since with the default's softmax-max shared rows, which those raw-sum results do not measure: skipped with the
-    reason), and the one failure is the recorded known miss of the 1024-token target."""
+    reason), and the one failure is the 1024-token target, which a known miss recorded for the profile's settings
+    does not excuse: those results measured the native copy, the profile's settings are the int8 copy's."""
     folder = Path(__file__).resolve().parents[1] / "results" / "accuracy-long-h200-2026-11-26"
     res = json.loads((folder / "results.json").read_text())
     assert "role" not in res["perplexity"][0]
     res["retrieval"] = json.loads((folder / "retrieval.json").read_text())
-    gs = gates.evaluate_gates(res, gates.load_thresholds(), "long")
+    gs = gates.evaluate_gates(res, _with_native_known_misses(gates.load_thresholds()), "long")
     kept = {g["name"] for g in res["gates"] if not g["name"].startswith("regression:")}
     assert kept and kept <= {g["name"] for g in gs}
     (skip,) = [g for g in gs if g["name"] == "regression thresholds apply"]
-    assert skip["passed"] and "kv_aggregate" in skip["note"]
+    assert skip["passed"] and "kv_aggregate" in skip["note"] and "score_format" in skip["note"]
     failed = [g for g in gs if not g["passed"]]
     assert [g["name"] for g in failed] == ["fidelity: loki-score[query] within 8% of full at T=1024"]
-    assert failed[0]["known"] and gates.verdict(gs, allow_known_misses=True)[0]
+    assert not failed[0].get("known") and not gates.verdict(gs, allow_known_misses=True)[0]
 
 
 def test_suite_rows_and_comparisons_carry_roles():
@@ -713,15 +739,17 @@ def test_check_profile_measures_the_default_mode_and_the_rest_behind_an_option()
     assert names == ["exact_topk[kv]", "loki-post[kv]", "loki-score[kv]"]
     more = replace(opts, all_methods=True)
     names = [s.name for s in suite.suite_methods(more, 64, 1024, 0.25)]
-    assert {"exact_topk[query]", "loki-score[query]", "loki-post[query]", "h2o", "sparq(r=16)"} <= set(names)
+    # SparQ's r follows d: 32 of 64 components at the default's d_f 0.5
+    assert {"exact_topk[query]", "loki-score[query]", "loki-post[query]", "h2o", "sparq(r=32)"} <= set(names)
     assert "all_methods" not in suite.profile_options("check").profile_settings()  # the same recorded limits
     check_settings = suite.profile_options("check").profile_settings()
     assert check_settings["agreement_tokens"] == 512 and check_settings["windows"] == [[1024, 8]]
 
 
 def test_check_score_format_reaches_every_loki_row_and_the_recorded_settings():
-    """``loki check --score-format int8 --d 0.5``: every Loki row scores on the int8 copy (the oracles and the
-    other methods are unchanged) and the thresholds are tied to it; the native default records no score format."""
+    """``loki check`` (the int8 copy of d_f 0.5 by default, or ``--score-format int8 --d 0.5``): every Loki row
+    scores on the int8 copy (the oracles and the other methods are unchanged) and the thresholds are tied to it;
+    ``--score-format native`` takes d_f 0.25 and records no score format (results before the int8 default)."""
     import argparse
 
     from loki.evaluation import check, suite
@@ -734,7 +762,11 @@ def test_check_score_format_reaches_every_loki_row_and_the_recorded_settings():
     assert {s.score_format for s in specs if s.method == "loki"} == {"int8"}
     assert {s.score_format for s in specs if s.method != "loki"} == {"native"}
     assert opts.profile_settings()["score_format"] == "int8"
-    assert "score_format" not in check._options(parser.parse_args([])).profile_settings()
+    default = check._options(parser.parse_args([]))
+    assert default.profile_settings() == opts.profile_settings()  # the default is the int8 copy of d_f 0.5
+    native = check._options(parser.parse_args(["--score-format", "native"]))
+    assert native.d == 0.25 and "score_format" not in native.profile_settings()
+    assert check._options(parser.parse_args(["--score-format", "native", "--d", "0.5"])).d == 0.5
 
 
 def test_check_profile_stays_inside_the_positions_its_bases_cover():
@@ -779,7 +811,7 @@ def test_check_refuses_a_thresholds_file_without_the_profile(tmp_path, capsys):
     cases = {
         "no-profile": dict(thr, profiles={"tests": thr["profiles"]["tests"]}),
         "no-targets": {k: v for k, v in thr.items() if k != "targets"},
-        "negative": json.loads(json.dumps(thr).replace('"max": 0.08,', '"max": -0.08,', 1)),
+        "negative": json.loads(json.dumps(thr).replace('"max": 0.08', '"max": -0.08', 1)),
     }
     for name, data in cases.items():
         path = tmp_path / f"{name}.json"

@@ -20,14 +20,17 @@ def tiny():
     return model, basis, windows
 
 
-@pytest.mark.parametrize("k,gqa,aggregate,mask", [(0.3, "kv", "sum", "none"), (0.25, "query", "sum", "grow"),
-                                                  (4, "kv", "union", "none"), (0.5, "kv", "softmax-max", "grow")])
-def test_fast_path_equals_the_engine(tiny, k, gqa, aggregate, mask):
+@pytest.mark.parametrize("k,gqa,aggregate,mask,fmt", [
+    (0.3, "kv", "sum", "none", "native"), (0.25, "query", "sum", "grow", "int8"), (4, "kv", "union", "none", "native"),
+    (0.5, "kv", "softmax-max", "grow", "int8")])
+def test_fast_path_equals_the_engine(tiny, k, gqa, aggregate, mask, fmt):
     model, basis, windows = tiny
-    spec = MethodSpec("l", "loki", k=k, d=5, basis="b", gqa_select=gqa, aggregate=aggregate)
+    spec = MethodSpec("l", "loki", k=k, d=5, basis="b", gqa_select=gqa, aggregate=aggregate, score_format=fmt)
     engine = perplexity(model, windows, spec, {"b": basis})
+    # the int8 rows take the fast path's default score copy (enable_loki's "auto": the int8 copy)
+    kw = {} if fmt == "int8" else {"score_format": fmt}
     fast = fast_path_perplexity(model, windows, basis, k=k, d=5, gqa_select=gqa, aggregate=aggregate, compile=False,
-                                backend="torch", attention_mask=mask)
+                                backend="torch", attention_mask=mask, **kw)
     assert fast["tokens"] == engine.tokens == 2 * 20 and fast["steps"] == 20
     assert fast["ppl"] == pytest.approx(engine.ppl, rel=1e-4)
     torch.testing.assert_close(fast["token_nll"], engine.token_nll, rtol=1e-4, atol=1e-4)

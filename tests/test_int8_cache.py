@@ -25,11 +25,15 @@ def test_settings_run_int8_on_the_kernels_and_the_other_formats_on_the_reference
     s = LokiSettings(d=0.5, score_format="int8", backend="triton").resolve_shapes(**kw)
     assert s.backend is Backend.TRITON and s.prefix_dims == 8 and s.int8_prefix
     assert s.reference_args() == {"score_format": "int8"}
-    s = LokiSettings(score_format="int8").resolve_shapes(**kw, device="cuda")
-    assert s.backend is Backend.AUTO and s.prefix_dims == 4 and s.int8_prefix
+    s = LokiSettings(score_format="int8").resolve_shapes(**kw, device="cuda")  # d "auto": 0.5 with the int8 copy
+    assert s.backend is Backend.AUTO and s.prefix_dims == 8 and s.int8_prefix
+    assert LokiSettings().resolve_shapes(**kw, device="cuda") == s  # the default: the int8 copy of d_f 0.5
+    s = LokiSettings(score_format="int8", d=0.25).resolve_shapes(**kw, device="cuda")
+    assert s.prefix_dims == 4 and s.int8_prefix
     s = LokiSettings(score_format="int8").resolve_shapes(**kw, device="cpu")  # auto on a CPU: the reference
     assert s.backend is Backend.TORCH and s.prefix_dims is None and not s.int8_prefix
-    assert not LokiSettings(backend="triton").resolve_shapes(**kw).int8_prefix  # native: the keys' own elements
+    native = LokiSettings(backend="triton", score_format="native").resolve_shapes(**kw)
+    assert not native.int8_prefix and native.prefix_dims == 4  # native: the keys' own elements, d "auto" 0.25
     for fmt in ("fp8", "int4"):
         with pytest.raises(ValueError, match="runs on the PyTorch reference only"):
             LokiSettings(score_format=fmt, backend="triton")

@@ -354,7 +354,7 @@ def test_triton_path_keeps_and_uses_a_contiguous_key_prefix(monkeypatch, triton_
 
     monkeypatch.setattr(DecodeRun, "step", spy)  # the kernels' route runs the model's DecodeRun
     model = tiny_model("llama", num_layers=1).to(device)
-    enable_loki(model, _basis(model), k=0.5, d=0.25, backend="triton")
+    enable_loki(model, _basis(model), k=0.5, d=0.25, backend="triton", score_format="native")
     ids = _prompt(20).to(device)
     cache = loki_cache(model)
     model(ids[:, :-1], **{_cache_kwarg(model): cache})
@@ -366,7 +366,7 @@ def test_triton_path_keeps_and_uses_a_contiguous_key_prefix(monkeypatch, triton_
     torch.testing.assert_close(layer.loki.prefix, layer.keys[..., :dp])
     assert seen and seen[-1] is not None and seen[-1].shape[-2] == 20
     disable_loki(model)
-    enable_loki(model, _basis(model), k=0.5, d=0.25, backend="torch")
+    enable_loki(model, _basis(model), k=0.5, d=0.25, backend="torch", score_format="native")
     cache2 = loki_cache(model)
     model(ids[:, :-1], **{_cache_kwarg(model): cache2})
     assert cache2.layers[0].loki.prefix is None  # the torch path keeps no prefix
@@ -382,7 +382,7 @@ def test_key_prefix_is_appended_in_place(triton_device):
 
     device = triton_device
     model = tiny_model("llama", num_layers=1).to(device)
-    enable_loki(model, _basis(model), k=0.5, d=0.25, backend="triton")
+    enable_loki(model, _basis(model), k=0.5, d=0.25, backend="triton", score_format="native")
     kw = _cache_kwarg(model)
     ids = _prompt(30).to(device)
     cache = loki_cache(model)

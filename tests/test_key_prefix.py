@@ -41,7 +41,7 @@ def _decode(key_prefix: bool, backend: str, static: bool, spy=None):
     c = model.config
     basis = PCABasis.random(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, seed=1)
     ids = torch.randint(0, c.vocab_size, (1, PROMPT + STEPS), generator=torch.Generator().manual_seed(2))
-    enable_loki(model, basis, k=0.25, d=0.5, backend=backend, key_prefix=key_prefix)
+    enable_loki(model, basis, k=0.25, d=0.5, backend=backend, key_prefix=key_prefix, score_format="native")
     try:
         with torch.no_grad():
             cache = loki_cache(model, static=True, max_cache_len=PROMPT + STEPS + 2) if static else loki_cache(model)
@@ -159,7 +159,8 @@ def _first_write_out_of_memory(model, cache) -> str:
 @pytest.mark.interpreter
 def test_a_static_cache_out_of_memory_on_an_int8_copy_says_how_to_fit(triton_device, monkeypatch):
     """An int8 score copy that does not fit beside the keys and values: its scores are read from it, so it cannot
-    be left out; the out-of-memory error keeps torch's message and names key_prefix=False with the native copy."""
+    be left out; the out-of-memory error keeps torch's message and names the native copy (score_format='native',
+    whose prefix a static cache leaves out where it does not fit) and a smaller batch_size."""
     if triton_device.type != "cpu":
         pytest.skip("the interpreter's test")
     from loki.integrations.transformers import disable_loki, loki_cache
@@ -171,7 +172,7 @@ def test_a_static_cache_out_of_memory_on_an_int8_copy_says_how_to_fit(triton_dev
         msg = _first_write_out_of_memory(model, loki_cache(model, static=True, max_cache_len=32))
     finally:
         disable_loki(model)
-    assert msg.startswith("CUDA out of memory. Tried to allocate 4.00 GiB") and "key_prefix=False" in msg
+    assert msg.startswith("CUDA out of memory. Tried to allocate 4.00 GiB") and "batch_size" in msg
     assert "score_format='native'" in msg
 
 

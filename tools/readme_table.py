@@ -5,10 +5,11 @@
     python tools/readme_table.py --print         # print the table
     python tools/readme_table.py --plot docs/default-results.png   # redraw the README's plot (needs matplotlib)
 
-The table states the default configuration only (score-aware basis, d_f = 0.25, one selection per KV group with
-the softmax-max aggregate on GQA models): accuracy at two window lengths on the embedded model and speed at the
-long-context settings, each number once, each row with its card.  ``SOURCES`` names the files; a source that no
-longer describes the default configuration is an error, never a silently different table.
+The table states the default configuration only (score-aware basis, an int8 score copy of d_f = 0.5, one
+selection per KV group with the softmax-max aggregate on GQA models): accuracy at two window lengths on the
+embedded model and speed at a long-context setting, each number once, each row with its card.  ``SOURCES``
+names the files; a source that no longer describes the default configuration is an error, never a silently
+different table.
 ``tests/test_readme.py`` keeps the README's table equal to ``readme_table()``.
 """
 
@@ -25,20 +26,19 @@ BEGIN = ("<!-- results table: written by tools/readme_table.py from the files un
          "tests/test_readme.py keeps it equal -->")
 END = "<!-- end of the results table -->"
 
-#: The accuracy run of the long profile (WikiText-2 test, 2 x 8192 and 8 x 1024 tokens) and its fixed-count run.
-LONG = "results/default-softmax-max-h100-2026-11-26/check-long-results.json"
-COUNTS = "results/default-softmax-max-h100-2026-11-27/counts/results.json"
-#: The end-to-end runs (forward and whole ``generate`` calls) of the default at the long settings.
-E2E = "results/generate-mask-h100-2026-11-27/e2e-B1-S131072-k2048.json"
-E2E_8 = "results/generate-mask-h100-2026-11-27/e2e-B8-S32768-k2048.json"
-E2E_B = "results/default-softmax-max-h100-2026-11-27/e2e-h100-default-generate-b.json"
+#: The accuracy run of the long profile (WikiText-2 test, 2 x 8192 and 8 x 1024 tokens).
+LONG = "results/int8-default-h200-2026-12-02/check-long-results.json"
+#: The end-to-end run (forward and whole ``generate`` calls) of the default at a long setting.
+E2E_8 = "results/int8-default-h200-2026-12-02/e2e-default-generate.json"
+#: The default's settings a source must state (``settings`` of a ``loki check`` run, a row of ``loki bench --e2e``).
+DEFAULT_D, DEFAULT_FORMAT = 0.5, "int8"
 
 #: What the README's caption says the rows were measured on; a source measured on anything else is an error.
 ACCURACY_MODEL, SPEED_MODEL = "SmolLM2-135M-Instruct", "llama3-8b"
 #: (file, window tokens, k) of each accuracy row: k a fraction k_f or a count of tokens.
-ACCURACY_ROWS = [(LONG, 8192, 0.25), (LONG, 8192, 0.125), (COUNTS, 8192, 2048), (LONG, 1024, 0.25)]
+ACCURACY_ROWS = [(LONG, 8192, 0.25), (LONG, 8192, 0.125), (LONG, 1024, 0.25)]
 #: (file, setting id) of each speed row.
-SPEED_ROWS = [(E2E, "llama3-8b-B1-S131072-k2048"), (E2E_8, "llama3-8b-B8-S32768-k2048"), (E2E_B, "llama3-8b-B8-S32768")]
+SPEED_ROWS = [(E2E_8, "llama3-8b-B8-S32768-k2048")]
 SOURCES = sorted({f for f, *_ in ACCURACY_ROWS} | {f for f, _ in SPEED_ROWS})
 
 
@@ -75,7 +75,8 @@ def accuracy_row(doc: dict, rel: str, window: int, k: float) -> dict:
     """The default configuration's perplexity row at ``window`` tokens and budget ``k`` of one ``loki check``
     results file: increase over full attention, its paired 95% interval, the bytes of dense attention it reads."""
     s = doc["settings"]
-    want = {"default_basis": "score", "default_gqa_select": "kv", "default_aggregate": "softmax-max", "d": 0.25}
+    want = {"default_basis": "score", "default_gqa_select": "kv", "default_aggregate": "softmax-max", "d": DEFAULT_D,
+            "score_format": DEFAULT_FORMAT}
     got = {key: s.get(key) for key in want}
     if got != want:
         raise SourceError(f"{rel}: not the default configuration: {got}")
@@ -86,8 +87,8 @@ def accuracy_row(doc: dict, rel: str, window: int, k: float) -> dict:
     if len(rows) != 1:
         raise SourceError(f"{rel}: {len(rows)} default rows at {window} tokens, {_budget(k)} (want 1)")
     (r,) = rows
-    if (r["method"], r["basis"], r["gqa_select"], r["aggregate"], r["d"]) != ("loki", "score", "kv", "softmax-max",
-                                                                              0.25):
+    if (r["method"], r["basis"], r["gqa_select"], r["aggregate"], r["d"], r.get("score_format")) != (
+            "loki", "score", "kv", "softmax-max", DEFAULT_D, DEFAULT_FORMAT):
         raise SourceError(f"{rel}: the row marked default is {r['name']} ({r['aggregate']}, d {r['d']})")
     return {"window": window, "windows": r["windows"], "k": k, "increase": r["increase"], "lo": r["increase_lo"],
             "hi": r["increase_hi"], "bytes": r["bytes_fraction"], "card": s["card"], "dtype": s["dtype"],
@@ -103,9 +104,10 @@ def speed_row(doc: dict, rel: str, setting: str) -> dict:
     (r,) = rows
     if r["model"] != SPEED_MODEL:
         raise SourceError(f"{rel}: {setting} has the dims of {r['model']}, not {SPEED_MODEL}")
-    if (r["gqa_select"], r["aggregate"], r["d_f"]) != ("kv", "softmax-max", 0.25):
+    if (r["gqa_select"], r["aggregate"], r["d_f"], r.get("score_format")) != ("kv", "softmax-max", DEFAULT_D,
+                                                                              DEFAULT_FORMAT):
         raise SourceError(f"{rel}: {setting} is not the default configuration "
-                          f"({r['gqa_select']}, {r['aggregate']}, d_f {r['d_f']})")
+                          f"({r['gqa_select']}, {r['aggregate']}, d_f {r['d_f']}, {r.get('score_format')})")
     if (r["best_dense"], r["best_loki"]) != ("sdpa_compiled", "loki_compiled"):
         raise SourceError(f"{rel}: {setting}: the fastest paths are {r['best_dense']} / {r['best_loki']}")
     dense, loki = r["paths"]["sdpa_compiled"], r["paths"]["loki_compiled"]
@@ -182,8 +184,7 @@ def plot(out: Path, root: Path = ROOT) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    long_doc, counts_doc = _load(LONG, root), _load(COUNTS, root)
-    rows = [r for r in long_doc["perplexity"] + counts_doc["perplexity"] if r["seq_len"] == 8192]
+    rows = [r for r in _load(LONG, root)["perplexity"] if r["seq_len"] == 8192]
 
     def series(name: str, counts: bool) -> list[tuple[float, float]]:
         pts = {(round(r["bytes_fraction"], 4), r["increase"]) for r in rows
@@ -198,11 +199,8 @@ def plot(out: Path, root: Path = ROOT) -> None:
         pts = series(name, counts=False)
         ax1.plot([b for b, _ in pts], [100 * y for _, y in pts], marker=marker, color=color, lw=lw,
                  label=f"{label}, k_f 1/16, 1/8, 1/4", ms=7 if lw > 2 else 5, zorder=3 if lw > 2 else 2)
-    cnt = series("loki-score[kv]", counts=True)
-    ax1.plot([b for b, _ in cnt], [100 * y for _, y in cnt], "o", mfc="white", mec="tab:red", mew=2, ms=8,
-             zorder=4, label="Loki default, k = 512, 1024, 2048 tokens")
     (pca,) = [r for r in rows if r["name"] == "loki-post[query]" and r["k"] == 0.25]
-    ax1.annotate(f"paper's PCA basis at k_f 1/4: {100 * pca['increase']:+.0f}% (off the scale)",
+    ax1.annotate(f"paper's PCA basis (per query head) at k_f 1/4: {100 * pca['increase']:+.1f}%",
                  xy=(0.98, 0.97), xycoords="axes fraction", ha="right", va="top", fontsize=8.5, color="0.3")
     ax1.axhline(0, color="0.6", lw=0.8)
     ax1.set_xlim(0.15, 0.75)
@@ -217,6 +215,7 @@ def plot(out: Path, root: Path = ROOT) -> None:
     labels = [f"B={s['B']}, S={s['S'] // 1024}K\n{_budget(s['k'])}" for s in speed]
     x = range(len(speed))
     w = 0.36
+    ax2.set_xlim(-0.5 - w, len(speed) - 0.5 + w)
     b1 = ax2.bar([i - w / 2 for i in x], [s["speedup"] for s in speed], w, color="tab:red", label="compiled forward")
     b2 = ax2.bar([i + w / 2 for i in x], [s["gen_speedup"] for s in speed], w, color="tab:red", alpha=0.45,
                  label="whole generate calls")
@@ -231,8 +230,8 @@ def plot(out: Path, root: Path = ROOT) -> None:
     ax2.set_title(f"Speed: Llama-3-8B dims, bf16, {_short_card(speed[0]['card'])}", fontsize=10)
     ax2.legend(fontsize=8, loc="upper center", ncol=3, handlelength=1.2, columnspacing=0.8)
     ax2.grid(axis="y", alpha=0.3)
-    fig.suptitle("Loki's default configuration: score-aware basis, d_f = 0.25, one selection per KV group",
-                 fontsize=11)
+    fig.suptitle("Loki's default configuration: score-aware basis, an int8 score copy of d_f = 0.5, one selection "
+                 "per KV group", fontsize=11)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110, metadata={"Software": None})

@@ -345,11 +345,11 @@ def _loki_import_error() -> str | None:
 
 
 def run_grid(grid, *, device="cuda", dtype=torch.bfloat16, models=None, paths=PATHS, steps: int = 32,
-             k_f: float = 0.25, d_f=0.25, gqa_select: str = "auto", sdpa_backend: str = "native-gqa",
+             k_f: float = 0.25, d_f="auto", gqa_select: str = "auto", sdpa_backend: str = "native-gqa",
              copy_gbps: float | None = None, time_budget_s: float | None = None, seed: int = 0,
              compile_mode: str | None = "reduce-overhead", free_bytes: int | None = None, on_setting=None,
              log=print, aggregate: str = "auto", generate: bool = False, generate_tokens: int | None = None,
-             generate_reps: int = 3, generate_prompt: str = "cache", score_format: str = "native",
+             generate_reps: int = 3, generate_prompt: str = "cache", score_format: str = "auto",
              key_prefix: bool = True) -> list[dict]:
     """Run ``paths`` on every :class:`Setting` of ``grid`` (one model built per model name, settings that do not
     fit the device memory or the time budget reported as skipped: a path is not started when the time spent plus
@@ -359,14 +359,18 @@ def run_grid(grid, *, device="cuda", dtype=torch.bfloat16, models=None, paths=PA
     ``enable_loki`` resolves it, the configuration the accuracy suite gates; "sum": raw sums).  Each result records
     the ``gqa_select`` and ``aggregate`` it ran (``aggregate`` "sum" for per-query-head selection, which has none).
     ``k_f``: the budget of settings without their own (``Setting.k``), a fraction
-    or an int count of tokens; ``score_format``: Loki's score copy ("native" or "int8"); ``key_prefix``: whether
-    Loki's caches keep the key prefix.  ``generate`` and the ``generate_*`` options: whole ``generate`` calls per
+    or an int count of tokens; ``score_format``: Loki's score copy ("auto", the default: enable_loki's, the int8
+    copy with a key prefix; "native" or "int8"); ``d_f``: its dims ("auto": the format's default, 0.5 for int8,
+    0.25 native); ``key_prefix``: whether Loki's caches keep the key prefix.  ``generate`` and the ``generate_*``
+    options: whole ``generate`` calls per
     path (:func:`run_path`).
     ``free_bytes`` overrides the device memory free beside the model (measured on CUDA, unchecked elsewhere).
     ``on_setting(result)`` is called after each setting (for incremental output).  Returns one dict per setting."""
     from loki.basis import PCABasis
 
     models = models or E2E_MODELS
+    loki = LokiSettings(d=d_f, score_format=score_format, key_prefix=key_prefix)  # "auto" as enable_loki decides it
+    d_f, score_format = loki.d, loki.score_format.value
     dev = torch.device(device)
     start = time.perf_counter()
     itemsize = torch.tensor([], dtype=dtype).element_size()

@@ -61,9 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         + ", ".join(f"{m} B={b} S={s}" for m, b, s in QUICK_SETTINGS)
         + " (filtered by --models/--batches/--seq-lens when given); --settings names setting ids instead "
         "(<model>-B<B>-S<S>[-k<k>], e.g. llama3-8b-B1-S131072-k2048: a setting with -k<k> has its own budget). "
-        "Settings whose caches do not fit the GPU are reported as skipped. --budgets takes one k:d_f pair "
-        "(default 0.25:0.25; k with a '.' is a fraction k_f, an integer a count of tokens, e.g. 2048:0.25), "
-        "--dtype the model dtype.")
+        "Settings whose caches do not fit the GPU are reported as skipped. --budgets takes one k[:d_f] pair "
+        "(default 0.25, d_f auto: 0.5 with the int8 score copy, 0.25 with a native one; k with a '.' is a fraction "
+        "k_f, an integer a count of tokens, e.g. 2048 or 2048:0.25), --dtype the model dtype.")
     g.add_argument("--e2e", action="store_true", help="run the end-to-end decode benchmark instead of the kernels")
     g.add_argument("--steps", type=int, default=32, help="timed decode steps per path and setting (default 32)")
     g.add_argument("--paths", nargs="+", choices=PATHS, default=None, help="paths to run (default: all four)")
@@ -80,10 +80,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="how a shared (kv) selection combines the group's scores (default: auto = softmax-max, "
                    "enable_loki's default and the configuration the accuracy suite gates; sum: raw sums, the timing "
                    "before softmax-max became the default)")
-    g.add_argument("--score-format", choices=("native", "int8"), default="native",
-                   help="Loki's score copy: native (the first d dims in the cache's dtype, the default) or int8 "
-                   "(int8 codes of the first d dims and a bf16 scale per token; --budgets 2048:0.5 reads the "
-                   "bytes of the native copy at d_f 0.25)")
+    g.add_argument("--score-format", choices=("auto", "native", "int8"), default="auto",
+                   help="Loki's score copy: auto (the default, enable_loki's: int8 codes of the first d dims and a "
+                   "bf16 scale per token, d_f 0.5 unless --budgets names it; native with --no-key-prefix), int8, "
+                   "or native (the first d dims in the cache's dtype, d_f 0.25 unless --budgets names it: the same "
+                   "bytes)")
     g.add_argument("--no-key-prefix", dest="key_prefix", action="store_false",
                    help="Loki's caches keep no second copy of the keys' first d dims (enable_loki(key_prefix=False): "
                    "a dense cache's memory, the approximate scores read those dims in place, slower)")
@@ -122,24 +123,26 @@ def select(args) -> dict:
                          "kv or auto (per query head there is nothing to combine)")
     if args.time_budget is not None and args.time_budget <= 0:
         raise UsageError(f"--time-budget must be > 0 seconds, got {args.time_budget}")
-    if not args.key_prefix:  # the settings' own rule, checked before anything is built
-        try:
-            LokiSettings(score_format=args.score_format, key_prefix=False)
-        except ValueError as exc:
-            raise UsageError(f"--no-key-prefix: the int8 score copy is the key prefix ({exc}); use it with "
-                             "--score-format native") from None
-    budgets = args.budgets or ["0.25:0.25"]
+    budgets = args.budgets or ["0.25"]
     if len(budgets) != 1:
-        raise UsageError(f"--e2e takes one --budgets pair k_f:d_f, got {len(budgets)}")
+        raise UsageError(f"--e2e takes one --budgets pair k_f[:d_f], got {len(budgets)}")
     try:
-        k_text, d_text = budgets[0].split(":")
+        k_text, _, d_text = budgets[0].partition(":")
         k_f = int(k_text) if k_text.strip().isdigit() else float(k_text)
-        d_f = float(d_text)
+        d_f = "auto" if d_text in ("", "auto") else float(d_text)
     except ValueError:
-        raise UsageError(f"--budgets: expected k_f:d_f like 0.25:0.25 (or k:d_f like 2048:0.25), got "
-                         f"{budgets[0]!r}") from None
-    if not ((k_f >= 1 if isinstance(k_f, int) else 0 < k_f <= 1) and 0 < d_f <= 1):
+        raise UsageError(f"--budgets: expected k_f[:d_f] like 0.25, 0.25:0.5 or 2048:0.25 (k a count of tokens), "
+                         f"got {budgets[0]!r}") from None
+    if not ((k_f >= 1 if isinstance(k_f, int) else 0 < k_f <= 1) and (d_f == "auto" or 0 < d_f <= 1)):
         raise UsageError(f"--budgets: k_f and d_f must lie in (0, 1] (k an integer >= 1), got {budgets[0]}")
+    try:  # the score format and its dims as enable_loki decides them, checked before anything is built
+        loki = LokiSettings(d=d_f, score_format=args.score_format, key_prefix=args.key_prefix)
+    except ValueError as exc:
+        if not args.key_prefix:
+            raise UsageError(f"--no-key-prefix: the int8 score copy is the key prefix ({exc}); use it with "
+                             "--score-format native or auto") from None
+        raise UsageError(str(exc)) from None
+    d_f, score_format = float(loki.d), loki.score_format.value
     if args.settings:
         if args.quick or args.models or args.batches or args.seq_lens:
             raise UsageError("--settings names the settings: leave out --quick, --models, --batches and --seq-lens")
@@ -176,7 +179,7 @@ def select(args) -> dict:
                              f"{', '.join(short)}")
     return {"grid": grid, "k_f": k_f, "d_f": d_f, "paths": tuple(args.paths or PATHS), "steps": args.steps,
             "gqa_select": args.gqa_select, "aggregate": aggregate, "sdpa_backend": args.sdpa_backend,
-            "score_format": args.score_format, "key_prefix": args.key_prefix,
+            "score_format": score_format, "key_prefix": args.key_prefix,
             "time_budget_s": args.time_budget,
             "generate": args.generate, "generate_tokens": n_gen if args.generate else None,
             "generate_reps": args.generate_reps, "generate_prompt": args.generate_prompt}

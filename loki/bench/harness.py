@@ -220,7 +220,8 @@ def bench_config(cfg: BenchConfig, *, copy_gbps: float, providers=None, gqa_sele
     # the kernel benchmark times raw-sum shared selections (its recorded history is of that setting)
     common = dict(q_hat=q, k_hat=kc, v_cache=vc, lengths=x.lengths, starts=x.starts, counts=counts)
     step_kw = dict(common, d=d, width=K, gqa_select=mode, aggregate="sum", scale=None, uniform=True)
-    settings = LokiSettings(k=cfg.k_f, d=d, gqa_select=mode, aggregate="sum", backend="triton").resolve_shapes(
+    settings = LokiSettings(k=cfg.k_f, d=d, gqa_select=mode, aggregate="sum", backend="triton",
+                            score_format="native").resolve_shapes(
         num_q_heads=HQ, num_kv_heads=HKV, head_dim=D)
     run = DecodeRun(settings, scale=1.0 / math.sqrt(D))  # the "loki" provider: recorded once, replayed after
     if "loki" in want:

@@ -39,6 +39,7 @@ from loki.evaluation.gates import (
 )
 from loki.evaluation.suite import PROFILES, SuiteOptions, profile_options, run_suite
 from loki.provenance import provenance
+from loki.settings import ScoreFormat
 
 __all__ = ["add_arguments", "run"]
 
@@ -143,12 +144,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--retrieval-k", type=_budget, default=None,
                         help="budget of the retrieval suite: a fraction or a count of tokens (default: 0.125)")
     parser.add_argument("--d", "--dims", type=unit_fraction, default=None,
-                        help="principal-dims fraction d_f (default: 0.25)")
-    parser.add_argument("--score-format", default="native", choices=("native", "fp8", "int8", "int4"),
-                        help="how every Loki row's approximate scores read the keys' d leading dims: native (the "
-                        "cache's elements, the default), or a copy in fewer bits with a 16-bit scale per token, "
-                        "e.g. --score-format int8 --d 0.5 reads the bytes of the native default at 0.25 "
-                        "(fp8 and int4 run on the PyTorch reference only; int8 on the kernels too)")
+                        help="principal-dims fraction d_f (default: the score format's, 0.5 for the int8 copy, 0.25 "
+                        "for a native one)")
+    parser.add_argument("--score-format", default=None, choices=("native", "fp8", "int8", "int4"),
+                        help="how every Loki row's approximate scores read the keys' d leading dims: int8 (the "
+                        "default: an int8 copy with a 16-bit scale per token, at d_f 0.5), native (the cache's "
+                        "elements; --d defaults to 0.25 then, the same bytes), fp8 or int4 (the PyTorch reference "
+                        "only; int8 runs on the kernels too). A profile's regression limits apply to its own "
+                        "settings only (the default ones)")
     parser.add_argument("--windows", type=_windows, default=None,
                         help="evaluation windows TOKENSxCOUNT[,...], the first is the primary one (default: the "
                         "profile's)")
@@ -205,10 +208,11 @@ def _options(args) -> SuiteOptions:
                            eval_corpus=args.eval_corpus, gqa_select=args.gqa_select)
     if args.k is not None:
         opts = replace(opts, k=args.k, k_values=tuple(k for k in opts.k_values if k != args.k))
+    if args.score_format is not None:
+        fmt = ScoreFormat(args.score_format)
+        opts = replace(opts, score_format=fmt.value, d=fmt.default_d)
     if args.d is not None:
         opts = replace(opts, d=args.d)
-    if args.score_format != "native":
-        opts = replace(opts, score_format=args.score_format)
     if args.k_counts is not None:
         opts = replace(opts, k_counts=args.k_counts)
     if args.retrieval_k is not None:

@@ -90,9 +90,12 @@ class CompareMethod:
 #: Every method ``loki compare`` knows, by name (``--methods``).
 COMPARE_METHODS: dict[str, CompareMethod] = {m.name: m for m in (
     CompareMethod("full", "full attention", "full"),
-    CompareMethod("loki", "Loki, default (score-aware, shared softmax-max)", "loki", "score", "kv", "softmax-max",
-                  uses_d=True, default=True),
-    CompareMethod("loki[query]", "Loki, score-aware, per query head", "loki", "score", uses_d=True),
+    CompareMethod("loki", "Loki, default (score-aware, shared softmax-max, an int8 score copy of 2d dims)", "loki",
+                  "score", "kv", "softmax-max", uses_d=True, default=True, score_format="int8", d_scale=2.0),
+    CompareMethod("loki[native]", "Loki, default with the native score copy of d dims", "loki", "score", "kv",
+                  "softmax-max", uses_d=True),
+    CompareMethod("loki[query]", "Loki, score-aware, per query head (an int8 score copy of 2d dims)", "loki", "score",
+                  uses_d=True, score_format="int8", d_scale=2.0),
     CompareMethod("loki-pca[query]", "Loki, paper's PCA (post), per query head", "loki", "post", uses_d=True),
     CompareMethod("loki-pca[kv]", "Loki, paper's PCA (post), shared softmax-max", "loki", "post", "kv", "softmax-max",
                   uses_d=True),
@@ -110,13 +113,11 @@ COMPARE_METHODS: dict[str, CompareMethod] = {m.name: m for m in (
     CompareMethod("pcaattn", "PCAAttn (paper's PCA), every token", "pcaattn", "post", uses_d=True),
     CompareMethod("loki[fp8]", "Loki, default with an fp8 score copy of 2d dims", "loki", "score", "kv",
                   "softmax-max", uses_d=True, score_format="fp8", d_scale=2.0),
-    CompareMethod("loki[int8]", "Loki, default with an int8 score copy of 2d dims", "loki", "score", "kv",
-                  "softmax-max", uses_d=True, score_format="int8", d_scale=2.0),
     CompareMethod("loki[int4]", "Loki, default with an int4 score copy of 4d dims", "loki", "score", "kv",
                   "softmax-max", uses_d=True, score_format="int4", d_scale=4.0),
 )}
 #: The methods run unless ``--methods`` says otherwise (full attention is always measured, as the reference).
-DEFAULT_METHODS = ("loki", "loki[int8]", "loki[query]", "loki-pca[query]", "exact_topk[query]", "exact_topk[kv]",
+DEFAULT_METHODS = ("loki", "loki[native]", "loki[query]", "loki-pca[query]", "exact_topk[query]", "exact_topk[kv]",
                    "sparq", "quest", "double_sparsity", "h2o")
 
 

@@ -41,10 +41,10 @@ FAST_PATH_DTYPES = ("float32", "bfloat16")
 
 
 @torch.no_grad()
-def fast_path_perplexity(model, windows: torch.Tensor, basis, *, k: int | float = 0.25, d: int | float = 0.25,
+def fast_path_perplexity(model, windows: torch.Tensor, basis, *, k: int | float = 0.25, d: int | float | str = "auto",
                          gqa_select: str = "auto", aggregate: str = "auto", dtype: torch.dtype | str | None = None,
                          compile: bool = True, backend: str = "auto", attention_mask: str = "none",
-                         progress: bool = False, score_format: str = "native") -> dict:
+                         progress: bool = False, score_format: str = "auto") -> dict:
     """Perplexity of ``model`` on ``windows`` [N, T] (token ids) decoded token by token through the Loki static
     cache (module docstring): ``{"ppl", "nll", "tokens", "window_nll", "token_nll" ([N, T - 1] fp64, CPU),
     "seconds", "steps", "dtype", "compiled", "device", "gqa_select", "aggregate"}``.
@@ -54,7 +54,8 @@ def fast_path_perplexity(model, windows: torch.Tensor, basis, *, k: int | float 
 
     ``dtype``: decode a copy of the model converted to it (None: the model as it is); ``compile``: compile the
     decode steps with ``torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)`` (CUDA only: it
-    records CUDA graphs); ``backend``, ``score_format``: ``enable_loki``'s; ``attention_mask``: ``"none"`` or
+    records CUDA graphs); ``backend``, ``d``, ``score_format``: ``enable_loki``'s ("auto": its defaults, the int8
+    copy of d_f 0.5); ``attention_mask``: ``"none"`` or
     ``"grow"``.  The model is left with Loki disabled."""
     from tqdm.auto import tqdm
 

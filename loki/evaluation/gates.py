@@ -20,7 +20,11 @@ How an interval decides (a gate fails only on evidence):
 - exactness: Loki with d = D and k = all (and d = D at k_f) reproduces full attention (exact top-k) within
   ``exactness_rel_tol``: deterministic, no interval;
 - ordering full <= exact top-k <= Loki: fails when the paired interval of the increase lies entirely below
-  ``-ordering_rel_tol`` (a sparse method significantly better than the dense or oracle one means a bug);
+  ``-ordering_rel_tol`` for exact top-k against full attention, ``-oracle_ordering_rel_tol`` for Loki against exact
+  top-k (a sparse method significantly better than the dense one, or than the oracle by more than that margin,
+  means a bug: exact top-k is the best selection by score, not by perplexity, and an approximate one measured
+  0.22% [0.04, 0.39] below it at 8192 tokens, per query head with the int8 copy;
+  results/int8-default-h200-2026-12-02);
 - Loki's best basis (in the default GQA mode) against H2O at the same budget: fails when the interval of Loki over
   H2O lies entirely above 0 (Loki significantly worse);
 - targets and fidelity: the default basis' increase over full attention fails when its interval lies entirely
@@ -133,8 +137,9 @@ def _ci(x: dict, pre="increase") -> str:
     return f"[{100 * lo:+.2f}%, {100 * hi:+.2f}%]" if lo is not None else ""
 
 
-#: Settings that results written before they were recorded had: the shared (kv) rows combined raw sums.
-_LEGACY_SETTINGS = {"kv_aggregate": "sum"}
+#: Settings that results written before they were recorded had: the shared (kv) rows combined raw sums, and the
+#: Loki rows read the native score copy (a run's settings name ``score_format`` only when it is another).
+_LEGACY_SETTINGS = {"kv_aggregate": "sum", "score_format": "native"}
 
 
 def _profile_applies(results: dict, thresholds: dict, profile: str, *, ignore=()) -> tuple[bool, dict]:
@@ -165,6 +170,8 @@ def evaluate_gates(results: dict, thresholds: dict, profile: str = "check", *,
     comps = [c for c in results.get("comparisons", []) if c["seq_len"] == T0 and c["k"] == k0]
     tol = float(thresholds.get("exactness_rel_tol", 1e-4))
     otol = float(thresholds.get("ordering_rel_tol", 1e-6))
+    # exact top-k is the best selection by score, not by perplexity: an approximate selection may read slightly lower
+    otol_loki = float(thresholds.get("oracle_ordering_rel_tol", otol))
 
     if parts.get("perplexity"):
         if not any(row_role(r) == "baseline" for r in rows.values()) or not any(
@@ -193,9 +200,9 @@ def evaluate_gates(results: dict, thresholds: dict, profile: str = "check", *,
             gates.append(_missing("exactness: d = D rows", "no exactness rows although the perplexity part ran",
                                   allow_missing))
 
-    def ordering(c):
-        gates.append(_gate(f"ordering: {c['b']} <= {c['a']}", c["increase"], -otol, c["hi"] >= -otol,
-                           f"interval {_ci(c, None)} not all below {-otol:g}"))
+    def ordering(c, tol=otol):
+        gates.append(_gate(f"ordering: {c['b']} <= {c['a']}", c["increase"], -tol, c["hi"] >= -tol,
+                           f"interval {_ci(c, None)} not all below {-tol:g}"))
 
     kinds = [(comparison_kind(c, rows), c) for c in comps]
     for kind, c in kinds:
@@ -203,7 +210,7 @@ def evaluate_gates(results: dict, thresholds: dict, profile: str = "check", *,
             ordering(c)
     for kind, c in kinds:
         if kind == "loki_vs_oracle":
-            ordering(c)
+            ordering(c, otol_loki)
     gqa = default_gqa(results)
     loki_default = [r for r in rows.values() if row_role(r) == "loki" and in_default_mode(r, gqa)]
     h2o = [r for r in rows.values() if r.get("method") == "h2o"]
@@ -366,8 +373,9 @@ def update_thresholds(runs: dict[str, dict], path: str | Path, profile: str, *, 
     first = next(iter(runs.values()))
     primary = primary_setting(first)
     settings = {k: first["settings"][k] for k in ("k", "d", "k_values", "calibration", "windows", "bases", "methods")}
-    for key in ("kv_aggregate", "agreement_tokens"):  # the aggregate of the shared (kv) rows the limits are
-        if first["settings"].get(key) is not None:  # recorded for; the agreement's window where it is shorter
+    for key in ("kv_aggregate", "agreement_tokens", "score_format"):  # the aggregate of the shared (kv) rows the
+        if first["settings"].get(key) is not None:  # limits are recorded for; the agreement's window where it is
+            # shorter; the Loki rows' score copy where it is not the native one
             settings[key] = first["settings"][key]
     prof = {"settings": settings,
             "measured_on": {t: {"full_ppl": next((round(r["ppl"], 6) for r in res["perplexity"]

@@ -54,6 +54,7 @@ from loki.evaluation.bases import DEFAULT_RECIPE, CalibrationRecipe, get_bases
 from loki.evaluation.intervals import paired_increase
 from loki.evaluation.perplexity import MethodSpec, method_role, perplexity, standard_methods
 from loki.reference.selection import DEFAULT_KV_AGGREGATE, GQA_AGGREGATES
+from loki.settings import LokiSettings
 
 __all__ = ["PROFILES", "SuiteOptions", "profile_options", "resolve_gqa", "run_suite", "suite_methods"]
 
@@ -62,13 +63,16 @@ def _log(msg: str) -> None:
     print(f"[loki check] {msg}", file=sys.stderr, flush=True)
 
 
+_DEFAULT = LokiSettings()  # the library's defaults of d and the score format, as enable_loki decides them
+
+
 @dataclass
 class SuiteOptions:
     """Budgets and switches of one accuracy run (see :data:`PROFILES`)."""
 
     profile: str = "check"
     k: int | float = 0.25  # the primary budget (gates): a fraction k_f or a count; k_values adds others
-    d: float = 0.25
+    d: float = _DEFAULT.d  # the library's default dims (0.5: the int8 copy reads what 0.25 native dims read)
     k_values: tuple[int | float, ...] = ()
     k_counts: tuple[int, ...] = ()  # fixed counts of tokens measured at count_window (each below it)
     count_window: int | None = None  # the window length of k_counts (None: the longest of windows)
@@ -80,8 +84,9 @@ class SuiteOptions:
     # query), "query" or "kv"; and how every shared (kv) row combines a group's scores
     gqa_select: str = "auto"
     kv_aggregate: str = DEFAULT_KV_AGGREGATE
-    # how every Loki row's approximate scores read the keys' d leading dims (loki.reference.score_formats)
-    score_format: str = "native"
+    # how every Loki row's approximate scores read the keys' d leading dims (loki.reference.score_formats): the
+    # library's default, the int8 copy
+    score_format: str = _DEFAULT.score_format.value
     eval_corpus: str = "wikitext"
     windows: tuple[tuple[int, int], ...] = ((1024, 8),)  # (tokens, count); the first is the primary length
     methods: str = "check"  # method set of suite_methods: "tests", "check" or "long"
@@ -190,7 +195,6 @@ def resolve_gqa(opts: SuiteOptions, config) -> SuiteOptions:
     """``opts`` with the default configuration's GQA mode resolved for the model of ``config``: "auto" as
     ``enable_loki`` resolves it for method "loki" (:meth:`loki.LokiSettings.resolve`: "kv" on a GQA model, else
     "query")."""
-    from loki.settings import LokiSettings
 
     if opts.kv_aggregate not in GQA_AGGREGATES:  # gqa_select is checked by LokiSettings
         raise ValueError(f"kv_aggregate must be one of {GQA_AGGREGATES}, got {opts.kv_aggregate!r}")

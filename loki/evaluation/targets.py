@@ -300,7 +300,7 @@ def targets_markdown(thresholds: dict) -> str:
     from loki.evaluation.perplexity import budget_label
 
     ppl, ret = load_targets(thresholds)
-    lines = ["| target (default Loki: score-aware basis, d_f = 0.25) | bound "
+    lines = ["| target (default Loki: score-aware basis, int8 score copy of d_f = 0.5) | bound "
              "| known misses (measured [95% interval]) |", "|---|---:|---|"]
     for t in ppl:
         km = "; ".join(f"profile `{p}`{_mode_note(m)}: {_pct(m.measured)} [{_pct(m.interval[0])}, "

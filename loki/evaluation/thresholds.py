@@ -87,9 +87,11 @@ def check_thresholds(thresholds: dict, profile: str | None = None) -> str | None
     if not isinstance(thresholds, dict):
         return "the thresholds file must hold a JSON object"
     problems = []
-    for key in ("exactness_rel_tol", "ordering_rel_tol", "fast_path_rel_tol", "retrieval_generate_tol"):
+    for key in ("exactness_rel_tol", "ordering_rel_tol", "oracle_ordering_rel_tol", "fast_path_rel_tol",
+                "retrieval_generate_tol"):
         if key in thresholds:
-            problems.append(_limit_problem(thresholds[key], key, low=0.0, low_inclusive=key == "ordering_rel_tol"))
+            problems.append(_limit_problem(thresholds[key], key, low=0.0,
+                                           low_inclusive=key in ("ordering_rel_tol", "oracle_ordering_rel_tol")))
     targets = thresholds.get("targets")
     if profile is not None and not isinstance(targets, dict):
         return "it has no 'targets' section (the project's accuracy targets)"

@@ -92,13 +92,14 @@ class LokiLM(HFLM):
         pretrained: Any = None,
         basis: Any = None,
         k: int | float = 0.25,
-        d: int | float = 0.25,
+        d: int | float | str = "auto",
         method: str = "loki",
         gqa_select: str = "auto",
         aggregate: str = "auto",
         semantics: str = "decode",
         backend: str = "auto",
         h2o_recent_fraction: float = 0.5,
+        score_format: str = "auto",
         **kwargs,
     ) -> None:
         if pretrained is None:
@@ -115,11 +116,12 @@ class LokiLM(HFLM):
             self.model.config.name_or_path = model_name
         enable_loki(
             self.model, basis, k=k, d=d, method=method, gqa_select=gqa_select, aggregate=aggregate,
-            backend=backend, semantics=semantics, h2o_recent_fraction=h2o_recent_fraction,
+            backend=backend, semantics=semantics, h2o_recent_fraction=h2o_recent_fraction, score_format=score_format,
         )
         cfg = state_of(self.model).settings  # "auto" resolved by enable_loki
-        self.loki_settings = dict(k=k, d=d, method=method, gqa_select=cfg.gqa_select.value,
-                                  aggregate=cfg.aggregate.value, semantics=semantics, backend=backend)
+        self.loki_settings = dict(k=k, d=cfg.requested.d, method=method, gqa_select=cfg.gqa_select.value,
+                                  aggregate=cfg.aggregate.value, semantics=semantics, backend=backend,
+                                  score_format=cfg.score_format.value)
 
 
 if __name__ != "__main__":  # run as ``python -m loki.integrations.lm_eval`` this file is also imported under its

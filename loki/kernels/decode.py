@@ -143,7 +143,8 @@ def decode_attention(
     B, HQ, HKV, S, D, lengths, starts = check_decode_inputs(q_hat, k_hat, v_cache, lengths, starts,
                                                             check_values=check_values)
     resolve_d(d, D)  # the count's range against D, named in the error
-    settings = LokiSettings(k=k, d=d, gqa_select=gqa_select, aggregate=aggregate, backend=backend).resolve_shapes(
+    settings = LokiSettings(k=k, d=d, gqa_select=gqa_select, aggregate=aggregate, backend=backend,
+                            score_format="native").resolve_shapes(
         num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, where=f"decode_attention(backend={backend!r})",
         device=q_hat.device if backend == "auto" else None)
     resolve_scale(scale, D)

@@ -34,6 +34,7 @@ def decode_step_op(
     aggregate: str,
     scale: float,
     prefix_scale: torch.Tensor | None = None,
+    score_format: str = "native",
 ) -> torch.Tensor:
     """One Loki decode step on validated inputs (the caller checks shapes, d and scale once).
 
@@ -41,10 +42,15 @@ def decode_step_op(
     the kernels only); lengths, starts: [B] int with ``0 <= starts[b] < lengths[b] <= S`` (not checked: the
     kernels trust them); counts: [B] int, the tokens each sequence attends, ``1 <= counts[b] <= lengths[b] -
     starts[b]``; width: an int bound on every count (``loki.kernels.decode.selection_width``); prefix_scale:
-    [B, HKV, S] bf16 or None, making k_prefix the "int8" score copy (int8 codes of its first dp dims).  Returns
-    out [B, HQ, D] in q_hat's dtype.  CUDA: the Triton kernels.
+    [B, HKV, S] bf16 or None, making k_prefix the "int8" score copy (int8 codes of its first dp dims);
+    score_format: the CPU reference's score copy ("native" or "int8": it rounds k_hat's first d dims as the copy
+    holds them; the kernels read the copy that ``prefix_scale`` names).  Returns out [B, HQ, D] in q_hat's dtype.
+    CUDA: the Triton kernels.
     """
     from .decode import launch_decode_step  # the kernels' modules import this one: imported at the first call
+
+    if score_format != "native" and prefix_scale is None:
+        raise ValueError(f"score_format={score_format!r} on the kernels needs its copy (k_prefix and prefix_scale)")
 
     _, out = launch_decode_step(q_hat=q_hat, k_hat=k_hat, v_cache=v_cache, k_prefix=k_prefix, lengths=lengths,
                                 starts=starts, counts=counts, d=d, width=width, gqa_select=gqa_select,
@@ -54,11 +60,11 @@ def decode_step_op(
 
 @decode_step_op.register_kernel("cpu")
 def _decode_step_cpu(q_hat, k_hat, v_cache, k_prefix, lengths, starts, counts, d, width, gqa_select, aggregate,
-                     scale, prefix_scale=None):
+                     scale, prefix_scale=None, score_format="native"):
     """The CPU registration: the PyTorch reference with the same budgets (``k_prefix`` and ``width`` unused; with
-    ``prefix_scale``, the reference's ``score_format="int8"``, which rounds k_hat's first d dims as the copy holds
-    them)."""
-    fmt = "native" if prefix_scale is None else "int8"
+    ``prefix_scale`` or ``score_format="int8"``, the reference's ``score_format="int8"``, which rounds k_hat's first
+    d dims as the copy holds them)."""
+    fmt = "int8" if prefix_scale is not None else score_format
     return loki_attention_reference(q_hat, k_hat, v_cache, d=d, counts=counts, lengths=lengths, starts=starts,
                                     gqa_select=gqa_select, aggregate=aggregate, scale=scale,
                                     score_format=fmt).to(q_hat.dtype)
@@ -66,5 +72,5 @@ def _decode_step_cpu(q_hat, k_hat, v_cache, k_prefix, lengths, starts, counts, d
 
 @decode_step_op.register_fake
 def _(q_hat, k_hat, v_cache, k_prefix, lengths, starts, counts, d, width, gqa_select, aggregate, scale,
-      prefix_scale=None):
+      prefix_scale=None, score_format="native"):
     return torch.empty_like(q_hat, memory_format=torch.contiguous_format)

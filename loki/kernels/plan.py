@@ -202,9 +202,9 @@ def plan_decode(
     if num_q_heads % HKV:
         raise ValueError(f"num_q_heads={num_q_heads} must be a multiple of the cache's key/value heads HKV={HKV}")
     check_decode_inputs(k_hat.new_empty((B, num_q_heads, D)), k_hat, v_cache, check_values=False)
-    settings = LokiSettings(k=check_budget(k), d=d, gqa_select=gqa_select, aggregate=aggregate,
-                            backend="triton").resolve_shapes(num_q_heads=num_q_heads, num_kv_heads=HKV, head_dim=D,
-                                                             where="plan_decode (the Triton kernels)")
+    settings = LokiSettings(k=check_budget(k), d=d, gqa_select=gqa_select, aggregate=aggregate, backend="triton",
+                            score_format="native").resolve_shapes(num_q_heads=num_q_heads, num_kv_heads=HKV, head_dim=D,
+                                                                  where="plan_decode (the Triton kernels)")
     check_triton_device(k_hat, "plan_decode")
     check_no_grad("plan_decode", k_hat=k_hat, v_cache=v_cache, k_prefix=k_prefix)
     if k_hat.stride(-1) != 1 or v_cache.stride(-1) != 1:

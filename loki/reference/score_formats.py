@@ -3,8 +3,8 @@
 Loki's score phase reads the ``d`` leading rotated dims of every visible key.  Stored in fewer bits, the same bytes
 hold more dims: an 8-bit copy holds ``2 d`` dims in the bytes of ``d`` 16-bit ones, a 4-bit copy ``4 d``.  Whether
 the extra dims are worth the rounding is what :func:`quantize_score_keys` lets the evaluation measure (``loki
-compare --methods loki,loki[int8],...``); the exact attention over the selected tokens always reads the full-precision
-keys.  The formats (:data:`SCORE_FORMATS`):
+compare --methods loki,loki[native],...``; "int8" is the library's default); the exact attention over the selected
+tokens always reads the full-precision keys.  The formats (:data:`SCORE_FORMATS`):
 
 - ``"native"``: the cache's elements (16-bit in deployment), no rounding;
 - ``"fp8"``: float8 e4m3 of each token's dims divided by a per-token scale (the dims' largest magnitude over 448);

@@ -131,7 +131,8 @@ def kernel_run(q_hat, k_hat, *, d: int, gqa_select: str, aggregate: str, k=1.0, 
     from loki.settings import LokiSettings
 
     HQ, D = q_hat.shape[1], q_hat.shape[-1]
-    s = LokiSettings(k=k, d=d, gqa_select=gqa_select, aggregate=aggregate, backend="triton").resolve_shapes(
+    s = LokiSettings(k=k, d=d, gqa_select=gqa_select, aggregate=aggregate, backend="triton",
+                     score_format="native").resolve_shapes(
         num_q_heads=HQ, num_kv_heads=k_hat.shape[1], head_dim=D)
     return DecodeRun(s, scale=1.0 / math.sqrt(D) if scale is None else scale, tuning=tuning)
 

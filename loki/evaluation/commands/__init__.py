@@ -71,6 +71,20 @@ def fail(msg: str) -> int:
     return 2
 
 
+def dims_or_auto(text: str) -> int | float | str:
+    """argparse type of a ``--d``: ``auto`` (the score format's default dims, :attr:`loki.ScoreFormat.default_d`),
+    a fraction in (0, 1] or a count >= 1."""
+    return "auto" if text == "auto" else fraction_or_count(text)
+
+
+def score_format_help(what: str) -> str:
+    """The help of a command's ``--score-format``."""
+    return (f"how {what} approximate scores read the keys' d leading dims: auto (default: int8 for --method loki, an "
+            "int8 copy with a 16-bit scale per token, with --d auto = 0.5; native for the other methods), native "
+            "(the keys' own elements, --d auto = 0.25: the same bytes), int8, or fp8 / int4 (the PyTorch reference "
+            "only)")
+
+
 def fraction_or_count(text: str) -> int | float:
     """argparse type: ``0.25`` is a fraction in (0, 1], ``16`` a count >= 1."""
     try:

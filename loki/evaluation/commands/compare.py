@@ -22,10 +22,10 @@ from . import (
 )
 
 #: loki.evaluation.compare.COMPARE_METHODS / DEFAULT_METHODS, written out so that --help imports no torch
-_METHODS = ("loki", "loki[query]", "loki-pca[query]", "loki-pca[kv]", "exact_topk[query]", "exact_topk[kv]", "sparq",
-            "quest", "quest[kv]", "double_sparsity", "double_sparsity[kv]", "h2o", "pcaattn", "loki[fp8]",
-            "loki[int8]", "loki[int4]")
-_DEFAULT_METHODS = ("loki", "loki[int8]", "loki[query]", "loki-pca[query]", "exact_topk[query]", "exact_topk[kv]",
+_METHODS = ("loki", "loki[native]", "loki[query]", "loki-pca[query]", "loki-pca[kv]", "exact_topk[query]",
+            "exact_topk[kv]", "sparq", "quest", "quest[kv]", "double_sparsity", "double_sparsity[kv]", "h2o", "pcaattn",
+            "loki[fp8]", "loki[int4]")
+_DEFAULT_METHODS = ("loki", "loki[native]", "loki[query]", "loki-pca[query]", "exact_topk[query]", "exact_topk[kv]",
                     "sparq", "quest", "double_sparsity", "h2o")
 #: suite.PROFILES["long"].windows
 _LONG_WINDOWS = ((8192, 2), (4096, 4), (1024, 8))
@@ -73,13 +73,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--methods", type=_method_list, default=_DEFAULT_METHODS, metavar="A,B,...",
                         help="comma-separated methods (full attention is always measured); default: "
                         f"{','.join(_DEFAULT_METHODS)}; also: loki-pca[kv], quest[kv], double_sparsity[kv], pcaattn, "
-                        "and the default with its score copy in fewer bits, more dims for the same bytes: loki[fp8] "
-                        "(2d dims), loki[int4] (4d dims)")
+                        "and the default with its score copy in other formats at the same bytes: loki[fp8] (2d dims), "
+                        "loki[int4] (4d dims); loki (the default) and loki[query] read an int8 copy of 2d dims, "
+                        "loki[native] the keys' own d dims")
     parser.add_argument("--k", type=unit_fraction, default=0.25,
                         help="the default configuration's budget fraction k_f, which sets the target bytes; also the "
                         "oracles' budget (default: %(default)s)")
     parser.add_argument("--d", type=unit_fraction, default=0.25,
-                        help="Loki's d_f, and SparQ's and Double Sparsity's r as a fraction of D "
+                        help="the dims of a native score copy (Loki's d_f with loki[native]; an int8 copy holds 2d "
+                        "dims in its bytes), and SparQ's and Double Sparsity's r as a fraction of D "
                         "(default: %(default)s)")
     parser.add_argument("--bytes", type=unit_fraction, default=None, dest="target_bytes",
                         help="the target bytes per decode step as a fraction of dense (default: the default "

@@ -11,11 +11,13 @@ from loki._io import atomic_write
 from loki.evaluation.commands import (
     check_model_folder,
     check_output_file,
+    dims_or_auto,
     fail,
     fraction_or_count,
     load_basis_arg,
     non_negative_int,
     positive_int,
+    score_format_help,
     set_threads,
 )
 
@@ -62,9 +64,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "`loki calibrate -o FILE`")
     parser.add_argument("--k", type=fraction_or_count, default=0.25,
                         help="tokens attended: a count (64) or a fraction in (0, 1] of each sequence (default 0.25)")
-    parser.add_argument("--d", "--dims", type=fraction_or_count, default=0.25,
-                        help="principal dims for approximate scores (SparQ: r): a count or a fraction of D "
-                        "(default 0.25)")
+    parser.add_argument("--d", "--dims", type=dims_or_auto, default="auto",
+                        help="principal dims for approximate scores (SparQ: r): a count, a fraction of D or auto "
+                        "(default: auto, 0.5 with Loki's int8 score copy, else 0.25)")
+    parser.add_argument("--score-format", default="auto", choices=("auto", "native", "int8", "fp8", "int4"),
+                        help=score_format_help("Loki's"))
     parser.add_argument("--method", default="loki", choices=_METHODS,
                         help="the attention method (default: %(default)s; h2o needs --semantics generate)")
     parser.add_argument("--gqa-select", default="auto", choices=("auto", "query", "kv"),
@@ -147,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
                     "loki_mmlu and loki_mmlu_<subject> (lm-eval's own tasks download their data)")
     model_args: dict[str, Any] = dict(
         basis=basis, k=args.k, d=args.d, method=args.method, gqa_select=args.gqa_select,
-        semantics=args.semantics, backend=args.backend, batch_size=args.batch_size,
+        score_format=args.score_format, semantics=args.semantics, backend=args.backend, batch_size=args.batch_size,
     )
     if args.model is not None:
         model_args["pretrained"] = args.model
@@ -172,7 +176,8 @@ def run(args: argparse.Namespace) -> int:
         payload = {
             "model": args.model or "embedded:SmolLM2-135M-Instruct",
             "basis": args.basis,
-            "settings": {"k": args.k, "d": args.d, "method": args.method, "gqa_select": lm.loki_settings["gqa_select"],
+            "settings": {"k": args.k, "d": lm.loki_settings["d"], "score_format": lm.loki_settings["score_format"],
+                         "method": args.method, "gqa_select": lm.loki_settings["gqa_select"],
                          "aggregate": lm.loki_settings["aggregate"], "semantics": args.semantics,
                          "num_fewshot": args.num_fewshot, "limit": args.limit},
             "tasks": tasks,

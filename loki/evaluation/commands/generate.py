@@ -11,11 +11,13 @@ from . import (
     check_corpus,
     check_fits_context,
     check_model_folder,
+    dims_or_auto,
     fail,
     fraction_or_count,
     load_basis_arg,
     load_model_from_args,
     load_tokenizer_and_config,
+    score_format_help,
 )
 
 
@@ -33,8 +35,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--k", type=fraction_or_count, default=0.5,
                         help="token budget (default: %(default)s; at k=d=0.25 this 135M model's text degenerates "
                         "on short prompts, see docs/accuracy.md)")
-    parser.add_argument("--d", "--dims", type=fraction_or_count, default=0.5,
-                        help="principal dims (default: %(default)s)")
+    parser.add_argument("--d", "--dims", type=dims_or_auto, default="auto",
+                        help="principal dims: a fraction of D, a count or auto (default: auto, 0.5 with Loki's int8 "
+                        "score copy, else 0.25)")
+    parser.add_argument("--score-format", default="auto", choices=("auto", "native", "int8", "fp8", "int4"),
+                        help=score_format_help("Loki's"))
     parser.add_argument("--basis", default=None,
                         help="basis file; default: the cached/calibrated default (score-aware) basis")
     parser.add_argument("--gqa-select", default="auto", choices=("auto", "query", "kv"),
@@ -75,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
                        f"prompt ({n_prompt} tokens) + --max-new-tokens {args.max_new_tokens}")
     import torch
 
-    from loki.integrations.transformers import disable_loki, enable_loki
+    from loki.integrations.transformers import disable_loki, enable_loki, state_of
 
     check_basis_for(basis, config, "--basis", args.basis)
     model, tokenizer = load_model_from_args(args)
@@ -85,7 +90,9 @@ def run(args: argparse.Namespace) -> int:
         basis = get_bases(model, tokenizer, ("score",), DEFAULT_RECIPE, progress=not args.no_progress,
                           log=print)["score"]
     try:
-        enable_loki(model, basis, k=args.k, d=args.d, method=args.method, gqa_select=args.gqa_select)
+        enable_loki(model, basis, k=args.k, d=args.d, method=args.method, gqa_select=args.gqa_select,
+                    score_format=args.score_format)
+        args.d = state_of(model).settings.requested.d  # "auto" as enable_loki decided it
     except (ValueError, TypeError) as exc:  # e.g. a count --d larger than the model's head dim
         return fail(str(exc))
     try:

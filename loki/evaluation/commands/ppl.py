@@ -11,6 +11,7 @@ from . import (
     check_corpus,
     check_fits_context,
     check_model_folder,
+    dims_or_auto,
     fail,
     fraction_or_count,
     load_basis_arg,
@@ -18,6 +19,7 @@ from . import (
     load_text_arg,
     load_tokenizer_and_config,
     resolve_windows,
+    score_format_help,
     text_windows,
     window_spec,
 )
@@ -41,9 +43,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--k", type=fraction_or_count, default=0.25,
                         help="token budget of the top-k methods (exact_topk, loki, sparq, h2o): a fraction of the "
                         "tokens a row sees (0.25) or a count (64) (default: %(default)s)")
-    parser.add_argument("--d", "--dims", type=fraction_or_count, default=0.25,
-                        help="principal dims of loki and pcaattn (SparQ: r): a fraction of D or a count "
-                        "(default: %(default)s)")
+    parser.add_argument("--d", "--dims", type=dims_or_auto, default="auto",
+                        help="principal dims of loki and pcaattn (SparQ: r): a fraction of D, a count or auto "
+                        "(default: auto, 0.5 with Loki's int8 score copy, else 0.25)")
+    parser.add_argument("--score-format", default="auto", choices=("auto", "native", "int8", "fp8", "int4"),
+                        help=score_format_help("Loki's"))
     parser.add_argument("--basis", default=None, help="basis file (.safetensors) for loki and pcaattn; default: the "
                         "default recipe's basis of --basis-kind, calibrated once (32,768 tokens covering the "
                         "model's context: minutes on a CPU, announced on stderr) and cached")
@@ -128,12 +132,16 @@ def run(args: argparse.Namespace) -> int:
 
     # "auto" resolved as enable_loki resolves it, so that the printed setting is the one measured
     method = args.method if args.method in METHODS else "dense"  # "full": full attention, no selection
-    mode = LokiSettings(method=method, gqa_select=args.gqa_select, aggregate=args.aggregate,
-                        backend="torch").resolve(model.config)
+    try:
+        mode = LokiSettings(method=method, gqa_select=args.gqa_select, aggregate=args.aggregate, backend="torch",
+                            d=args.d, score_format=args.score_format).resolve(model.config)
+    except (ValueError, TypeError) as exc:
+        return fail(str(exc))
     args.gqa_select, args.aggregate = mode.gqa_select.value, mode.aggregate.value
+    args.d, args.score_format = mode.requested.d, mode.score_format.value
     try:
         spec = MethodSpec(args.method, args.method, k=args.k, d=args.d, basis="b" if bases else None,
-                          gqa_select=args.gqa_select, aggregate=args.aggregate)
+                          gqa_select=args.gqa_select, aggregate=args.aggregate, score_format=args.score_format)
         r = perplexity(model, windows, spec, bases, protocol=args.protocol)
     except (ValueError, KeyError) as exc:
         return fail(str(exc))
@@ -153,6 +161,8 @@ def _setting(args: argparse.Namespace) -> str:
         parts.append(f"k={args.k}")
     if args.method in ("loki", "pcaattn"):
         parts.append(f"d={args.d}")
+    if args.method == "loki":
+        parts.append(f"score_format={args.score_format}")
     if args.method == "sparq":
         parts.append(f"r={args.d}")
     if args.method in ("exact_topk", "loki", "sparq"):

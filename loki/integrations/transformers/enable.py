@@ -120,7 +120,7 @@ def enable_loki(
     model,
     basis=None,
     k: int | float = 0.25,
-    d: int | float = 0.25,
+    d: int | float | str = "auto",
     *,
     method: str = "loki",
     gqa_select: str = "auto",
@@ -128,7 +128,7 @@ def enable_loki(
     backend: str = "auto",
     semantics: str = "generate",
     h2o_recent_fraction: float = 0.5,
-    score_format: str = "native",
+    score_format: str = "auto",
     key_prefix: bool = True,
     settings: LokiSettings | None = None,
     model_name: str | None = None,
@@ -147,8 +147,10 @@ def enable_loki(
             a GQA model, per query head otherwise.  ``backend`` "auto": the Triton kernels on CUDA when no gradient
             is wanted, the PyTorch reference otherwise.  ``semantics``: "generate" (dense prefill, sparse decode
             steps) or "decode" (every query row attends like a decode step; for perplexity and loglikelihoods).
-            ``score_format``: how the approximate scores read the keys' ``d`` leading dims ("native", or "int8":
-            an int8 copy with a bf16 scale per token, which the caches write and the kernels read).  ``key_prefix``
+            ``score_format``: how the approximate scores read the keys' ``d`` leading dims ("auto", the default:
+            "int8" for method "loki" with a key prefix, an int8 copy with a bf16 scale per token, which the caches
+            write and the kernels read; "native": the keys' own elements).  ``d`` "auto": 0.5 with the int8 copy,
+            0.25 with a native one (the same bytes).  ``key_prefix``
             False: the caches keep no second copy of the keys' d leading dims (a dense cache's memory; the kernels
             read those dims in place, slower scores, the same results); True (the default) keeps it, except on the
             layers of a static cache where a native copy does not fit (left out there, with a warning).

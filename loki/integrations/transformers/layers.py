@@ -110,8 +110,11 @@ def _prefix_oom_hint(store: LayerStore, keys: torch.Tensor, *, dropped: bool = F
                 "read). enable_loki(..., key_prefix=False) keeps none on every layer")
     rows, dp = keys[..., 0].numel(), store.prefix_dims
     need = rows * (dp + 2) if store.int8 else rows * dp * keys.element_size()  # an int8 copy: codes and a scale
-    how = ("enable_loki(..., score_format='native', key_prefix=False) keeps a dense cache's memory (native scores)"
-           if store.int8 else "enable_loki(..., key_prefix=False) keeps a dense cache's memory (the same results)")
+    how = ("the int8 score copy (the default) is read for the scores and cannot be left out; "
+           "enable_loki(..., score_format='native') scores on the keys' own first d_f 0.25 dims, whose copy a "
+           "static cache leaves out where it does not fit (a dense cache's memory), or pass a smaller batch_size / "
+           "max_cache_len" if store.int8 else
+           "enable_loki(..., key_prefix=False) keeps a dense cache's memory (the same results)")
     return (f"Loki's key prefix ({store.prefix_dims} dims of every key a second time, {need / 2**20:.1f} MiB for "
             f"this layer) did not fit beside the static cache's keys and values: {how}")
 

@@ -103,12 +103,13 @@ def _reference(state, plan, g: LayerRanges, query, key, value, store, transforms
     if s.method is Method.H2O:
         return _h2o_step(s, q, key, value, store, kw)
     if torch.compiler.is_compiling():
-        native = s.score_format is ScoreFormat.NATIVE
-        if s.method is Method.LOKI and not query.is_cuda and native:
+        opaque = s.score_format in (ScoreFormat.NATIVE, ScoreFormat.INT8)  # the formats the op's reference takes
+        if s.method is Method.LOKI and not query.is_cuda and opaque:
             # a compiled CPU step: the reference as one opaque op (the op's CPU registration)
             return decode_step_op(q, key, value, None, g.dec_lengths, g.dec_starts, g.counts, s.d, g.width,
-                                  s.gqa_select.value, s.aggregate.value, float(scale))
-        if query.is_cuda or not native:
+                                  s.gqa_select.value, s.aggregate.value, float(scale),
+                                  score_format=s.score_format.value)
+        if query.is_cuda or not opaque:
             return reference_outside_graph(state, True, decode_rows, s.method.value, q, key, value, **kw)
     return decode_rows(s.method.value, q, key, value, **kw)
 

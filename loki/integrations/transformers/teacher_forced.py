@@ -62,6 +62,7 @@ def teacher_forced_attention(
     gqa_select: str = "auto",
     aggregate: str = "auto",
     chunk_elements: int | None = None,
+    score_format: str = "native",
 ) -> torch.Tensor:
     """Attention of every query row with decode-time semantics (teacher forcing), on plain tensors.
 
@@ -72,14 +73,16 @@ def teacher_forced_attention(
     layer (needed for "loki" and "pcaattn"); P_q: the query transform of a score basis (default P, an orthogonal
     basis); attention_mask: optional [B, 1, L, S] bool (True = attend) or additive float mask; without it the L rows
     are the last L of the S keys (causal, every key valid); every row's visible tokens must be one contiguous range.
-    ``gqa_select`` / ``aggregate``: "auto" as ``enable_loki`` decides them (:class:`loki.LokiSettings`).  Returns
+    ``gqa_select`` / ``aggregate``: "auto" as ``enable_loki`` decides them (:class:`loki.LokiSettings`);
+    ``score_format``: Loki's score copy of the keys' d leading dims ("native", the keys as given, by default).  Returns
     [B, HQ, L, D] in query's dtype; rows that see no token return zeros.  ``method="h2o"`` is not supported (it is
     sequential by nature).
     """
     B, HQ, L, D = query.shape
     HKV, S = key.shape[1], key.shape[2]
     s = LokiSettings(k=k, d=d, method=method, gqa_select=gqa_select, aggregate=aggregate,
-                     backend="torch").resolve_shapes(num_q_heads=HQ, num_kv_heads=HKV, head_dim=D)
+                     backend="torch", score_format=score_format).resolve_shapes(num_q_heads=HQ, num_kv_heads=HKV,
+                                                                                head_dim=D)
     if P is not None and P_q is None:
         P_q = P
     inverse = None if P_q is None else P_q.transpose(-1, -2)
