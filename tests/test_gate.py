@@ -223,6 +223,15 @@ def test_accuracy_entry_the_results_lack_fails_as_absent(tree):
     assert ok
 
 
+def _write_with_version(tree, commit, values, name, version, *, date):
+    """One commit's results with benchmark ``name`` at ``version`` (the others at "1")."""
+    BENCHMARKS[name]["version"] = version
+    try:
+        write_results(tree / "results", commit, values, date=date)
+    finally:
+        del BENCHMARKS[name]["version"]
+
+
 def test_accuracy_limits_do_not_judge_results_of_another_benchmark_version(tree):
     """Accuracy limits recorded for the benchmark's current version (benchmarks.json) do not judge a result of an
     earlier version (another configuration measured): it is reported STALE, passes, and is not counted as checked;
@@ -240,11 +249,7 @@ def test_accuracy_limits_do_not_judge_results_of_another_benchmark_version(tree)
     assert "1 results of another benchmark version than their limits were recorded for" in text
     assert f"({sum(ch.measured for ch in checks) - 1} measured values checked)" in text
     # the same value from the current version fails
-    BENCHMARKS["bench_accuracy.Accuracy.track_jaccard"]["version"] = "2"
-    try:
-        write_results(tree / "results", B, low, date=2000)
-    finally:
-        del BENCHMARKS["bench_accuracy.Accuracy.track_jaccard"]["version"]
+    _write_with_version(tree, B, low, "bench_accuracy.Accuracy.track_jaccard", "2", date=2000)
     ok, checks, _ = gate_run(tree, B)
     assert not ok
     (c,) = [c for c in checks if c.benchmark == "bench_accuracy.Accuracy.track_jaccard" and c.kind == "threshold"]
@@ -255,11 +260,7 @@ def test_changed_benchmark_version_is_not_compared(tree):
     write_results(tree / "results", A, GOOD, date=1000)
     slow = {k: list(v) for k, v in GOOD.items()}
     slow["bench_kernels.Decode.track_loki_ms"] = [0.20, 0.06]
-    BENCHMARKS["bench_kernels.Decode.track_loki_ms"]["version"] = "2"
-    try:
-        write_results(tree / "results", B, slow, date=2000)
-    finally:
-        del BENCHMARKS["bench_kernels.Decode.track_loki_ms"]["version"]
+    _write_with_version(tree, B, slow, "bench_kernels.Decode.track_loki_ms", "2", date=2000)
     ok, checks, text = gate_run(tree, B)
     assert ok, text
     assert not [c for c in checks if c.benchmark == "bench_kernels.Decode.track_loki_ms"]

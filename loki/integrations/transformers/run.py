@@ -5,8 +5,8 @@ sequence) of every cache goes through, by one of the two routes the step plan ch
   launches, eager through the model's :class:`~loki.kernels.plan.DecodeRun` (``plan_decode``'s object: recorded at a
   signature's second call, replayed from the third), or inside a compiled graph as the ``loki::decode_step`` op;
 - the PyTorch reference of the method (``loki.reference``), with the same budgets.  Inside a compiled CUDA step it
-  runs eagerly outside the graph (:func:`reference_outside_graph`); on the CPU a compiled Loki step calls it
-  through the ``loki::decode_step`` op, whose CPU registration it is.
+  runs eagerly outside the graph (:func:`reference_outside_graph`); on the CPU a compiled Loki step (native or int8
+  copy) calls it through the ``loki::decode_step`` op, whose CPU registration it is.
 
 What each row sees and its budget come from the step plan (``ranges``); the keys are stored in the basis by the
 cache layer (``store``: its :class:`~.layers.LayerStore`).
