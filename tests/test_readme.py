@@ -91,7 +91,7 @@ def test_readme_results_table_is_the_one_the_results_files_give():
     # one row per accuracy and speed setting, each with its card
     rows = [ln for ln in table.splitlines() if ln.startswith("| ") and not ln.startswith("| result")]
     assert len(rows) == len(readme_table.ACCURACY_ROWS) + len(readme_table.SPEED_ROWS)
-    assert all("| H100, " in r for r in rows)
+    assert all("| H200, " in r for r in rows)
     # the headline's number is the table's
     headline = re.search(r"\*\*Headline:.*?\*\*", text, re.S).group(0)
     for number in re.findall(r"\d+\.\d+x", headline):
