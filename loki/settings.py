@@ -208,7 +208,7 @@ class LokiSettings:
         if isinstance(self.d, str):
             if self.d != "auto":
                 raise ValueError(f"d must be an int count, a float fraction of D or 'auto', got {self.d!r}")
-            object.__setattr__(self, "d", fmt.default_d if self.method is Method.LOKI else 0.25)
+            object.__setattr__(self, "d", fmt.default_d)  # native for the other methods: 0.25
         if self.score_format is not ScoreFormat.NATIVE and self.method is not Method.LOKI:
             raise ValueError(f"score_format={self.score_format.value!r} applies to method='loki' only "
                              f"(got method={self.method.value!r})")

@@ -108,6 +108,8 @@ def test_the_e2e_benchmark_passes_it_and_sizes_the_caches_without_it():
     with_prefix = e2e.memory_needed(cfg, 8, 32768, itemsize=2, d_f=0.25)
     without = e2e.memory_needed(cfg, 8, 32768, itemsize=2, d_f=0.25, key_prefix=False)
     assert with_prefix - without == 32 * 8 * 8 * 32768 * 32 * 2  # L B HKV S d bf16: 4 GiB
+    int8 = e2e.memory_needed(cfg, 8, 32768, itemsize=2, d_f=0.5, score_format="int8")
+    assert int8 - without == 32 * 8 * 8 * 32768 * (64 + 2)  # 64 int8 codes and a bf16 scale per token
     import argparse
 
     from loki.bench.harness import add_arguments

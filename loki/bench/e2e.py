@@ -25,8 +25,8 @@ With ``generate=True`` each path then times whole greedy ``model.generate`` call
 of ``torch.cuda.max_memory_allocated`` (weights included).
 
 Byte floor of a step: the weights a decode step reads (every parameter except the input embedding table, of which
-only B rows are read) plus the KV bytes attention must read (dense: K and V of every cached token; Loki: the d/D
-key prefix of every token plus the k selected rows of K and V per selecting head), averaged over the timed steps
+only B rows are read) plus the KV bytes attention must read (dense: K and V of every cached token; Loki: the
+score copy of every token plus the k selected rows of K and V per selecting head), averaged over the timed steps
 and divided by the device-to-device copy bandwidth measured in the same run.  The byte ceiling of Loki's speed-up
 is the dense floor over the Loki floor (bytes over bytes: the bandwidth cancels); ``fraction_of_ceiling`` = the
 measured speed-up over that ceiling.
@@ -46,7 +46,7 @@ import torch
 
 from loki._checks import budget_counts, check_budget, resolve_d
 from loki._hf import cache_keyword
-from loki.reference.score_formats import score_elements
+from loki.reference.score_formats import score_copy_bytes
 from loki.settings import LokiSettings
 
 from .e2e_cache import (
@@ -187,7 +187,7 @@ def byte_floor(config, B: int, lengths, *, weights: int, itemsize: int, k_f: flo
     format; "int8" reads d one-byte codes and a 2-byte scale per token instead of d cache elements."""
     L, HQ, HKV, D = _dims(config)
     d = resolve_d(d_f, D)
-    score_bytes = d * itemsize if score_format == "native" else score_elements(score_format, d) * 2
+    score_bytes = score_copy_bytes(score_format, d, itemsize)
     H = HQ if gqa_select == "query" else HKV
     lengths = list(lengths)
     counts = budget_counts(check_budget(k_f, name="k"), torch.tensor(lengths, dtype=torch.long)).tolist()
@@ -200,15 +200,16 @@ def byte_floor(config, B: int, lengths, *, weights: int, itemsize: int, k_f: flo
             "dense": weights + dense / len(lengths), "loki": weights + loki / len(lengths)}
 
 
-def memory_needed(config, B: int, S: int, *, itemsize: int, d_f, key_prefix: bool = True) -> int:
+def memory_needed(config, B: int, S: int, *, itemsize: int, d_f, key_prefix: bool = True,
+                  score_format: str = "native") -> int:
     """Device bytes a setting needs beyond the weights: the largest cache of the four paths (K, V and, unless
-    ``key_prefix`` is False, a d/D key prefix at S tokens), transients of a few layers' keys (a float32 rotation on
-    write, a concatenation step, K and V repeated to the query heads where SDPA does so for GQA) and 1.5 GiB of
-    workspace."""
+    ``key_prefix`` is False, the score copy of d dims in ``score_format`` at S tokens), transients of a few layers'
+    keys (a float32 rotation on write, a concatenation step, K and V repeated to the query heads where SDPA does so
+    for GQA) and 1.5 GiB of workspace."""
     L, HQ, HKV, D = _dims(config)
-    d = resolve_d(d_f, D) if key_prefix else 0
     layer_k = B * HKV * S * D * itemsize
-    return L * (2 * layer_k + layer_k * d // D) + (5 + 2 * HQ // HKV) * layer_k + (3 << 29)
+    prefix = B * HKV * S * score_copy_bytes(score_format, resolve_d(d_f, D), itemsize) if key_prefix else 0
+    return int(L * (2 * layer_k + prefix)) + (5 + 2 * HQ // HKV) * layer_k + (3 << 29)
 
 
 def run_path(model, path: str, *, B: int, S: int, steps: int, device, dtype, basis=None, k_f: float = 0.25,
@@ -358,11 +359,9 @@ def run_grid(grid, *, device="cuda", dtype=torch.bfloat16, models=None, paths=PA
     ``aggregate``: how a shared selection combines the group's scores ("auto", the default: "softmax-max" as
     ``enable_loki`` resolves it, the configuration the accuracy suite gates; "sum": raw sums).  Each result records
     the ``gqa_select`` and ``aggregate`` it ran (``aggregate`` "sum" for per-query-head selection, which has none).
-    ``k_f``: the budget of settings without their own (``Setting.k``), a fraction
-    or an int count of tokens; ``score_format``: Loki's score copy ("auto", the default: enable_loki's, the int8
-    copy with a key prefix; "native" or "int8"); ``d_f``: its dims ("auto": the format's default, 0.5 for int8,
-    0.25 native); ``key_prefix``: whether Loki's caches keep the key prefix.  ``generate`` and the ``generate_*``
-    options: whole ``generate`` calls per
+    ``k_f``: the budget of settings without their own (``Setting.k``), a fraction or an int count of tokens;
+    ``score_format``, ``d_f``, ``key_prefix``: ``enable_loki``'s score copy, its dims and whether the caches keep it
+    ("auto": enable_loki's, the int8 copy of d_f 0.5).  ``generate`` and ``generate_*``: whole ``generate`` calls per
     path (:func:`run_path`).
     ``free_bytes`` overrides the device memory free beside the model (measured on CUDA, unchecked elsewhere).
     ``on_setting(result)`` is called after each setting (for incremental output).  Returns one dict per setting."""
@@ -402,7 +401,8 @@ def run_grid(grid, *, device="cuda", dtype=torch.bfloat16, models=None, paths=PA
                                       k_f=k, d_f=d_f, gqa_select=mode, score_format=score_format)
             if copy_gbps:
                 res["floor_ms"] = {p: res["bytes"][p] / (copy_gbps * 1e9) * 1e3 for p in ("dense", "loki")}
-            need = memory_needed(config, s.B, s.S, itemsize=itemsize, d_f=d_f, key_prefix=key_prefix)
+            need = memory_needed(config, s.B, s.S, itemsize=itemsize, d_f=d_f, key_prefix=key_prefix,
+                                 score_format=score_format)
             if free is not None and need > free:
                 res["skipped"] = (f"does not fit: the caches need about {need / 2**30:.1f} GiB beside the weights, "
                                   f"{free / 2**30:.1f} GiB are free")

@@ -39,7 +39,7 @@ from loki.evaluation.gates import (
 )
 from loki.evaluation.suite import PROFILES, SuiteOptions, profile_options, run_suite
 from loki.provenance import provenance
-from loki.settings import ScoreFormat
+from loki.settings import LokiSettings
 
 __all__ = ["add_arguments", "run"]
 
@@ -208,11 +208,10 @@ def _options(args) -> SuiteOptions:
                            eval_corpus=args.eval_corpus, gqa_select=args.gqa_select)
     if args.k is not None:
         opts = replace(opts, k=args.k, k_values=tuple(k for k in opts.k_values if k != args.k))
-    if args.score_format is not None:
-        fmt = ScoreFormat(args.score_format)
-        opts = replace(opts, score_format=fmt.value, d=fmt.default_d)
-    if args.d is not None:
-        opts = replace(opts, d=args.d)
+    if args.score_format is not None or args.d is not None:  # decided as enable_loki decides them
+        s = LokiSettings(d="auto" if args.d is None else args.d, score_format=args.score_format or "auto",
+                         backend="torch")
+        opts = replace(opts, d=s.d, score_format=s.score_format.value)
     if args.k_counts is not None:
         opts = replace(opts, k_counts=args.k_counts)
     if args.retrieval_k is not None:

@@ -24,7 +24,7 @@ import torch
 from loki.settings import ScoreFormat
 
 __all__ = ["SCORE_FORMATS", "SCORE_FORMAT_BITS", "check_score_format", "encode_int8_score_keys", "quantize_score_keys",
-           "score_elements"]
+           "score_copy_bytes", "score_elements"]
 
 #: Bits per dim of every format ("native": the cache's 16-bit elements).
 SCORE_FORMAT_BITS = {ScoreFormat.NATIVE.value: 16, ScoreFormat.FP8.value: 8, ScoreFormat.INT8.value: 8,
@@ -43,6 +43,12 @@ def check_score_format(score_format: str, method: str = "loki") -> str:
     if score_format != ScoreFormat.NATIVE.value and method != "loki":
         raise ValueError(f"score_format={score_format!r} applies to method 'loki' only, got {method!r}")
     return str(ScoreFormat(score_format).value)
+
+
+def score_copy_bytes(score_format: str, d: int, itemsize: int) -> float:
+    """Bytes of one token's score copy of ``d`` dims: ``d`` elements of ``itemsize`` bytes for "native" (the
+    cache's own), else the codes and the 16-bit scale of :func:`score_elements`."""
+    return d * itemsize if check_score_format(score_format) == "native" else score_elements(score_format, d) * 2
 
 
 def score_elements(score_format: str, d: int) -> float:

@@ -77,12 +77,17 @@ def dims_or_auto(text: str) -> int | float | str:
     return "auto" if text == "auto" else fraction_or_count(text)
 
 
-def score_format_help(what: str) -> str:
-    """The help of a command's ``--score-format``."""
-    return (f"how {what} approximate scores read the keys' d leading dims: auto (default: int8 for --method loki, an "
-            "int8 copy with a 16-bit scale per token, with --d auto = 0.5; native for the other methods), native "
-            "(the keys' own elements, --d auto = 0.25: the same bytes), int8, or fp8 / int4 (the PyTorch reference "
-            "only)")
+def add_score_arguments(parser: argparse.ArgumentParser, dims: str) -> None:
+    """A command's ``--d`` (``dims``: what the dims are) and ``--score-format``, both "auto" by default (decided by
+    :class:`loki.LokiSettings`, as ``enable_loki`` decides them)."""
+    parser.add_argument("--d", "--dims", type=dims_or_auto, default="auto",
+                        help=f"{dims}: a fraction of D, a count or auto (default: auto, 0.5 with Loki's int8 score "
+                        "copy, else 0.25)")
+    parser.add_argument("--score-format", default="auto", choices=("auto", "native", "int8", "fp8", "int4"),
+                        help="how Loki's approximate scores read the keys' d leading dims: auto (default: int8 for "
+                        "--method loki, an int8 copy with a 16-bit scale per token, with --d auto = 0.5; native for "
+                        "the other methods), native (the keys' own elements, --d auto = 0.25: the same bytes), int8, "
+                        "or fp8 / int4 (the PyTorch reference only)")
 
 
 def fraction_or_count(text: str) -> int | float:

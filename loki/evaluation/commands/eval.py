@@ -9,15 +9,14 @@ from typing import Any
 
 from loki._io import atomic_write
 from loki.evaluation.commands import (
+    add_score_arguments,
     check_model_folder,
     check_output_file,
-    dims_or_auto,
     fail,
     fraction_or_count,
     load_basis_arg,
     non_negative_int,
     positive_int,
-    score_format_help,
     set_threads,
 )
 
@@ -64,11 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "`loki calibrate -o FILE`")
     parser.add_argument("--k", type=fraction_or_count, default=0.25,
                         help="tokens attended: a count (64) or a fraction in (0, 1] of each sequence (default 0.25)")
-    parser.add_argument("--d", "--dims", type=dims_or_auto, default="auto",
-                        help="principal dims for approximate scores (SparQ: r): a count, a fraction of D or auto "
-                        "(default: auto, 0.5 with Loki's int8 score copy, else 0.25)")
-    parser.add_argument("--score-format", default="auto", choices=("auto", "native", "int8", "fp8", "int4"),
-                        help=score_format_help("Loki's"))
+    add_score_arguments(parser, "principal dims for approximate scores (SparQ: r)")
     parser.add_argument("--method", default="loki", choices=_METHODS,
                         help="the attention method (default: %(default)s; h2o needs --semantics generate)")
     parser.add_argument("--gqa-select", default="auto", choices=("auto", "query", "kv"),

@@ -7,17 +7,16 @@ import time
 
 from . import (
     add_model_arguments,
+    add_score_arguments,
     check_basis_for,
     check_corpus,
     check_fits_context,
     check_model_folder,
-    dims_or_auto,
     fail,
     fraction_or_count,
     load_basis_arg,
     load_model_from_args,
     load_tokenizer_and_config,
-    score_format_help,
 )
 
 
@@ -35,11 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--k", type=fraction_or_count, default=0.5,
                         help="token budget (default: %(default)s; at k=d=0.25 this 135M model's text degenerates "
                         "on short prompts, see docs/accuracy.md)")
-    parser.add_argument("--d", "--dims", type=dims_or_auto, default="auto",
-                        help="principal dims: a fraction of D, a count or auto (default: auto, 0.5 with Loki's int8 "
-                        "score copy, else 0.25)")
-    parser.add_argument("--score-format", default="auto", choices=("auto", "native", "int8", "fp8", "int4"),
-                        help=score_format_help("Loki's"))
+    add_score_arguments(parser, "principal dims")
     parser.add_argument("--basis", default=None,
                         help="basis file; default: the cached/calibrated default (score-aware) basis")
     parser.add_argument("--gqa-select", default="auto", choices=("auto", "query", "kv"),

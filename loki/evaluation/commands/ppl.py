@@ -7,11 +7,11 @@ import sys
 
 from . import (
     add_model_arguments,
+    add_score_arguments,
     check_basis_for,
     check_corpus,
     check_fits_context,
     check_model_folder,
-    dims_or_auto,
     fail,
     fraction_or_count,
     load_basis_arg,
@@ -19,7 +19,6 @@ from . import (
     load_text_arg,
     load_tokenizer_and_config,
     resolve_windows,
-    score_format_help,
     text_windows,
     window_spec,
 )
@@ -43,11 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--k", type=fraction_or_count, default=0.25,
                         help="token budget of the top-k methods (exact_topk, loki, sparq, h2o): a fraction of the "
                         "tokens a row sees (0.25) or a count (64) (default: %(default)s)")
-    parser.add_argument("--d", "--dims", type=dims_or_auto, default="auto",
-                        help="principal dims of loki and pcaattn (SparQ: r): a fraction of D, a count or auto "
-                        "(default: auto, 0.5 with Loki's int8 score copy, else 0.25)")
-    parser.add_argument("--score-format", default="auto", choices=("auto", "native", "int8", "fp8", "int4"),
-                        help=score_format_help("Loki's"))
+    add_score_arguments(parser, "principal dims of loki and pcaattn (SparQ: r)")
     parser.add_argument("--basis", default=None, help="basis file (.safetensors) for loki and pcaattn; default: the "
                         "default recipe's basis of --basis-kind, calibrated once (32,768 tokens covering the "
                         "model's context: minutes on a CPU, announced on stderr) and cached")

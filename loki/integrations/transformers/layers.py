@@ -27,7 +27,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, St
 
 from loki.kernels.cache_write import check_write, write_int8_prefix, write_rotated, write_rotated_reference
 from loki.reference import rotate_keys
-from loki.reference.score_formats import encode_int8_score_keys
+from loki.reference.score_formats import encode_int8_score_keys, score_copy_bytes
 
 from .state import CacheOwner, LayerTransforms, LokiError
 
@@ -109,7 +109,7 @@ def _prefix_oom_hint(store: LayerStore, keys: torch.Tensor, *, dropped: bool = F
                 "layer keeps none, and its kernels read the keys' first dims in place (the same results, a slower "
                 "read). enable_loki(..., key_prefix=False) keeps none on every layer")
     rows, dp = keys[..., 0].numel(), store.prefix_dims
-    need = rows * (dp + 2) if store.int8 else rows * dp * keys.element_size()  # an int8 copy: codes and a scale
+    need = rows * score_copy_bytes("int8" if store.int8 else "native", dp, keys.element_size())
     how = ("the int8 score copy (the default) is read for the scores and cannot be left out; "
            "enable_loki(..., score_format='native') scores on the keys' own first d_f 0.25 dims, whose copy a "
            "static cache leaves out where it does not fit (a dense cache's memory), or pass a smaller batch_size / "
