@@ -16,10 +16,10 @@ The defaults (what ``"auto"`` becomes):
 - ``aggregate``: ``"softmax-max"`` for a shared Loki selection (each head's approximate scores softmax-normalised
   before the group's maximum: the most accurate shared selection the kernels run), ``"sum"`` for a shared selection
   of another method; per-query-head selection has no aggregate (``"sum"`` is recorded, never read).
-- ``score_format``: ``"int8"`` for method ``"loki"`` with a key prefix (the approximate scores read an int8 copy of
-  the keys' leading dims, one bf16 scale per token: twice the dims of a native copy for the same bytes, and more
-  accurate at those bytes); ``"native"`` for every other method and for ``key_prefix=False`` (the int8 copy is a
-  prefix).
+- ``score_format``: ``"int8"`` for method ``"loki"`` (the approximate scores read an int8 copy of the keys' leading
+  dims, one bf16 scale per token: twice the dims of a native copy for the same bytes, and more accurate at those
+  bytes; with ``key_prefix=False``, or where a static cache has no room for the copy, the kernels round the keys'
+  dims in place as they read them: the same scores); ``"native"`` for every other method.
 - ``d``: the dims whose score copy reads the bytes of a quarter of the head's dims in 16 bits: 0.25 for a native
   copy, 0.5 for an 8-bit one (int8, fp8), 1.0 for int4.
 - ``backend``: ``"auto"`` stays ``"auto"``: each forward's step plan runs the Triton kernels on CUDA tensors that need
@@ -168,15 +168,15 @@ class LokiSettings:
     method, gqa_select, aggregate, backend, semantics: see :class:`Method`, :class:`GQAMode`, :class:`Aggregate`,
     :class:`Backend`, :class:`Semantics` (strings are accepted).  h2o_recent_fraction: H2O's share of the budget
     given to the most recent tokens.  score_format: how Loki's approximate scores read the keys' ``d`` leading dims
-    (:class:`ScoreFormat`; "auto", the default, is "int8" for method "loki" with a key prefix and "native"
-    otherwise); "int8" runs on the kernels too (the caches keep an int8 copy of
-    the d dims with a bf16 scale per token); "fp8" and "int4" run on the PyTorch reference only (``backend="auto"``
-    resolves to "torch"; "triton" is refused), for evaluating them.  key_prefix: whether the caches keep the
-    keys' first d rotated dims a second time, contiguous, for the kernels' approximate scores (True, the default:
-    d/D more than K in memory, the scores read at the copy bandwidth); False keeps K and V alone, the memory of a
-    dense cache, and the kernels read those dims in place (a strided read, slower; the same results).  A static
-    cache with no room for a native prefix leaves it out of the layers where it does not fit (a warning; the same
-    results).  The int8 score copy is such a prefix and needs it.
+    (:class:`ScoreFormat`; "auto", the default, is "int8" for method "loki" and "native" otherwise); "int8" runs on
+    the kernels too (the caches keep an int8 copy of the d dims with a bf16 scale per token); "fp8" and "int4" run
+    on the PyTorch reference only (``backend="auto"`` resolves to "torch"; "triton" is refused), for evaluating
+    them.  key_prefix: whether the caches keep the keys' first d rotated dims a second time, contiguous (or their
+    int8 copy), for the kernels' approximate scores (True, the default: the copy's bytes more than K in memory, the
+    scores read at the copy bandwidth); False keeps K and V alone, the memory of a dense cache, and the kernels read
+    those dims in place (a strided read of 16-bit dims, rounded to the int8 copy as they are read for "int8":
+    slower, the same results).  A static cache with no room for the prefix leaves it out of the layers where it
+    does not fit (a warning; the same results).
 
     Values are checked when the object is made (an error names the argument); the "auto" values are decided by
     :meth:`resolve` / :meth:`resolve_shapes`.
@@ -203,7 +203,7 @@ class LokiSettings:
             raise TypeError(f"key_prefix must be True or False, got {self.key_prefix!r}")
         fmt = ScoreFormat.parse(self.score_format, "score_format")
         if fmt is ScoreFormat.AUTO:  # decided here, once: every later reader sees the concrete format and dims
-            fmt = ScoreFormat.INT8 if self.method is Method.LOKI and self.key_prefix else ScoreFormat.NATIVE
+            fmt = ScoreFormat.INT8 if self.method is Method.LOKI else ScoreFormat.NATIVE
         object.__setattr__(self, "score_format", fmt)
         if isinstance(self.d, str):
             if self.d != "auto":
@@ -215,8 +215,6 @@ class LokiSettings:
         if self.score_format.reference_only and self.backend is Backend.TRITON:
             raise ValueError(f"score_format={self.score_format.value!r} runs on the PyTorch reference only (the "
                              "Triton kernels read a native or int8 copy): use backend='torch' or 'auto'")
-        if not self.key_prefix and self.score_format is ScoreFormat.INT8:
-            raise ValueError("score_format='int8' keeps its int8 copy as the key prefix: it needs key_prefix=True")
         object.__setattr__(self, "k", check_budget(self.k, name="k"))
         object.__setattr__(self, "d", check_dims(self.d, name="d"))
         f = self.h2o_recent_fraction

@@ -81,6 +81,13 @@ def test_the_decode_step_reads_the_int8_copy_like_the_reference(triton_device, m
     assert (native.float() - want.float()).abs().max().item() > 1e-3  # the rounding changes selections here
     with pytest.raises(ValueError, match="pass the copy's codes as k_prefix"):
         launch_decode_step(k_prefix=None, prefix_scale=scale, **common)
+    # no copy: the scores kernel rounds the keys as it reads them (unfused), the copy's selection and output exactly
+    with recording() as rec:
+        _, in_place = launch_decode_step(k_prefix=None, score_format="int8", **common)
+    assert not any(fn in (_score_select_kernel, _score_select_softmax_kernel) for fn, *_ in rec.launches)
+    torch.testing.assert_close(in_place.float(), want.float(), rtol=1e-4, atol=1e-4)
+    if not fuse:
+        assert torch.equal(in_place, got)
 
 
 @pytest.mark.interpreter
@@ -104,6 +111,48 @@ def test_the_scores_kernel_reads_every_int8_code_exactly(triton_device, d):
     torch.testing.assert_close(heads, want.expand(B, HQ, S), rtol=0, atol=0)
     summed = approx_scores(q, k_hat, d, gqa_select="kv", aggregate="sum", k_prefix=codes, prefix_scale=scale)
     torch.testing.assert_close(summed, (2 * want).expand(B, HKV, S), rtol=0, atol=0)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("d", [32, 24], ids=["d-fills-the-tile", "d-masked"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@torch.no_grad()
+def test_the_scores_kernel_rounds_keys_in_place_as_the_copy_holds_them(triton_device, d, dtype):
+    """``quantize=True``: the kernel reads the 16-bit keys and rounds each token's first d dims to the int8 copy as
+    it reads them; every output (per query head on the tensor cores as int8 or fp16 products and in fp32, the
+    group's sum and max) equals the same launch on the stored copy (``encode_int8_score_keys``), including a zero
+    key, rounding ties and the invalid tokens of ragged rows: bit for bit on the interpreter and for the int8
+    products (the same codes and scales), to fp32 rounding on a GPU's other paths, whose sums follow the loaded
+    tile's layout (16-bit keys, not int8 codes). A copy passed with it is refused."""
+    from loki.kernels.approx_scores import launch_approx_scores
+
+    B, HQ, HKV, S, D = 2, 6, 2, 77, 64
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(B, HQ, D, generator=g)
+    k = (torch.randn(B, HKV, S, D, generator=g) * torch.logspace(-3, 3, S)[None, None, :, None]).to(dtype)
+    k[0, 0, 5] = 0
+    k[1, 1, 7, :d] = torch.tensor([0.5, -1.5] * (d // 2)) * 127 / 63.5  # codes x.5 before rounding: ties to even
+    q, k = q.to(triton_device), k.to(triton_device)
+    codes, scale = encode_int8_score_keys(k[..., :d])
+    lengths = torch.tensor([S, 60], dtype=torch.int32, device=triton_device)
+    starts = torch.tensor([0, 3], dtype=torch.int32, device=triton_device)
+    for heads in (True, False):
+        for agg in ("sum", "max"):
+            for dot in (False, "f16", "int8"):
+                outs = []
+                for kw in ({"prefix_scale": scale}, {"quantize": True}):
+                    o = torch.full((B, HQ if heads else HKV, S), 7.0, device=triton_device)
+                    launch_approx_scores(q, codes if "prefix_scale" in kw else k, d, lengths, starts,
+                                         o if heads else None, None if heads else o, agg, dot=dot, **kw)
+                    outs.append(o)
+                if triton_device.type == "cpu" or (heads and dot == "int8" and d >= 32):
+                    assert torch.equal(outs[0], outs[1]), (heads, agg, dot)  # integer products: exact
+                else:  # the same codes and scales; a GPU's fp32 sums follow the loaded tile's layout
+                    top = outs[0][outs[0].isfinite()].abs().max().item()
+                    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5 * top)
+    with pytest.raises(ValueError, match="quantize rounds 16-bit keys"):
+        launch_approx_scores(q, codes, d, lengths, starts, None, torch.empty(B, HKV, S, device=triton_device),
+                             "sum", prefix_scale=scale, quantize=True)
 
 
 @pytest.mark.interpreter
@@ -197,15 +246,18 @@ def _model_and_basis():
     return model, PCABasis.random(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, seed=1)
 
 
-def _decode(model, basis, *, fmt, backend, static, compiled=False, check_store=False, gqa_select="auto"):
+def _decode(model, basis, *, fmt, backend, static, compiled=False, check_store=False, gqa_select="auto",
+            key_prefix=True):
     """Logits of STEPS decode steps after a dense prefill of PROMPT tokens ([STEPS, V]); ``check_store``: the cache's
     int8 copy equals ``encode_int8_score_keys`` of its stored keys after every forward."""
     from loki._hf import cache_keyword
     from loki.integrations.transformers import disable_loki, enable_loki, loki_cache
 
     ids = torch.randint(0, model.config.vocab_size, (1, PROMPT + STEPS), generator=torch.Generator().manual_seed(2))
+    dev = next(model.parameters()).device
+    ids = ids.to(dev)
     enable_loki(model, basis, settings=LokiSettings(k=0.25, d=0.5, score_format=fmt, backend=backend,
-                                                    gqa_select=gqa_select))
+                                                    gqa_select=gqa_select, key_prefix=key_prefix))
     try:
         with torch.no_grad():
             cache = loki_cache(model, static=True, max_cache_len=PROMPT + STEPS + 2) if static else loki_cache(model)
@@ -214,7 +266,7 @@ def _decode(model, basis, *, fmt, backend, static, compiled=False, check_store=F
             step = torch.compile(model.forward, fullgraph=True, backend="aot_eager") if compiled else model
             rows = []
             for t in range(PROMPT, PROMPT + STEPS):
-                pos = torch.tensor([t])
+                pos = torch.tensor([t], device=dev)
                 rows.append(step(input_ids=ids[:, t : t + 1], cache_position=pos, position_ids=pos[None],
                                  **kw).logits[0, -1])
                 if check_store:
@@ -281,7 +333,7 @@ def test_a_compiled_static_step_passes_the_int8_copy_to_the_op(triton_device, mo
     real = lt_run.decode_step_op
 
     def spy(*args):
-        seen.append((args[3], args[-1]))
+        seen.append((args[3], args[12], args[13]))
         return real(*args)
 
     monkeypatch.setattr(lt_run, "decode_step_op", spy)
@@ -289,30 +341,62 @@ def test_a_compiled_static_step_passes_the_int8_copy_to_the_op(triton_device, mo
     model, basis = _model_and_basis()
     got = _decode(model, basis, fmt="int8", backend="triton", static=True, compiled=True)
     assert seen and all(p is not None and p.dtype == torch.int8 and sc is not None and sc.dtype == torch.bfloat16
-                        for p, sc in seen)
+                        and fmt == "int8" for p, sc, fmt in seen)
+    want = _decode(model, basis, fmt="int8", backend="triton", static=True)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.interpreter
+def test_a_compiled_static_step_without_the_copy_rounds_the_keys_in_place(triton_device, monkeypatch):
+    """``key_prefix=False`` with the int8 default, traced whole (``fullgraph=True``): ``loki::decode_step`` gets no
+    copy and the int8 format (on CUDA the scores kernel rounds the keys in place; on the CPU the reference rounds
+    them), and the logits equal the eager step's on a cache that keeps the copy."""
+    from loki.integrations.transformers import run as lt_run
+
+    seen = []
+    real = lt_run.decode_step_op
+
+    def spy(*args):
+        seen.append((args[3], args[12], args[13]))
+        return real(*args)
+
+    monkeypatch.setattr(lt_run, "decode_step_op", spy)
+    torch._dynamo.reset()
+    model, basis = _model_and_basis()
+    model = model.to(triton_device)
+    got = _decode(model, basis, fmt="int8", backend="triton", static=True, compiled=True, key_prefix=False)
+    assert seen and all(p is None and sc is None and fmt == "int8" for p, sc, fmt in seen)
     want = _decode(model, basis, fmt="int8", backend="triton", static=True)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.interpreter
 @torch.no_grad()
-def test_an_int8_step_without_its_copy_runs_the_reference(triton_device, monkeypatch):
-    """A cache whose int8 copy is missing (here: dropped) never has its keys read in place as native scores: the
-    step takes the reference route (the same logits as the reference with score_format="int8")."""
+def test_an_int8_step_without_its_copy_rounds_the_keys_in_place_on_the_kernels(triton_device, monkeypatch):
+    """A cache whose int8 copy is missing (here: dropped) never has its keys read as native scores: the kernels'
+    step gets no copy and rounds the keys as it reads them (the same logits as the reference with
+    score_format="int8")."""
     if triton_device.type != "cpu":
         pytest.skip("the interpreter's test")
     from loki.integrations.transformers.layers import LokiDynamicLayer
+    from loki.kernels.plan import DecodeRun
 
-    real = LokiDynamicLayer.update
+    real, real_step, seen = LokiDynamicLayer.update, DecodeRun.step, []
 
     def update_then_drop(self, *a, **k):
         out = real(self, *a, **k)
         self.loki.prefix_scale = None  # the copy is gone (as after an edit outside Loki)
         return out
 
+    def spy(self, **kwargs):
+        seen.append((kwargs["k_prefix"], kwargs["prefix_scale"]))
+        return real_step(self, **kwargs)
+
     want = _decode(*_model_and_basis(), fmt="int8", backend="torch", static=False)
     monkeypatch.setattr(LokiDynamicLayer, "update", update_then_drop)
+    monkeypatch.setattr(DecodeRun, "step", spy)
     got = _decode(*_model_and_basis(), fmt="int8", backend="triton", static=False)
+    assert seen and all(p is None and sc is None for p, sc in seen)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 

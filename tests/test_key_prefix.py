@@ -22,14 +22,15 @@ def test_settings_keep_no_prefix_when_asked_and_name_the_argument():
     assert LokiSettings(d=0.5, backend="triton").resolve_shapes(**kw).prefix_dims == 8
     s = LokiSettings(d=0.5, backend="triton", key_prefix=False).resolve_shapes(**kw)
     assert s.prefix_dims is None and not s.int8_prefix and s.use_kernels(cuda=True, needs_grad=False)
-    with pytest.raises(ValueError, match="needs key_prefix=True"):
-        LokiSettings(score_format="int8", key_prefix=False)
+    for fmt in ("int8", "auto"):  # the int8 copy computed in place: the default's scores in a dense cache's memory
+        s = LokiSettings(backend="triton", key_prefix=False, score_format=fmt).resolve_shapes(**kw)
+        assert s.score_format.value == "int8" and s.d == 8 and s.prefix_dims is None and not s.int8_prefix
     for bad in (0, "no", None):
         with pytest.raises(TypeError, match="key_prefix must be True or False"):
             LokiSettings(key_prefix=bad)
 
 
-def _decode(key_prefix: bool, backend: str, static: bool, spy=None):
+def _decode(key_prefix: bool, backend: str, static: bool, fmt: str = "native"):
     """Logits of STEPS decode steps after a dense prefill of PROMPT tokens ([STEPS, V]) and, per layer, what the
     cache held: (keys, values, prefix, prefix scale), read before ``disable_loki`` restores the layers."""
     from loki._hf import cache_keyword
@@ -41,7 +42,7 @@ def _decode(key_prefix: bool, backend: str, static: bool, spy=None):
     c = model.config
     basis = PCABasis.random(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, seed=1)
     ids = torch.randint(0, c.vocab_size, (1, PROMPT + STEPS), generator=torch.Generator().manual_seed(2))
-    enable_loki(model, basis, k=0.25, d=0.5, backend=backend, key_prefix=key_prefix, score_format="native")
+    enable_loki(model, basis, k=0.25, d=0.5, backend=backend, key_prefix=key_prefix, score_format=fmt)
     try:
         with torch.no_grad():
             cache = loki_cache(model, static=True, max_cache_len=PROMPT + STEPS + 2) if static else loki_cache(model)
@@ -55,10 +56,12 @@ def _decode(key_prefix: bool, backend: str, static: bool, spy=None):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("fmt", ["native", "int8"])
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
-def test_a_model_decodes_on_the_kernels_without_the_prefix_like_with_it(triton_device, static, monkeypatch):
-    """The kernels' step gets no prefix (``k_prefix=None``: the scores read k_hat's first d dims in place), the
-    caches hold no tensor beyond K and V, and the logits equal the default's and the reference's."""
+def test_a_model_decodes_on_the_kernels_without_the_prefix_like_with_it(triton_device, static, fmt, monkeypatch):
+    """The kernels' step gets no prefix (``k_prefix=None``: the scores read k_hat's first d dims in place, rounded
+    to the int8 copy as they are read for "int8"), the caches hold no tensor beyond K and V, and the logits equal
+    those with the prefix (or int8 copy) and the reference's."""
     if triton_device.type != "cpu":
         pytest.skip("the interpreter's test (a GPU run needs no change but the device)")
     from loki.kernels.plan import DecodeRun
@@ -71,16 +74,19 @@ def test_a_model_decodes_on_the_kernels_without_the_prefix_like_with_it(triton_d
         return real(self, **kwargs)
 
     monkeypatch.setattr(DecodeRun, "step", spy)
-    got, held = _decode(False, "triton", static)
+    got, held = _decode(False, "triton", static, fmt)
     assert len(seen) == STEPS * 2 and all(p is None for p in seen)
     assert all(prefix is None and scale is None for _, _, prefix, scale in held)
     seen.clear()
-    with_prefix, held = _decode(True, "triton", static)
+    with_prefix, held = _decode(True, "triton", static, fmt)
     assert len(seen) == STEPS * 2 and all(p is not None and p.shape[-1] == 8 for p in seen)
-    assert all(prefix is not None for _, _, prefix, _ in held)
+    assert all(prefix is not None and (scale is not None) == (fmt == "int8") for _, _, prefix, scale in held)
     torch.testing.assert_close(got, with_prefix, rtol=1e-5, atol=1e-5)
-    want, _ = _decode(False, "torch", static)
+    want, _ = _decode(False, "torch", static, fmt)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    if fmt == "int8":  # the rounding is what is computed in place: the native scores give other logits
+        other, _ = _decode(False, "triton", static, "native")
+        assert (other - got).abs().max() > 1e-3
 
 
 @pytest.mark.interpreter
@@ -118,8 +124,8 @@ def test_the_e2e_benchmark_passes_it_and_sizes_the_caches_without_it():
     add_arguments(parser)
     assert e2e_report.select(parser.parse_args(["--e2e", "--quick", "--no-key-prefix"]))["key_prefix"] is False
     assert e2e_report.select(parser.parse_args(["--e2e", "--quick"]))["key_prefix"] is True
-    with pytest.raises(e2e_report.UsageError, match="--no-key-prefix: the int8 score copy is the key prefix"):
-        e2e_report.select(parser.parse_args(["--e2e", "--quick", "--no-key-prefix", "--score-format", "int8"]))
+    sel = e2e_report.select(parser.parse_args(["--e2e", "--quick", "--no-key-prefix"]))
+    assert sel["key_prefix"] is False and sel["score_format"] == "int8"  # the default's scores, computed in place
 
 
 def _tiny(fmt="native"):
@@ -159,32 +165,14 @@ def _first_write_out_of_memory(model, cache) -> str:
 
 
 @pytest.mark.interpreter
-def test_a_static_cache_out_of_memory_on_an_int8_copy_says_how_to_fit(triton_device, monkeypatch):
-    """An int8 score copy that does not fit beside the keys and values: its scores are read from it, so it cannot
-    be left out; the out-of-memory error keeps torch's message and names the native copy (score_format='native',
-    whose prefix a static cache leaves out where it does not fit) and a smaller batch_size."""
-    if triton_device.type != "cpu":
-        pytest.skip("the interpreter's test")
-    from loki.integrations.transformers import disable_loki, loki_cache
-    from loki.integrations.transformers.layers import LayerStore
-
-    monkeypatch.setattr(LayerStore, "new_prefix", _no_memory_for({0, 1}))
-    model = _tiny("int8")
-    try:
-        msg = _first_write_out_of_memory(model, loki_cache(model, static=True, max_cache_len=32))
-    finally:
-        disable_loki(model)
-    assert msg.startswith("CUDA out of memory. Tried to allocate 4.00 GiB") and "batch_size" in msg
-    assert "score_format='native'" in msg
-
-
-@pytest.mark.interpreter
+@pytest.mark.parametrize("fmt", ["native", "int8"])
 @pytest.mark.parametrize("eager", [False, True], ids=["at-first-write", "batch_size"])
-def test_a_native_prefix_that_does_not_fit_is_left_out_with_a_warning_and_the_same_logits(triton_device, eager,
-                                                                                          monkeypatch):
-    """A static cache whose keys and values fit but whose second layer's key prefix does not: that layer keeps none
-    (its kernels read the keys' first dims in place), a warning names key_prefix=False, the first layer keeps its
-    prefix, and the logits equal those of a cache with every prefix."""
+def test_a_prefix_that_does_not_fit_is_left_out_with_a_warning_and_the_same_logits(triton_device, eager, fmt,
+                                                                                   monkeypatch):
+    """A static cache whose keys and values fit but whose second layer's key prefix (a native one, or the int8
+    score copy) does not: that layer keeps none (its kernels read the keys' first dims in place, rounded to the int8
+    copy as they read them), a warning names key_prefix=False, the first layer keeps its prefix, and the logits equal
+    those of a cache with every prefix."""
     if triton_device.type != "cpu":
         pytest.skip("the interpreter's test")
     from loki._hf import cache_keyword
@@ -195,7 +183,7 @@ def test_a_native_prefix_that_does_not_fit_is_left_out_with_a_warning_and_the_sa
 
     def run(fail: set):
         monkeypatch.setattr(LayerStore, "new_prefix", _no_memory_for(fail))
-        model = _tiny()
+        model = _tiny(fmt)
         ids_ = ids % model.config.vocab_size
         try:
             with torch.no_grad():
@@ -204,15 +192,17 @@ def test_a_native_prefix_that_does_not_fit_is_left_out_with_a_warning_and_the_sa
                 kw = {cache_keyword(model): cache, "use_cache": True}
                 model(input_ids=ids_[:, :PROMPT], **kw)
                 rows = [model(input_ids=ids_[:, t:t + 1], **kw).logits[0, -1] for t in range(PROMPT, PROMPT + STEPS)]
-                return torch.stack(rows), [la.loki.prefix for la in cache.layers]
+                return torch.stack(rows), [la.loki.prefix for la in cache.layers], [la.loki.prefix_scale
+                                                                                     for la in cache.layers]
         finally:
             disable_loki(model)
 
-    want, prefixes = run(set())
-    assert all(p is not None for p in prefixes)
-    with pytest.warns(RuntimeWarning, match="key prefix did not fit .* enable_loki\\(..., key_prefix=False\\)"):
-        got, prefixes = run({1})
-    assert prefixes[0] is not None and prefixes[1] is None
+    want, prefixes, scales = run(set())
+    assert all(p is not None for p in prefixes) and all((c is not None) == (fmt == "int8") for c in scales)
+    what = "int8 score copy" if fmt == "int8" else "key prefix"
+    with pytest.warns(RuntimeWarning, match=f"{what} .* did not fit .* enable_loki\\(..., key_prefix=False\\)"):
+        got, prefixes, scales = run({1})
+    assert prefixes[0] is not None and prefixes[1] is None and scales[1] is None
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -256,14 +246,14 @@ def test_an_eager_static_cache_allocates_every_layers_keys_and_values_before_any
 def test_the_prefix_hint_counts_one_layers_bytes():
     """Llama-3-8B dims at B=8 S=32768, d = 32: 128 MiB of bf16 prefix per layer; an int8 copy of 64 dims: codes
     and a 2-byte scale per row."""
-    from loki.integrations.transformers.layers import LayerStore, _prefix_oom_hint
+    from loki.integrations.transformers.layers import LayerStore, _prefix_dropped_warning
 
     keys = torch.empty(8, 8, 32768, 128, dtype=torch.bfloat16, device="meta")
     store = LayerStore.__new__(LayerStore)
     store.prefix_dims, store.int8 = 32, False
-    assert "(32 dims of every key a second time, 128.0 MiB for this layer)" in _prefix_oom_hint(store, keys)
+    assert "key prefix (32 dims of every key, 128.0 MiB for this layer)" in _prefix_dropped_warning(store, keys)
     store.prefix_dims, store.int8 = 64, True
-    assert "132.0 MiB for this layer" in _prefix_oom_hint(store, keys)
+    assert "int8 score copy (64 dims of every key, 132.0 MiB for this layer)" in _prefix_dropped_warning(store, keys)
 
 
 def test_the_e2e_report_says_when_the_caches_kept_no_prefix(tmp_path):

@@ -115,7 +115,7 @@ def test_settings_run_fp8_and_int4_on_the_reference_only():
         "score_format": "int8"}  # the default: Loki's int8 score copy
     native = LokiSettings(score_format="native").resolve_shapes(num_q_heads=4, num_kv_heads=2, head_dim=16)
     assert native.reference_args() == {"score_format": "native"}
-    assert LokiSettings(key_prefix=False).score_format is ScoreFormat.NATIVE  # the int8 copy is a prefix
+    assert LokiSettings(key_prefix=False).score_format is ScoreFormat.INT8  # the copy then computed in place
     assert LokiSettings(method="sparq").resolve_shapes(num_q_heads=4, num_kv_heads=2, head_dim=16).reference_args() \
         == {}
     with pytest.raises(ValueError, match="score_format must be one of"):
@@ -222,17 +222,18 @@ def test_the_score_format_benchmark_checks_before_it_times(triton_device, capsys
 
 def test_the_default_score_copy_is_int8_at_the_native_copys_bytes():
     """score_format and d "auto" are decided once, by the settings: the int8 copy of d_f 0.5 for Loki with a key
-    prefix (the bytes of the native copy at d_f 0.25), the native copy at 0.25 otherwise; explicit values stay."""
+    prefix or without (the bytes of the native copy at d_f 0.25; without a prefix the kernels round the keys in
+    place), the native copy at 0.25 for the other methods; explicit values stay."""
     s = LokiSettings()
     assert (s.score_format, s.d) == (ScoreFormat.INT8, 0.5)
     assert (LokiSettings(score_format="native").d, LokiSettings(score_format="int4", backend="torch").d) == (0.25, 1.0)
     assert (LokiSettings(score_format="fp8").d, LokiSettings(d=0.25).score_format, LokiSettings(d=0.25).d) == (
         0.5, ScoreFormat.INT8, 0.25)
-    for other in (dict(key_prefix=False), dict(method="sparq"), dict(method="exact_topk"), dict(method="pcaattn")):
+    for other in (dict(method="sparq"), dict(method="exact_topk"), dict(method="pcaattn")):
         s = LokiSettings(**other)
         assert (s.score_format, s.d) == (ScoreFormat.NATIVE, 0.25), other
-    with pytest.raises(ValueError, match="score_format='int8' keeps its int8 copy as the key prefix"):
-        LokiSettings(score_format="int8", key_prefix=False)
+    for no_prefix in (LokiSettings(key_prefix=False), LokiSettings(score_format="int8", key_prefix=False)):
+        assert (no_prefix.score_format, no_prefix.d) == (ScoreFormat.INT8, 0.5)  # the default's scores
     with pytest.raises(ValueError, match="d must be an int count, a float fraction of D or 'auto'"):
         LokiSettings(d="half")
     # the integration and the evaluation take the settings' defaults, not their own

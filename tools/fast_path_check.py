@@ -3,11 +3,12 @@
 On the embedded SmolLM2-135M-Instruct (fp32 on CUDA) with the default score-aware basis, the long profile's primary
 windows (WikiText-2 test, evaluation half, 2 x 8192 tokens) are decoded token by token through the compiled static
 cache and the Triton kernels (``loki.evaluation.fast_path``), in fp32 and bf16, in the model's default configuration
-at k_f = d_f = 0.25: on this GQA model one selection per KV group with each head's scores softmax-normalised before
-the group's maximum (``--aggregate``, default the model's default "softmax-max"; ``--aggregate sum``: raw sums, the
-configuration timed before), the configuration the end-to-end benchmark times and the accuracy suite gates, beside
-the evaluation engine's perplexity of the same setting; the gate of ``loki check`` (fp32 within
-``fast_path_rel_tol`` = 0.3% of the engine) decides the exit status.
+at k_f 0.25 with the library's default score copy (``--score-format int8``, d_f 0.5; ``--score-format native``: the
+keys' own first dims, d_f 0.25 by default; ``--d``): on this GQA model one selection per KV group with each head's
+scores softmax-normalised before the group's maximum (``--aggregate``, default the model's default "softmax-max";
+``--aggregate sum``: raw sums, the configuration timed before), the configuration the end-to-end benchmark times
+and the accuracy suite gates, beside the evaluation engine's perplexity of the same setting; the gate of ``loki
+check`` (fp32 within ``fast_path_rel_tol`` = 0.3% of the engine) decides the exit status.
 
     PYTHONPATH=$PWD python tools/fast_path_check.py --out fast-path.json        # GPU, a few minutes
     python tools/fast_path_check.py --tiny --out /tmp/fast-path.json            # CPU smoke run (uncompiled)
@@ -16,7 +17,7 @@ the evaluation engine's perplexity of the same setting; the gate of ``loki check
 ``loki.evaluation.retrieval_generate``): the long profile's retrieval samples (4 tasks at 1024-8192 tokens, 32 per
 task and length; ``--contexts``, ``--samples``) answered by the engine and by ``generate`` over the compiled Loki
 static cache, for the default basis' Loki in both GQA modes (the shared one with ``--aggregate``) at the suite's
-retrieval budget (k_f 0.125, d_f 0.25);
+retrieval budget (k_f 0.125, the score copy of ``--score-format`` / ``--d``);
 the gate: for each setting, the paired 95% interval of the accuracy difference over every task and length contains
 0 or the difference is within ``retrieval_generate_tol`` (2 points).
 
@@ -41,7 +42,7 @@ def _log(msg: str) -> None:
     print(f"[fast path] {msg}", file=sys.stderr, flush=True)
 
 
-def _tiny_section(windows_spec, aggregate: str = "auto"):
+def _tiny_section(windows_spec, aggregate: str = "auto", d: float = 0.5, score_format: str = "int8"):
     """The same comparison on a tiny random model on the CPU, uncompiled (the section itself needs CUDA), in the
     model's default GQA mode (one selection per KV group) with ``aggregate`` ("auto": the default)."""
     import torch
@@ -58,16 +59,18 @@ def _tiny_section(windows_spec, aggregate: str = "auto"):
     windows = torch.randint(1, 256, (N, T), generator=torch.Generator().manual_seed(0))
     mode = LokiSettings(aggregate=aggregate, backend="torch").resolve(model.config).kernel_args()
     g, agg = mode["gqa_select"], mode["aggregate"]
-    spec = MethodSpec(f"loki-score[{g}]", "loki", k=0.25, d=0.25, basis="b", gqa_select=g, aggregate=agg)
+    spec = MethodSpec(f"loki-score[{g}]", "loki", k=0.25, d=d, basis="b", gqa_select=g, aggregate=agg,
+                      score_format=score_format)
     engine = perplexity(model, windows, spec, {"b": basis})
     rows = []
     for dt in ("float32", "bfloat16"):
-        r = fast_path_perplexity(model, windows, basis, k=0.25, d=0.25, gqa_select=g, aggregate=agg, dtype=dt,
-                                 compile=False, backend="torch")
+        r = fast_path_perplexity(model, windows, basis, k=0.25, d=d, gqa_select=g, aggregate=agg, dtype=dt,
+                                 compile=False, backend="torch", score_format=score_format)
         rows.append({"dtype": r["dtype"], "ppl": r["ppl"], "rel_diff": r["ppl"] / engine.ppl - 1,
                      "seconds": r["seconds"], "compiled": False})
-    return {"setting": {"name": spec.name, "k": 0.25, "d": 0.25, "seq_len": T, "windows": N, "gqa_select": g,
-                        "aggregate": agg}, "engine": {"ppl": engine.ppl, "dtype": "float32"}, "rows": rows}
+    return {"setting": {"name": spec.name, "k": 0.25, "d": d, "score_format": score_format, "seq_len": T,
+                        "windows": N, "gqa_select": g, "aggregate": agg},
+            "engine": {"ppl": engine.ppl, "dtype": "float32"}, "rows": rows}
 
 
 def _retrieval(args, tol: float) -> tuple[dict, bool]:
@@ -98,8 +101,8 @@ def _retrieval(args, tol: float) -> tuple[dict, bool]:
         compile, backend = True, "auto"
     agg = {g: LokiSettings(gqa_select=g, aggregate=args.aggregate, backend="torch").resolve(model.config).kernel_args()[
         "aggregate"] for g in args.gqa_select}
-    specs = [MethodSpec(f"loki-score[{g}]", "loki", k=0.125, d=0.25, basis="score", gqa_select=g, aggregate=agg[g])
-             for g in args.gqa_select]
+    specs = [MethodSpec(f"loki-score[{g}]", "loki", k=0.125, d=args.d, basis="score", gqa_select=g, aggregate=agg[g],
+                        score_format=args.score_format) for g in args.gqa_select]
     _log(f"engine: {', '.join(s.name for s in specs)} on {kw['samples']} samples per task and length at "
          f"{', '.join(str(L) for L in kw['context_lens'])} tokens")
     t0 = time.perf_counter()
@@ -146,6 +149,10 @@ def _gqa_modes(text: str) -> tuple[str, ...]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="JSON file to write")
+    p.add_argument("--score-format", default="int8", choices=("native", "int8"),
+                   help="the score copy (default: int8, the library's default)")
+    p.add_argument("--d", type=float, default=None,
+                   help="score dims as a fraction of the head dim (default: the format's, 0.5 for int8)")
     p.add_argument("--windows", default="8192x2", help="TOKENSxCOUNT of WikiText-2 (default: %(default)s)")
     p.add_argument("--tiny", action="store_true", help="a tiny random model on the CPU, uncompiled: a smoke run")
     p.add_argument("--retrieval", action="store_true",
@@ -162,6 +169,9 @@ def main(argv=None) -> int:
                    help="--retrieval: the settings, query and/or kv, comma-separated (default: query,kv); the full "
                    "section takes about 11 minutes on an H100, one setting about 6")
     args = p.parse_args(argv)
+    if args.d is None:
+        from loki.reference.score_formats import ScoreFormat
+        args.d = ScoreFormat(args.score_format).default_d
     if args.samples < 1:
         p.error(f"--samples must be >= 1, got {args.samples}")
     try:
@@ -183,7 +193,7 @@ def main(argv=None) -> int:
         return 0 if ok else 1
     tol = float(load_thresholds().get("fast_path_rel_tol", 0.003))
     if args.tiny:
-        sec = _tiny_section((64, 2), args.aggregate)
+        sec = _tiny_section((64, 2), args.aggregate, args.d, args.score_format)
     else:
         from loki.evaluation.bases import DEFAULT_RECIPE, get_bases
         from loki.evaluation.data import load_corpus, token_windows
@@ -193,8 +203,8 @@ def main(argv=None) -> int:
         model, tok = load_default_model(device="cuda", dtype="float32", progress=_log)
         basis = get_bases(model, tok, ("score",), DEFAULT_RECIPE, progress=True, log=_log)["score"]
         windows = token_windows(tok, load_corpus("wikitext", part="eval"), T, N)
-        sec = fast_path_section(model, windows, basis, basis_name="score", k=0.25, d=0.25, gqa_select="auto",
-                                aggregate=args.aggregate, progress=True, log=_log)
+        sec = fast_path_section(model, windows, basis, basis_name="score", k=0.25, d=args.d, gqa_select="auto",
+                                aggregate=args.aggregate, progress=True, log=_log, score_format=args.score_format)
         if "skipped" in sec:
             _log(f"skipped: {sec['skipped']}")
             return 1
@@ -207,8 +217,8 @@ def main(argv=None) -> int:
     out.write_text(json.dumps(sec, indent=2, default=str))
     s = sec["setting"]
     agg = f" (aggregate {s['aggregate']})" if s["gqa_select"] == "kv" else ""
-    print(f"setting {s['name']}{agg} k=0.25 d=0.25, {N if not args.tiny else 2} windows; engine "
-          f"(fp32) perplexity {sec['engine']['ppl']:.4f}")
+    print(f"setting {s['name']}{agg} k=0.25 d={args.d} {args.score_format}, {N if not args.tiny else 2} windows; "
+          f"engine (fp32) perplexity {sec['engine']['ppl']:.4f}")
     for r in sec["rows"]:
         print(f"{r['dtype']:9s} fast path {r['ppl']:.4f}  vs engine {100 * r['rel_diff']:+.3f}%  {r['seconds']:.0f} s")
     print(f"gate (fp32 within {100 * tol:g}%): {'PASS' if ok else 'FAIL'}; {out} ({sec['seconds']:.0f} s)")

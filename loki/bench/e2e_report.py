@@ -82,12 +82,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    "before softmax-max became the default)")
     g.add_argument("--score-format", choices=("auto", "native", "int8"), default="auto",
                    help="Loki's score copy: auto (the default, enable_loki's: int8 codes of the first d dims and a "
-                   "bf16 scale per token, d_f 0.5 unless --budgets names it; native with --no-key-prefix), int8, "
+                   "bf16 scale per token, d_f 0.5 unless --budgets names it), int8, "
                    "or native (the first d dims in the cache's dtype, d_f 0.25 unless --budgets names it: the same "
                    "bytes)")
     g.add_argument("--no-key-prefix", dest="key_prefix", action="store_false",
                    help="Loki's caches keep no second copy of the keys' first d dims (enable_loki(key_prefix=False): "
-                   "a dense cache's memory, the approximate scores read those dims in place, slower)")
+                   "a dense cache's memory, the approximate scores read those dims in place, rounded to the int8 copy "
+                   "as they are read for int8: slower, the same results)")
     g.add_argument("--settings", nargs="+", default=None, metavar="ID",
                    help="setting ids to run, e.g. llama3-8b-B1-S131072-k2048 llama3-8b-B8-S32768 (instead of the "
                    "grid of --models/--batches/--seq-lens/--quick)")
@@ -138,9 +139,6 @@ def select(args) -> dict:
     try:  # the score format and its dims as enable_loki decides them, checked before anything is built
         loki = LokiSettings(d=d_f, score_format=args.score_format, key_prefix=args.key_prefix)
     except ValueError as exc:
-        if not args.key_prefix:
-            raise UsageError(f"--no-key-prefix: the int8 score copy is the key prefix ({exc}); use it with "
-                             "--score-format native or auto") from None
         raise UsageError(str(exc)) from None
     d_f, score_format = float(loki.d), loki.score_format.value
     if args.settings:

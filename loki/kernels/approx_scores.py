@@ -32,7 +32,7 @@ from loki.reference.selection import approx_scores as approx_scores_reference
 from .common import check_triton_device, interpreter_tile, interpreting, key_block
 from .group_softmax import SOFTMAX_AGGREGATES, launch_group_softmax
 from .launch import launch, new_output, pdl
-from .tl_helpers import int8_to_f16, score_keys
+from .tl_helpers import bf16_rne, int8_codes, int8_to_f16, int8_to_f32, score_keys
 
 __all__ = ["approx_scores", "approx_scores_reference", "make_key_prefix"]
 
@@ -67,7 +67,7 @@ def _approx_scores_kernel(
     G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
     WRITE_HEADS: tl.constexpr, WRITE_AGG: tl.constexpr, AGG_MAX: tl.constexpr, SCALED: tl.constexpr,
     DOT: tl.constexpr, MMA8: tl.constexpr, G_PAD: tl.constexpr, EVEN_D: tl.constexpr, TILES: tl.constexpr,
-    NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
+    NUM_STAGES: tl.constexpr, PDL: tl.constexpr, QUANT: tl.constexpr,
 ):
     """s[g, t] = sum_{j<d} q_hat[h*G+g, j] K_hat[h, t, j] for one (b, h) and TILES blocks of BLOCK_S tokens t (a
     loop that ``NUM_STAGES`` pipelines: the next tile's keys load while this one is scored). ``SCALED``: the keys
@@ -79,8 +79,10 @@ def _approx_scores_kernel(
     scaled by a power of two m to 32 <= max |m q| < 64, is written as four int8 pieces (``m q = p0 + p1/128 +
     p2/128**2 + p3/128**3`` up to 2**-22, i.e. 2**-27 of the largest), the [4 G_PAD, d] pieces times the [d,
     BLOCK_S] codes is one exact int32 product (keys along its columns, as the scores are stored), and the pieces'
-    rows are weighted and summed in fp32. ``EVEN_D``: d fills the tile (a row mask only, so the loads are
-    vectors)."""
+    rows are weighted and summed in fp32. ``QUANT`` (with ``SCALED``): the keys are the cache's own keys, and each
+    token's first d dims are rounded to the int8 copy here, as the cache write would have stored them (its bf16
+    scale, its codes: ``bf16_rne``, ``int8_codes``), so the scores equal those of the copy exactly, at the read of
+    the 16-bit dims. ``EVEN_D``: d fills the tile (a row mask only, so the loads are vectors)."""
     pid_bh = tl.program_id(0).to(tl.int64)
     pid_s = tl.program_id(1).to(tl.int64)
     b = pid_bh // HKV
@@ -137,13 +139,21 @@ def _approx_scores_kernel(
         else:
             kmask = valid[:, None] & dmask[None, :]
         k_ptrs = k_base + offs_s[:, None] * stride_ks + offs_d[None, :]
-        if SCALED:  # one scale per token: s = scale * (q . codes)
+        if QUANT:  # the int8 copy of the keys in place: each token's scale and codes (invalid rows: zeros)
+            kx = tl.load(k_ptrs, mask=kmask, other=0.0).to(tl.float32)  # [BLOCK_S, BLOCK_D]
+            row_scale = bf16_rne(tl.math.div_rn(tl.max(tl.abs(kx), axis=1), 127.0)).to(tl.float32)
+            div = tl.where(row_scale > 0, row_scale, 1.0)
+            codes8 = int8_codes(kx, tl.broadcast_to(div[:, None], (BLOCK_S, BLOCK_D)))
+        elif SCALED:  # one scale per token: s = scale * (q . codes)
             row_scale = tl.load(scale_ptr + b * stride_cb + h * stride_ch + offs_s, mask=valid, other=0.0).to(
                 tl.float32)
         else:
             row_scale = tl.full((BLOCK_S,), 1.0, tl.float32)
         if MMA8:
-            codes = tl.load(k_ptrs, mask=kmask, other=0)  # [BLOCK_S, BLOCK_D] int8
+            if QUANT:
+                codes = codes8
+            else:
+                codes = tl.load(k_ptrs, mask=kmask, other=0)  # [BLOCK_S, BLOCK_D] int8
             acc = tl.dot(q8, tl.trans(codes), out_dtype=tl.int32)  # [4 G_PAD, BLOCK_S], exact
             part = tl.reshape(acc.to(tl.float32) * wrow[:, None], (4, G_PAD, BLOCK_S))
             sg = tl.sum(part, axis=0) * inv_m[:, None] * row_scale[None, :]  # [G_PAD, BLOCK_S]
@@ -159,7 +169,10 @@ def _approx_scores_kernel(
                 agg = tl.where(valid, agg, float("-inf"))
                 tl.store(agg_ptr + b * stride_ab + h * stride_ah + offs_s, agg, mask=in_range)
         elif DOT:
-            codes = int8_to_f16(tl.load(k_ptrs, mask=kmask, other=0))  # [BLOCK_S, BLOCK_D]
+            if QUANT:
+                codes = int8_to_f16(codes8)
+            else:
+                codes = int8_to_f16(tl.load(k_ptrs, mask=kmask, other=0))  # [BLOCK_S, BLOCK_D]
             sg = tl.dot(codes, tl.trans(q_hi), out_dtype=tl.float32)
             sg = tl.dot(codes, tl.trans(q_lo), acc=sg, out_dtype=tl.float32)  # [BLOCK_S, G_PAD]
             sg = tl.where(valid[:, None], sg * qmax[None, :] * row_scale[:, None], float("-inf"))
@@ -174,7 +187,10 @@ def _approx_scores_kernel(
                 agg = tl.where(valid, agg, float("-inf"))
                 tl.store(agg_ptr + b * stride_ab + h * stride_ah + offs_s, agg, mask=in_range)
         else:
-            kt = score_keys(k_ptrs, kmask, SCALED)
+            if QUANT:
+                kt = int8_to_f32(codes8)
+            else:
+                kt = score_keys(k_ptrs, kmask, SCALED)
             if WRITE_AGG and not WRITE_HEADS and not AGG_MAX:
                 agg = tl.sum(kt * qs[None, :], axis=1)
                 if SCALED:
@@ -205,11 +221,11 @@ def _approx_scores_kernel(
 
 
 def launch_softmax_group_scores(q_hat, k_src, dd, lengths, starts, heads_out, agg_out, HKV, aggregate, scale,
-                                 block_s=None, prefix_scale=None):
+                                 block_s=None, prefix_scale=None, quantize=False):
     """A softmax ``aggregate`` of a "kv" selection, unfused: the per-query-head scores into ``heads_out`` [B, HQ, S],
     then the group's probability scores into ``agg_out`` [B, HKV, S] (``group_softmax.py``; two launches)."""
     launch_approx_scores(q_hat, k_src, dd, lengths, starts, heads_out, None, "sum", block_s,
-                         prefix_scale=prefix_scale)
+                         prefix_scale=prefix_scale, quantize=quantize)
     launch_group_softmax(heads_out, lengths, starts, agg_out, HKV, aggregate, scale)
 
 
@@ -236,13 +252,15 @@ def check_key_prefix(k_prefix: torch.Tensor, k_hat: torch.Tensor, dd: int,
 
 
 def launch_approx_scores(q_hat, k_hat, dd, lengths, starts, heads_out, agg_out, aggregate, block_s=None,
-                          num_warps=None, prefix_scale=None, dot=None, tiles=None, num_stages=None):
+                          num_warps=None, prefix_scale=None, dot=None, tiles=None, num_stages=None, quantize=False):
     """Launch the scores kernel; ``k_hat`` is the full [B, HKV, S, D] keys or a prefix buffer [.., dp] (int8 codes with
     ``prefix_scale`` [B, HKV, S] bf16 for an int8 score copy, whose per-head scores run on the tensor cores unless
     ``dot=False``: ``dot="int8"`` as int8 products of the codes and the query's int8 pieces when d >= 32, else and
     with ``dot=True`` or ``"f16"`` as fp16 products of the converted codes and the query's fp16 halves; default
-    :data:`INT8_PRODUCTS`). ``tiles`` blocks of ``block_s`` keys per program (default 1; 4 for fp16 products),
-    ``num_stages`` pipelining them."""
+    :data:`INT8_PRODUCTS`). ``quantize``: ``k_hat`` holds 16-bit keys (no ``prefix_scale``) whose first ``dd`` dims
+    the kernel rounds to the int8 copy per token as it reads them: the scores of an int8 setting on a cache that keeps
+    no copy, equal to those of the copy. ``tiles`` blocks of ``block_s`` keys per program (default 1; 4 for fp16
+    products), ``num_stages`` pipelining them."""
     if aggregate not in ("sum", "max"):  # the kernel sums unless told "max": never another aggregate silently
         raise ValueError(f"the approximate-scores kernel aggregates by 'sum' or 'max', got {aggregate!r}")
     B, HQ, _ = q_hat.shape
@@ -250,7 +268,10 @@ def launch_approx_scores(q_hat, k_hat, dd, lengths, starts, heads_out, agg_out, 
     G = HQ // HKV
     BLOCK_D = triton.next_power_of_2(dd)
     contiguous_rows = k_hat.stride(2) == dd  # a prefix buffer of exactly d dims: one contiguous stream
-    scaled = prefix_scale is not None
+    if quantize and (prefix_scale is not None or k_hat.dtype == torch.int8):
+        raise ValueError("quantize rounds 16-bit keys to the int8 copy in place: pass the keys, not a copy and its "
+                         "prefix_scale")
+    scaled = prefix_scale is not None or quantize
     if block_s is None:
         if interpreting():
             block_s = interpreter_tile(S, 2048)
@@ -267,7 +288,7 @@ def launch_approx_scores(q_hat, k_hat, dd, lengths, starts, heads_out, agg_out, 
         raise ValueError(f"dot must be None, True, False, 'int8' or 'f16', got {dot!r}")
     if dot is None or dot is True:
         dot = INT8_PRODUCTS if dot is None else "f16"
-    tensor_cores = prefix_scale is not None and heads_out is not None and block_s >= 16 and dot is not False
+    tensor_cores = scaled and heads_out is not None and block_s >= 16 and dot is not False
     use_mma8 = tensor_cores and BLOCK_D >= 32 and dot == "int8"
     use_dot = tensor_cores and BLOCK_D >= 16 and not use_mma8
     if tiles is None:  # an int8 copy's per-head scores as fp16 products: 4 tiles per program, 2 stages, the fastest
@@ -292,9 +313,9 @@ def launch_approx_scores(q_hat, k_hat, dd, lengths, starts, heads_out, agg_out, 
         ao.stride(0), ao.stride(1),
         sc.stride(0) if prefix_scale is not None else 0, sc.stride(1) if prefix_scale is not None else 0,
         G, block_s, BLOCK_D,
-        heads_out is not None, agg_out is not None, aggregate == "max", prefix_scale is not None, use_dot, use_mma8,
+        heads_out is not None, agg_out is not None, aggregate == "max", scaled, use_dot, use_mma8,
         G_PAD,
-        BLOCK_D == dd, tiles, num_stages, use_pdl,
+        BLOCK_D == dd, tiles, num_stages, use_pdl, quantize,
     ], dict(num_warps=num_warps, pdl=use_pdl))
 
 

@@ -20,6 +20,7 @@ from loki._triton import tl, triton
 
 from .common import interpreting
 from .launch import launch
+from .tl_helpers import bf16_rne, int8_codes
 
 __all__ = ["check_write", "write_int8_prefix", "write_rotated", "write_rotated_reference"]
 
@@ -31,23 +32,6 @@ def _rotated_block(k, p_ptr, h, offs_i, jb, D: tl.constexpr, BLOCK_J: tl.constex
     offs_j = jb * BLOCK_J + tl.arange(0, BLOCK_J)
     P = tl.load(p_ptr + h * D * D + offs_i[:, None] * D + offs_j[None, :])  # [D, BLOCK_J] fp32
     return tl.sum(k[:, None] * P, axis=0).to(OUT_DTYPE), offs_j
-
-
-@triton.jit
-def _bf16_rne(x):
-    """fp32 -> bf16 rounded to nearest even by integer ops, as torch rounds (the CPU interpreter's cast truncates)."""
-    bits = x.to(tl.uint32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
-
-
-@triton.jit
-def _int8_codes(y, div):
-    """``round(y / div)`` (IEEE division, ties to even, as ``torch.round``) clamped to [-127, 127], as int8."""
-    q = tl.math.div_rn(y, div)
-    r = tl.floor(q + 0.5)
-    r = tl.where((r - q == 0.5) & (r - 2.0 * tl.floor(r * 0.5) != 0.0), r - 1.0, r)  # a tie rounded up to odd
-    return tl.minimum(tl.maximum(r, -127.0), 127.0).to(tl.int8)
 
 
 @triton.jit
@@ -96,13 +80,13 @@ def _write_rotated_kernel(
             for jb in tl.static_range(DP_BLOCKS):
                 yj, oj = _rotated_block(k, p_ptr, h, offs_i, jb, D, BLOCK_J, out_dtype)
                 amax = tl.maximum(amax, tl.max(tl.where(oj < dp, tl.abs(yj.to(tl.float32)), 0.0), axis=0))
-            sc = _bf16_rne(tl.math.div_rn(amax, 127.0))
+            sc = bf16_rne(tl.math.div_rn(amax, 127.0))
             div = tl.where(sc.to(tl.float32) > 0, sc.to(tl.float32), 1.0)
             tl.store(scale_ptr + b * stride_sb + h * stride_sh + p, sc, mask=inside)
             for jb in tl.static_range(DP_BLOCKS):
                 yj, oj = _rotated_block(k, p_ptr, h, offs_i, jb, D, BLOCK_J, out_dtype)
                 tl.store(prefix_ptr + b * stride_xb + h * stride_xh + p * stride_xs + oj,
-                         _int8_codes(yj.to(tl.float32), div), mask=(oj < dp) & inside)
+                         int8_codes(yj.to(tl.float32), div), mask=(oj < dp) & inside)
 
 
 def write_int8_prefix(keys, prefix, prefix_scale, pos) -> None:

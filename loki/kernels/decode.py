@@ -192,6 +192,7 @@ def launch_decode_step(
     out: torch.Tensor | None = None,
     tuning: DecodeTuning = _DEFAULT_TUNING,
     prefix_scale: torch.Tensor | None = None,
+    score_format: str = "native",
 ):
     """The launches of one decode step on validated inputs, with no host sync: the one launch sequence that
     ``decode_attention``, :class:`~loki.kernels.plan.DecodeRun` (which records and replays it) and the
@@ -210,13 +211,20 @@ def launch_decode_step(
     [B, HKV, S] bf16, making ``k_prefix`` the "int8" score copy (int8 codes, ``encode_int8_score_keys``): the scores
     then take the unfused launches unless ``tuning.fuse_select`` is True (the fused kernels read the copy too,
     slower than the unfused launches on an H100) and the attention re-reads the keys' first d dims (the
-    approximate scores are rounded: never reused as exact ones).  Returns ``(idx [B, H, K], out [B, HQ, D])``,
-    both freshly allocated on every call (or ``out`` itself when given).
+    approximate scores are rounded: never reused as exact ones).  ``score_format="int8"`` without ``prefix_scale``
+    (a cache that keeps no copy): the scores kernel rounds the keys' first d dims to the copy as it reads them in
+    place (``launch_approx_scores(quantize=True)``; the same scores as the copy, unfused).  Returns
+    ``(idx [B, H, K], out [B, HQ, D])``, both freshly allocated on every call (or ``out`` itself when given).
     """
     t = tuning
-    int8 = prefix_scale is not None
-    if int8 and k_prefix is None:
+    if score_format not in ("native", "int8"):
+        raise ValueError(f"the kernels score a 'native' or 'int8' copy, got score_format={score_format!r}")
+    int8 = prefix_scale is not None or score_format == "int8"
+    in_place = int8 and prefix_scale is None  # the int8 copy computed from the keys as they are read
+    if prefix_scale is not None and k_prefix is None:
         raise ValueError("prefix_scale is the scale of an int8 score copy: pass the copy's codes as k_prefix")
+    if in_place:
+        k_prefix = None  # a 16-bit prefix would be read as the keys' own dims: the rounding reads the keys
     B, HQ, D = q_hat.shape
     _, HKV, S, _ = k_hat.shape
     if k_hat.stride(-1) != 1:
@@ -232,8 +240,8 @@ def launch_decode_step(
         fuse_select = method == "triton" and score_select_fusable(B * H, S, q_hat.device)
     fusable = method == "triton" and S <= TRITON_SELECT_MAX_S and (
         not softmax or HQ // HKV <= SOFTMAX_FUSED_DEFAULTS["max_group"])
-    if int8 and t.fuse_select is not True:  # an int8 copy takes the fused kernels only when asked (slower on an H100)
-        fusable = False
+    if int8 and (t.fuse_select is not True or in_place):  # an int8 copy takes the fused kernels only when asked
+        fusable = False  # (slower on an H100); computed in place, never (the fused kernels read a stored copy)
     # the scores' rows start at multiples of 16 elements: a cache that grows by one token per step then keeps
     # the same Triton specialisation of the row stride (no recompilation every time S crosses a multiple of 16)
     S16 = -(-S // 16) * 16
@@ -248,13 +256,15 @@ def launch_decode_step(
                                    aggregate=aggregate, scores=scores, prefix_scale=prefix_scale)
     else:
         if gqa_select == GQAMode.QUERY:
-            launch_approx_scores(q_hat, k_src, d, lengths, starts, scores, None, aggregate, prefix_scale=prefix_scale)
+            launch_approx_scores(q_hat, k_src, d, lengths, starts, scores, None, aggregate, prefix_scale=prefix_scale,
+                                 quantize=in_place)
         elif softmax:  # per-query-head scores (rows padded as ``scores``), then the group's softmax aggregate
             heads = new_output((B, HQ, S16), torch.float32, q_hat.device)[:, :, :S]
             launch_softmax_group_scores(q_hat, k_src, d, lengths, starts, heads, scores, HKV, aggregate,
-                                        resolve_scale(scale, D), prefix_scale=prefix_scale)
+                                        resolve_scale(scale, D), prefix_scale=prefix_scale, quantize=in_place)
         else:
-            launch_approx_scores(q_hat, k_src, d, lengths, starts, None, scores, aggregate, prefix_scale=prefix_scale)
+            launch_approx_scores(q_hat, k_src, d, lengths, starts, None, scores, aggregate, prefix_scale=prefix_scale,
+                                 quantize=in_place)
         idx = select_topk(scores, counts, k_max=width, method=method, uniform=uniform)
     extra = dict(t.attn_options or {})
     if t.reuse_scores and gqa_select == GQAMode.QUERY and d < D and not int8:  # int8 scores are rounded

@@ -43,18 +43,17 @@ def decode_step_op(
     kernels trust them); counts: [B] int, the tokens each sequence attends, ``1 <= counts[b] <= lengths[b] -
     starts[b]``; width: an int bound on every count (``loki.kernels.decode.selection_width``); prefix_scale:
     [B, HKV, S] bf16 or None, making k_prefix the "int8" score copy (int8 codes of its first dp dims);
-    score_format: the CPU reference's score copy ("native" or "int8": it rounds k_hat's first d dims as the copy
-    holds them; the kernels read the copy that ``prefix_scale`` names).  Returns out [B, HQ, D] in q_hat's dtype.
+    score_format: "native" or "int8" (the keys' first d dims rounded as the int8 copy holds them: the CPU reference
+    rounds k_hat's; the kernels read the copy that ``prefix_scale`` names, or without one round the keys as they read
+    them, the same scores).  Returns out [B, HQ, D] in q_hat's dtype.
     CUDA: the Triton kernels.
     """
     from .decode import launch_decode_step  # the kernels' modules import this one: imported at the first call
 
-    if score_format != "native" and prefix_scale is None:
-        raise ValueError(f"score_format={score_format!r} on the kernels needs its copy (k_prefix and prefix_scale)")
-
     _, out = launch_decode_step(q_hat=q_hat, k_hat=k_hat, v_cache=v_cache, k_prefix=k_prefix, lengths=lengths,
                                 starts=starts, counts=counts, d=d, width=width, gqa_select=gqa_select,
-                                aggregate=aggregate, scale=scale, prefix_scale=prefix_scale)
+                                aggregate=aggregate, scale=scale, prefix_scale=prefix_scale,
+                                score_format="int8" if prefix_scale is not None else score_format)
     return out if out.dtype == q_hat.dtype else out.to(q_hat.dtype)
 
 

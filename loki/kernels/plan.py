@@ -102,7 +102,8 @@ class DecodeRun:
         return launch_decode_step(
             q_hat=q_hat, k_hat=k_hat, v_cache=v_cache, k_prefix=k_prefix, lengths=lengths, starts=starts,
             counts=counts, d=self.settings.d, width=width, scale=self.scale, select_method="triton", out=out,
-            tuning=self.tuning, prefix_scale=prefix_scale, **self.settings.kernel_args())
+            tuning=self.tuning, prefix_scale=prefix_scale, score_format=self.settings.score_format.value,
+            **self.settings.kernel_args())
 
     def _call(self, inputs, width: int, with_budget: bool):
         """Launch, record or replay the step on ``inputs`` (q_hat, k_hat, v_cache, k_prefix, lengths, starts, counts,

@@ -1,7 +1,8 @@
 """The ``@triton.jit`` helpers the stage kernels share, in one module so that the kernels stand side by side and
 none imports another's private functions: the order-preserving key of an fp32 score (both Triton selects), the
 threshold select of one row and its compaction (the select and the fused score-select kernels), and the running
-log-sum-exp and the group's probability score (the softmax aggregates, fused or not).
+log-sum-exp and the group's probability score (the softmax aggregates, fused or not), and the int8 score copy's
+rounding (the cache write, and the scores kernel where a cache keeps no copy).
 
 Imports nothing of ``loki.kernels``.
 """
@@ -10,8 +11,8 @@ from __future__ import annotations
 
 from loki._triton import tl, triton
 
-__all__ = ["compact", "group_probability", "int8_to_f16", "int8_to_f32", "ordered_key", "running_lse",
-           "score_keys", "select_row"]
+__all__ = ["bf16_rne", "compact", "group_probability", "int8_codes", "int8_to_f16", "int8_to_f32", "ordered_key",
+           "running_lse", "score_keys", "select_row"]
 
 
 @triton.jit
@@ -39,6 +40,25 @@ def int8_to_f16(x):
 def int8_to_f32(x):
     """int8 codes -> fp32, exactly, as :func:`int8_to_f16`: bits 0x4B000000 + (x + 128) are 2**23 + (x + 128)."""
     return (x.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
+
+
+@triton.jit
+def bf16_rne(x):
+    """fp32 -> bf16 rounded to nearest even by integer ops, as torch rounds (the CPU interpreter's cast truncates)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
+
+
+@triton.jit
+def int8_codes(y, div):
+    """``round(y / div)`` (IEEE division, ties to even, as ``torch.round``) clamped to [-127, 127], as int8: the codes
+    of the "int8" score copy (``loki.reference.score_formats``), written by the cache write and computed in place by
+    the scores kernel where a cache keeps no copy."""
+    q = tl.math.div_rn(y, div)
+    r = tl.floor(q + 0.5)
+    r = tl.where((r - q == 0.5) & (r - 2.0 * tl.floor(r * 0.5) != 0.0), r - 1.0, r)  # a tie rounded up to odd
+    return tl.minimum(tl.maximum(r, -127.0), 127.0).to(tl.int8)
 
 
 @triton.jit

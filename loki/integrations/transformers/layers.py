@@ -101,22 +101,17 @@ class LayerStore:
         return keys[..., : self.prefix_dims].contiguous(), None
 
 
-def _prefix_oom_hint(store: LayerStore, keys: torch.Tensor, *, dropped: bool = False) -> str:
-    """What to tell a user whose static cache ran out of memory on the key prefix (the keys and values fitted);
-    ``dropped``: the warning when a native prefix is left out instead (``store.prefix_dims`` already None)."""
-    if dropped:
-        return (f"Loki's key prefix did not fit beside the static cache's keys and values on {keys.device}: this "
-                "layer keeps none, and its kernels read the keys' first dims in place (the same results, a slower "
-                "read). enable_loki(..., key_prefix=False) keeps none on every layer")
+def _prefix_dropped_warning(store: LayerStore, keys: torch.Tensor) -> str:
+    """The warning of a static cache layer that leaves its key prefix out because it did not fit beside the keys and
+    values (the keys and values fitted: a cache that fits dense's memory still runs)."""
     rows, dp = keys[..., 0].numel(), store.prefix_dims
+    what = "int8 score copy" if store.int8 else "key prefix"
     need = rows * score_copy_bytes("int8" if store.int8 else "native", dp, keys.element_size())
-    how = ("the int8 score copy (the default) is read for the scores and cannot be left out; "
-           "enable_loki(..., score_format='native') scores on the keys' own first d_f 0.25 dims, whose copy a "
-           "static cache leaves out where it does not fit (a dense cache's memory), or pass a smaller batch_size / "
-           "max_cache_len" if store.int8 else
-           "enable_loki(..., key_prefix=False) keeps a dense cache's memory (the same results)")
-    return (f"Loki's key prefix ({store.prefix_dims} dims of every key a second time, {need / 2**20:.1f} MiB for "
-            f"this layer) did not fit beside the static cache's keys and values: {how}")
+    how = ("rounds the keys' first dims to the int8 copy as they read them in place" if store.int8 else
+           "read the keys' first dims in place")
+    return (f"Loki's {what} ({dp} dims of every key, {need / 2**20:.1f} MiB for this layer) did not fit beside the "
+            f"static cache's keys and values on {keys.device}: this layer keeps none, and its scores kernel {how} "
+            "(the same results, a slower read). enable_loki(..., key_prefix=False) keeps none on every layer")
 
 
 def write_tokens(store: LayerStore, keys, values, prefix, k_new, v_new, pos, *, check: bool,
@@ -301,21 +296,21 @@ class LokiStaticLayer(StaticLayer):
                 "results), or enable_loki(..., key_prefix=False) keeps none") from None
 
     def allocate_prefix(self) -> None:
-        """The layer's key prefix beside its allocated keys (once; a native one that does not fit is left out, with a
-        warning), and its transforms on the keys' device as fixed addresses."""
+        """The layer's key prefix beside its allocated keys (once; one that does not fit is left out, with a
+        warning: the kernels then read the keys' dims in place, the same scores), and its transforms on the keys'
+        device as fixed addresses."""
         dev = self.keys.device
         self.loki.to(dev, static=True)
         if self.loki.keeps_prefix(dev) and self.loki.prefix is None:
             # zeros, or the keys written (their int8 copy and its scales for an int8 setting)
             try:
                 self.loki.prefix, self.loki.prefix_scale = self.loki.new_prefix(self.keys)
-            except torch.OutOfMemoryError as exc:
-                if self.loki.int8:  # its scores are read from the copy: leaving it out would change them
-                    raise torch.OutOfMemoryError(f"{exc}\n{_prefix_oom_hint(self.loki, self.keys)}") from None
-                # a native prefix is a copy of the keys' first dims: without it the kernels read them in place
-                # (the same scores and logits, a strided read), so a cache that fits dense's memory still runs
-                self.loki.prefix_dims = None
-                warnings.warn(_prefix_oom_hint(self.loki, self.keys, dropped=True), RuntimeWarning, stacklevel=2)
+            except torch.OutOfMemoryError:
+                # the prefix is a copy of the keys' first dims (or their int8 rounding): without it the kernels
+                # read them in place (the same scores and logits, a strided read; the int8 rounding done as they
+                # read), so a cache that fits dense's memory still runs
+                warnings.warn(_prefix_dropped_warning(self.loki, self.keys), RuntimeWarning, stacklevel=2)
+                self.loki.prefix_dims, self.loki.int8 = None, False
                 return
             if not torch.compiler.is_compiling():
                 for t in (self.loki.prefix, self.loki.prefix_scale):

@@ -46,11 +46,6 @@ def run_decode(state: LokiState, plan: StepPlan, ranges: LayerRanges, query: tor
     :class:`~.layers.LayerStore`, None without a Loki cache) and transforms.  Returns [B, 1, HQ, D] in query's
     dtype; rows that see no token give zeros."""
     kernels = plan.runner is Runner.KERNELS
-    if kernels and plan.settings.int8_prefix and not _int8_copy_in_step(store, key.shape[2]):
-        # an int8 setting whose cache holds no int8 copy in step with the keys (a cache edited outside Loki, or one
-        # that keeps no prefix): the kernels would read the keys in place as native scores, so this step runs the
-        # reference route instead, which rounds the stored keys itself (the same results as the copy would give)
-        kernels = False
     if kernels:
         if not keys_rotated:
             raise LokiError("Loki's kernels read keys stored in the basis: decode with a cache (use_cache=True)")
@@ -71,13 +66,20 @@ def _int8_copy_in_step(store, S: int) -> bool:
 def _kernels(state, plan, g: LayerRanges, q_hat, key, value, store, scale):
     s = plan.settings
     S = key.shape[2]
-    prefix = store.prefix
-    prefix_scale = store.prefix_scale if s.int8_prefix else None  # run_decode checked the copy is in step
-    if prefix is not None and prefix.shape[-2] != S:
-        prefix = None  # out of step with the keys (a cache edited outside Loki): the kernels read the keys in place
+    fmt = s.score_format.value
+    prefix, prefix_scale = (None, None) if store is None else (store.prefix, store.prefix_scale)
+    if fmt == "int8":
+        if not _int8_copy_in_step(store, S):
+            # no int8 copy of every key (a cache that keeps none, or one edited outside Loki): the scores kernel
+            # rounds the keys' first d dims as it reads them, the same scores as the copy would give
+            prefix, prefix_scale = None, None
+    else:
+        prefix_scale = None
+        if prefix is not None and (prefix.shape[-2] != S or prefix.dtype == torch.int8):
+            prefix = None  # out of step with the keys (a cache edited outside Loki): the kernels read them in place
     if torch.compiler.is_compiling() or (q_hat.is_cuda and torch.cuda.is_current_stream_capturing()):
         return decode_step_op(q_hat, key, value, prefix, g.dec_lengths, g.dec_starts, g.counts, s.d, g.width,
-                              s.gqa_select.value, s.aggregate.value, float(scale), prefix_scale)
+                              s.gqa_select.value, s.aggregate.value, float(scale), prefix_scale, fmt)
     run = state.decode_run
     if run is None or run.scale != float(scale):
         run = state.decode_run = DecodeRun(s, scale=scale)
