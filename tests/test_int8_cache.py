@@ -321,16 +321,12 @@ def test_a_model_decodes_on_the_int8_copy_like_the_reference(triton_device, stat
     assert not torch.allclose(got, native, atol=1e-4)
 
 
-@pytest.mark.interpreter
-def test_a_compiled_static_step_passes_the_int8_copy_to_the_op(triton_device, monkeypatch):
-    """Traced whole (``fullgraph=True``, aot_eager), the kernels' route calls ``loki::decode_step`` with the copy's
-    codes and scales (the CPU registration: the reference's int8 scores) and gives the eager kernels' logits."""
-    if triton_device.type != "cpu":
-        pytest.skip("the interpreter's test")
+def _spy_on_the_op(monkeypatch) -> list:
+    """Record (k_prefix, prefix_scale, score_format) of every ``loki::decode_step`` call the integration makes, with
+    dynamo reset so that the next compilation traces it."""
     from loki.integrations.transformers import run as lt_run
 
-    seen = []
-    real = lt_run.decode_step_op
+    seen, real = [], lt_run.decode_step_op
 
     def spy(*args):
         seen.append((args[3], args[12], args[13]))
@@ -338,6 +334,16 @@ def test_a_compiled_static_step_passes_the_int8_copy_to_the_op(triton_device, mo
 
     monkeypatch.setattr(lt_run, "decode_step_op", spy)
     torch._dynamo.reset()
+    return seen
+
+
+@pytest.mark.interpreter
+def test_a_compiled_static_step_passes_the_int8_copy_to_the_op(triton_device, monkeypatch):
+    """Traced whole (``fullgraph=True``, aot_eager), the kernels' route calls ``loki::decode_step`` with the copy's
+    codes and scales (the CPU registration: the reference's int8 scores) and gives the eager kernels' logits."""
+    if triton_device.type != "cpu":
+        pytest.skip("the interpreter's test")
+    seen = _spy_on_the_op(monkeypatch)
     model, basis = _model_and_basis()
     got = _decode(model, basis, fmt="int8", backend="triton", static=True, compiled=True)
     assert seen and all(p is not None and p.dtype == torch.int8 and sc is not None and sc.dtype == torch.bfloat16
@@ -351,17 +357,7 @@ def test_a_compiled_static_step_without_the_copy_rounds_the_keys_in_place(triton
     """``key_prefix=False`` with the int8 default, traced whole (``fullgraph=True``): ``loki::decode_step`` gets no
     copy and the int8 format (on CUDA the scores kernel rounds the keys in place; on the CPU the reference rounds
     them), and the logits equal the eager step's on a cache that keeps the copy."""
-    from loki.integrations.transformers import run as lt_run
-
-    seen = []
-    real = lt_run.decode_step_op
-
-    def spy(*args):
-        seen.append((args[3], args[12], args[13]))
-        return real(*args)
-
-    monkeypatch.setattr(lt_run, "decode_step_op", spy)
-    torch._dynamo.reset()
+    seen = _spy_on_the_op(monkeypatch)
     model, basis = _model_and_basis()
     model = model.to(triton_device)
     got = _decode(model, basis, fmt="int8", backend="triton", static=True, compiled=True, key_prefix=False)

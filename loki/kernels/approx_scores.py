@@ -81,8 +81,9 @@ def _approx_scores_kernel(
     BLOCK_S] codes is one exact int32 product (keys along its columns, as the scores are stored), and the pieces'
     rows are weighted and summed in fp32. ``QUANT`` (with ``SCALED``): the keys are the cache's own keys, and each
     token's first d dims are rounded to the int8 copy here, as the cache write would have stored them (its bf16
-    scale, its codes: ``bf16_rne``, ``int8_codes``), so the scores equal those of the copy exactly, at the read of
-    the 16-bit dims. ``EVEN_D``: d fills the tile (a row mask only, so the loads are vectors)."""
+    scale, its codes: ``bf16_rne``, ``int8_codes``), so the scores are the copy's (bit for bit with ``MMA8``; the
+    fp32 sums of the other paths follow the tile's layout, which the 16-bit load sets), at the read of the 16-bit
+    dims. ``EVEN_D``: d fills the tile (a row mask only, so the loads are vectors)."""
     pid_bh = tl.program_id(0).to(tl.int64)
     pid_s = tl.program_id(1).to(tl.int64)
     b = pid_bh // HKV
@@ -259,8 +260,8 @@ def launch_approx_scores(q_hat, k_hat, dd, lengths, starts, heads_out, agg_out, 
     with ``dot=True`` or ``"f16"`` as fp16 products of the converted codes and the query's fp16 halves; default
     :data:`INT8_PRODUCTS`). ``quantize``: ``k_hat`` holds 16-bit keys (no ``prefix_scale``) whose first ``dd`` dims
     the kernel rounds to the int8 copy per token as it reads them: the scores of an int8 setting on a cache that keeps
-    no copy, equal to those of the copy. ``tiles`` blocks of ``block_s`` keys per program (default 1; 4 for fp16
-    products), ``num_stages`` pipelining them."""
+    no copy, from the copy's codes and scales (the same scores up to the order of fp32 sums). ``tiles`` blocks of
+    ``block_s`` keys per program (default 1; 4 for fp16 products), ``num_stages`` pipelining them."""
     if aggregate not in ("sum", "max"):  # the kernel sums unless told "max": never another aggregate silently
         raise ValueError(f"the approximate-scores kernel aggregates by 'sum' or 'max', got {aggregate!r}")
     B, HQ, _ = q_hat.shape

@@ -213,7 +213,7 @@ def launch_decode_step(
     slower than the unfused launches on an H100) and the attention re-reads the keys' first d dims (the
     approximate scores are rounded: never reused as exact ones).  ``score_format="int8"`` without ``prefix_scale``
     (a cache that keeps no copy): the scores kernel rounds the keys' first d dims to the copy as it reads them in
-    place (``launch_approx_scores(quantize=True)``; the same scores as the copy, unfused).  Returns
+    place (``launch_approx_scores(quantize=True)``: the copy's codes and scales, unfused).  Returns
     ``(idx [B, H, K], out [B, HQ, D])``, both freshly allocated on every call (or ``out`` itself when given).
     """
     t = tuning
