@@ -19,7 +19,7 @@ The defaults (what ``"auto"`` becomes):
 - ``score_format``: ``"int8"`` for method ``"loki"`` (the approximate scores read an int8 copy of the keys' leading
   dims, one bf16 scale per token: twice the dims of a native copy for the same bytes, and more accurate at those
   bytes; with ``key_prefix=False``, or where a static cache has no room for the copy, the kernels round the keys'
-  dims in place as they read them: the same scores); ``"native"`` for every other method.
+  dims in place as they read them, the copy's codes and scales); ``"native"`` for every other method.
 - ``d``: the dims whose score copy reads the bytes of a quarter of the head's dims in 16 bits: 0.25 for a native
   copy, 0.5 for an 8-bit one (int8, fp8), 1.0 for int4.
 - ``backend``: ``"auto"`` stays ``"auto"``: each forward's step plan runs the Triton kernels on CUDA tensors that need

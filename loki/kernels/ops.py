@@ -52,8 +52,7 @@ def decode_step_op(
 
     _, out = launch_decode_step(q_hat=q_hat, k_hat=k_hat, v_cache=v_cache, k_prefix=k_prefix, lengths=lengths,
                                 starts=starts, counts=counts, d=d, width=width, gqa_select=gqa_select,
-                                aggregate=aggregate, scale=scale, prefix_scale=prefix_scale,
-                                score_format="int8" if prefix_scale is not None else score_format)
+                                aggregate=aggregate, scale=scale, prefix_scale=prefix_scale, score_format=score_format)
     return out if out.dtype == q_hat.dtype else out.to(q_hat.dtype)
 
 

@@ -148,12 +148,13 @@ def enable_loki(
             is wanted, the PyTorch reference otherwise.  ``semantics``: "generate" (dense prefill, sparse decode
             steps) or "decode" (every query row attends like a decode step; for perplexity and loglikelihoods).
             ``score_format``: how the approximate scores read the keys' ``d`` leading dims ("auto", the default:
-            "int8" for method "loki" with a key prefix, an int8 copy with a bf16 scale per token, which the caches
-            write and the kernels read; "native": the keys' own elements).  ``d`` "auto": 0.5 with the int8 copy,
-            0.25 with a native one (the same bytes).  ``key_prefix``
+            "int8" for method "loki", an int8 copy with a bf16 scale per token, which the caches write and the
+            kernels read; "native": the keys' own elements).  ``d`` "auto": 0.5 with the int8 copy, 0.25 with a
+            native one (the same bytes).  ``key_prefix``
             False: the caches keep no second copy of the keys' d leading dims (a dense cache's memory; the kernels
-            read those dims in place, slower scores, the same results); True (the default) keeps it, except on the
-            layers of a static cache where a native copy does not fit (left out there, with a warning).
+            read those dims in place, rounded to the int8 copy as they read them for "int8": slower scores, the
+            same results); True (the default) keeps it, except on the layers of a static cache where the copy does
+            not fit (left out there, with a warning).
 
     The resolved settings are ``loki.integrations.transformers.state_of(model).settings``.  Returns ``model``
     (modified in place).  Calling it again replaces the previous settings.
